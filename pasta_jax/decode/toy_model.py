@@ -1,0 +1,56 @@
+"""A tiny deterministic stand-in for Gemma with the same call signature, for interpreter tests.
+
+next-token logits = table[token] + mean of embed[visible keys' tokens], plus a bias that makes
+tag tokens likely, so sampled runs produce real tag programs (promises, syncs, EOS). Its
+logits depend on the attention mask, so a wrong mask changes what it samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pasta_jax.model.gemma import KVPool, write_slots
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+  vocab_size: int = 128
+  width: int = 8  # K/V row width: one "head" of this size
+  num_layers: int = 1
+  num_kv_heads: int = 1
+  head_dim: int = 8
+
+
+def toy_params(cfg: ToyConfig, tag_bias: dict[int, float], seed: int = 0) -> dict:
+  rng = np.random.default_rng(seed)
+  bias = np.zeros((cfg.vocab_size,), np.float32)
+  for token, value in tag_bias.items():
+    bias[token] = value
+  return {
+      "table": jnp.asarray(rng.normal(size=(cfg.vocab_size, cfg.vocab_size)).astype(np.float32)),
+      "embed": jnp.asarray(rng.normal(size=(cfg.vocab_size, cfg.head_dim)).astype(np.float32)),
+      "readout": jnp.asarray(rng.normal(size=(cfg.head_dim, cfg.vocab_size)).astype(np.float32)),
+      "bias": jnp.asarray(bias),
+  }
+
+
+def toy_apply(params, tokens, positions, mask, pool: KVPool | None = None, slots=None,
+              kv_positions=None):
+  """Same contract as `Gemma.apply(params, ...)`: returns (logits [B, Q, V], pool)."""
+  del kv_positions
+  rows = params["embed"][tokens]  # [B, Q, hd]
+  rows = rows + 0.01 * positions[..., None].astype(jnp.float32)
+  if pool is None:
+    keys = rows
+  else:
+    new_k = write_slots(pool.k, 0, rows[:, :, None, :], slots)
+    pool = KVPool(new_k, new_k)
+    keys = new_k[0, :, :, 0, :]  # [B, S, hd]
+  weights = mask.astype(jnp.float32)
+  context = jnp.einsum("bqs,bsd->bqd", weights, keys) / jnp.maximum(weights.sum(-1, keepdims=True), 1.0)
+  logits = params["table"][tokens] + context @ params["readout"] + params["bias"]
+  return logits, pool

@@ -1,0 +1,228 @@
+"""Gemma 1/2/3 text decoder in Flax.
+
+One code path serves every use: training (full sequences with the PASTA mask), prefill, single
+decode steps over an interleaved KV pool, APAR and token trees. The caller always gives explicit
+positions and a boolean mask; the model never assumes causality or contiguity.
+
+Parameter tree (the loaders in `weights.py` write exactly this):
+  embedder                          [V, D]   (tied: also the output projection)
+  layer_{i}/pre_attn_norm/scale     [D]
+  layer_{i}/attn/{q}                [D, H, hd]
+  layer_{i}/attn/{k,v}              [D, K, hd]
+  layer_{i}/attn/o                  [H, hd, D]
+  layer_{i}/attn/{q_norm,k_norm}/scale [hd]        (Gemma 3)
+  layer_{i}/post_attn_norm/scale    [D]            (Gemma 2, 3)
+  layer_{i}/pre_ffw_norm/scale      [D]
+  layer_{i}/mlp/{gate,up}           [D, F]
+  layer_{i}/mlp/down                [F, D]
+  layer_{i}/post_ffw_norm/scale     [D]            (Gemma 2, 3)
+  final_norm/scale                  [D]
+Norm scales are stored as in Hugging Face checkpoints: the model multiplies by (1 + scale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from pasta_jax.model.config import GemmaConfig
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVPool:
+  """K/V for every layer over S pool slots: [layers, B, S, kv_heads, head_dim]."""
+
+  k: Array
+  v: Array
+
+  @classmethod
+  def zeros(cls, config: GemmaConfig, batch: int, slots: int, dtype=jnp.float32) -> "KVPool":
+    shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+  @property
+  def num_slots(self) -> int:
+    return self.k.shape[2]
+
+  def nbytes(self) -> int:
+    return self.k.nbytes + self.v.nbytes
+
+
+class RMSNorm(nn.Module):
+  eps: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    scale = self.param("scale", nn.initializers.zeros_init(), (x.shape[-1],))
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (normed * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+
+
+def apply_rope(x: Array, positions: Array, base: float, scale: float) -> Array:
+  """Rotary embedding, half-split convention (as HF Gemma). x: [B, Q, N, hd], positions: [B, Q]."""
+  half = x.shape[-1] // 2
+  inv_freq = 1.0 / (base ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / x.shape[-1]))
+  angles = (positions.astype(jnp.float32) / scale)[..., None] * inv_freq  # [B, Q, half]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def softcap(x: Array, cap: float | None) -> Array:
+  return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def write_slots(pool: Array, layer: int, new: Array, slots: Array) -> Array:
+  """Scatter new rows [B, Q, K, hd] into pool [layers, B, S, K, hd] at (layer, slots [B, Q]).
+
+  Writes into the stacked pool (not a per-layer copy) so XLA updates it in place inside the
+  decode loop. A slot index >= S (how callers mark inactive rows) is dropped: padding never
+  clobbers a live slot.
+  """
+  batch_idx = jnp.arange(new.shape[0])[:, None]
+  return pool.at[layer, batch_idx, slots].set(new.astype(pool.dtype), mode="drop")
+
+
+def attend(q: Array, k: Array, v: Array, mask: Array, scale: float, cap: float | None) -> Array:
+  """Masked grouped-query attention.
+
+  q: [B, Q, H, hd]; k, v: [B, S, K, hd]; mask: [B, Q, S] bool. Returns [B, Q, H, hd].
+  A query row with no visible key (an inactive lane) returns zeros, never NaN.
+  """
+  b, nq, h, hd = q.shape
+  kv_heads = k.shape[2]
+  q = q.reshape(b, nq, kv_heads, h // kv_heads, hd)
+  scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
+  scores = softcap(scores, cap)
+  visible = mask[:, None, None, :, :]
+  scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1)
+  probs = jnp.where(visible, probs, 0.0).astype(v.dtype)
+  out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+  return out.reshape(b, nq, h, hd)
+
+
+class Attention(nn.Module):
+  config: GemmaConfig
+  kind: str  # "global" | "local"
+  layer: int
+
+  @nn.compact
+  def __call__(self, x, positions, mask, kv_positions, pool_k, pool_v, slots):
+    cfg = self.config
+    init = nn.initializers.normal(0.02)
+    dtype = x.dtype
+    wq = self.param("q", init, (cfg.embed_dim, cfg.num_heads, cfg.head_dim)).astype(dtype)
+    wk = self.param("k", init, (cfg.embed_dim, cfg.num_kv_heads, cfg.head_dim)).astype(dtype)
+    wv = self.param("v", init, (cfg.embed_dim, cfg.num_kv_heads, cfg.head_dim)).astype(dtype)
+    wo = self.param("o", init, (cfg.num_heads, cfg.head_dim, cfg.embed_dim)).astype(dtype)
+    q = jnp.einsum("bqd,dhk->bqhk", x, wq)
+    k = jnp.einsum("bqd,dhk->bqhk", x, wk)
+    v = jnp.einsum("bqd,dhk->bqhk", x, wv)
+    if cfg.use_qk_norm:
+      q = RMSNorm(cfg.rms_norm_eps, name="q_norm")(q)
+      k = RMSNorm(cfg.rms_norm_eps, name="k_norm")(k)
+    is_local = self.kind == "local"
+    base = cfg.rope_base_local if is_local else cfg.rope_base_global
+    scale = 1.0 if is_local else cfg.rope_scale_global
+    q = apply_rope(q, positions, base, scale)
+    k = apply_rope(k, positions, base, scale)
+    if pool_k is None:  # full sequence: the new rows are the whole key set
+      keys, values = k, v
+    else:
+      pool_k = write_slots(pool_k, self.layer, k, slots)
+      pool_v = write_slots(pool_v, self.layer, v, slots)
+      keys, values = pool_k[self.layer], pool_v[self.layer]
+    if is_local:
+      distance = positions[:, :, None] - kv_positions[:, None, :]
+      mask = mask & (distance < cfg.sliding_window)
+    out = attend(q, keys, values, mask, cfg.query_pre_attn_scalar**-0.5, cfg.attn_logit_softcap)
+    return jnp.einsum("bqhk,hkd->bqd", out, wo), pool_k, pool_v
+
+
+class MLP(nn.Module):
+  config: GemmaConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    init = nn.initializers.normal(0.02)
+    gate = self.param("gate", init, (cfg.embed_dim, cfg.hidden_dim)).astype(x.dtype)
+    up = self.param("up", init, (cfg.embed_dim, cfg.hidden_dim)).astype(x.dtype)
+    down = self.param("down", init, (cfg.hidden_dim, cfg.embed_dim)).astype(x.dtype)
+    hidden = jax.nn.gelu(x @ gate, approximate=True) * (x @ up)
+    return hidden @ down
+
+
+class Block(nn.Module):
+  config: GemmaConfig
+  kind: str
+  layer: int
+
+  @nn.compact
+  def __call__(self, x, positions, mask, kv_positions, pool_k, pool_v, slots):
+    cfg = self.config
+    eps = cfg.rms_norm_eps
+    h = RMSNorm(eps, name="pre_attn_norm")(x)
+    h, pool_k, pool_v = Attention(cfg, self.kind, self.layer, name="attn")(
+        h, positions, mask, kv_positions, pool_k, pool_v, slots)
+    if cfg.use_post_attn_norm:
+      h = RMSNorm(eps, name="post_attn_norm")(h)
+    x = x + h
+    h = MLP(cfg, name="mlp")(RMSNorm(eps, name="pre_ffw_norm")(x))
+    if cfg.use_post_ffw_norm:
+      h = RMSNorm(eps, name="post_ffw_norm")(h)
+    return x + h, pool_k, pool_v
+
+
+class Gemma(nn.Module):
+  """Decoder over explicit positions and masks.
+
+  tokens, positions: [B, Q]; mask: [B, Q, S] bool (S = Q without a pool, else pool slots);
+  pool: KVPool or None; slots: [B, Q] pool slots the new K/V go to (>= S drops the row);
+  kv_positions: [B, S] positions of pool slots (for sliding-window layers).
+  Returns (logits [B, Q, V] float32, updated pool or None).
+  """
+
+  config: GemmaConfig
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None,
+               kv_positions=None, return_hidden: bool = False):
+    cfg = self.config
+    embedding = self.param("embedder", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.embed_dim))
+    x = jnp.take(embedding, tokens, axis=0).astype(self.dtype)
+    x = x * jnp.asarray(cfg.embed_dim**0.5, self.dtype)
+    if kv_positions is None:
+      kv_positions = positions
+    pk = None if pool is None else pool.k
+    pv = None if pool is None else pool.v
+    for i, kind in enumerate(cfg.layer_kinds):
+      x, pk, pv = Block(cfg, kind, i, name=f"layer_{i}")(x, positions, mask, kv_positions, pk, pv, slots)
+    x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
+    logits = jnp.einsum("bqd,vd->bqv", x, embedding.astype(self.dtype), preferred_element_type=jnp.float32)
+    logits = softcap(logits, cfg.final_logit_softcap)
+    new_pool = None if pool is None else KVPool(pk, pv)
+    if return_hidden:
+      return logits, new_pool, x
+    return logits, new_pool
+
+
+def causal_mask(batch: int, length: int, lengths: Array | None = None) -> Array:
+  """[B, L, L] causal mask; with lengths [B], keys past each row's length are hidden."""
+  idx = jnp.arange(length)
+  mask = idx[None, :, None] >= idx[None, None, :]
+  mask = jnp.broadcast_to(mask, (batch, length, length))
+  if lengths is not None:
+    mask = mask & (idx[None, None, :] < lengths[:, None, None])
+  return mask
