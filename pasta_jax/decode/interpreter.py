@@ -1,0 +1,255 @@
+"""The jitted PASTA interpreter: one `lax.while_loop` over B requests x T lanes and one
+interleaved KV pool (docs/interpreter.md is the contract; `reference.py` is its oracle).
+
+Each step: decide who feeds (threads.plan_feeds), spawn and release syncs in the thread table,
+give the feeding lanes consecutive pool slots, run the model once on only the feeding lanes
+(a `lax.switch` over lane-count buckets 1, 2, 4, ...), sample under tag constraints (or read the
+forced script), then apply the thread transitions. The host sees only the final state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pasta_jax.decode import threads
+from pasta_jax.decode.constraints import AllowedTokens, constrain
+from pasta_jax.decode.plain import ModelFn, bucket
+from pasta_jax.decode.sampling import lane_key, sample_rows
+from pasta_jax.decode.state import FREE, RUNNING, InterpreterConfig, InterpState
+from pasta_jax.errors import PastaError
+from pasta_jax.model.gemma import KVPool
+from pasta_jax.visibility import HIDDEN, UNBOUNDED, visible
+
+
+def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Array, script, script_len,
+               cfg: InterpreterConfig, vocab_size: int, main_script_ptr: int) -> InterpState:
+  """State after prefill: prompt in slots 0..P-1 (padding invalid), main pending its first token."""
+  batch = lengths.shape[0]
+  b_t = (batch, cfg.lanes)
+  slot_idx = jnp.arange(cfg.pool_slots)
+  horizon = jnp.full((batch, cfg.lanes, cfg.max_threads), HIDDEN, jnp.int32).at[:, 0, 0].set(UNBOUNDED)
+  lane0 = jnp.arange(cfg.lanes)[None, :] == 0
+  num_rec = cfg.max_records
+  records = jnp.zeros((batch, num_rec, 5), jnp.int32)
+  records = records.at[:, 0].set(jnp.stack([jnp.zeros_like(first), jnp.zeros_like(first), jnp.zeros_like(first),
+                                            first, lengths], axis=1))
+  rec_logits = jnp.zeros((batch, num_rec if cfg.record_logits else 1, vocab_size if cfg.record_logits else 1))
+  script_ptr = jnp.zeros((batch, cfg.max_threads), jnp.int32).at[:, 0].set(main_script_ptr)
+  return InterpState(
+      pool=pool,
+      slot_owner=jnp.zeros((batch, cfg.pool_slots), jnp.int32),
+      slot_order=jnp.broadcast_to(slot_idx, (batch, cfg.pool_slots)).astype(jnp.int32),
+      slot_pos=jnp.broadcast_to(slot_idx, (batch, cfg.pool_slots)).astype(jnp.int32),
+      slot_valid=slot_idx[None, :] < lengths[:, None],
+      next_slot=jnp.full((batch,), prompt_len, jnp.int32),
+      status=jnp.broadcast_to(jnp.where(lane0, RUNNING, FREE), b_t).astype(jnp.int32),
+      thread=jnp.zeros(b_t, jnp.int32),
+      token=jnp.where(lane0, first[:, None], 0).astype(jnp.int32),
+      position=jnp.where(lane0, lengths[:, None], 0).astype(jnp.int32),
+      horizon=horizon,
+      in_promise=first == cfg.vocab.promise,
+      next_thread=jnp.ones((batch,), jnp.int32),
+      script=script, script_len=script_len, script_ptr=script_ptr,
+      finished=jnp.zeros((batch,), bool), truncated=jnp.zeros((batch,), bool),
+      stalls=jnp.zeros((batch,), jnp.int32), last_fed_step=jnp.zeros((batch,), jnp.int32),
+      step=jnp.int32(0), records=records, num_records=jnp.ones((batch,), jnp.int32),
+      record_logits=rec_logits, key=jax.random.key(cfg.sampling.seed),
+  )
+
+
+def choose_tokens(logits, rows_lane, state: InterpState, cfg: InterpreterConfig, forced: bool):
+  """Constrained sample (or forced script token) for each query row. logits: [B, Q, V]."""
+  batch, num_q, _ = logits.shape
+  b = jnp.arange(batch)[:, None]
+  thread = state.thread[b, rows_lane]
+  if forced:
+    ptr = state.script_ptr[b, thread]
+    scripted = jnp.take_along_axis(state.script[b, thread], jnp.minimum(ptr, state.script.shape[-1] - 1)[..., None],
+                                   axis=-1)[..., 0]
+    fallback = jnp.where(rows_lane == 0, cfg.vocab.eos_ids[0], cfg.vocab.async_close)
+    return jnp.where(ptr < state.script_len[b, thread], scripted, fallback)
+  allowed = AllowedTokens.build(cfg.vocab, logits.shape[-1]).for_rows(rows_lane == 0, state.in_promise[:, None])
+  keys = jax.vmap(lambda bi, lanes: jax.vmap(lambda lane: lane_key(state.key, bi, state.step, lane))(lanes))(
+      jnp.arange(batch), rows_lane)
+  flat = sample_rows(constrain(logits, allowed).reshape(batch * num_q, -1), keys.reshape(-1), cfg.sampling)
+  return flat.reshape(batch, num_q)
+
+
+def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: InterpreterConfig,
+             num_q: int, forced: bool):
+  """Runs the model on the first `num_q` feeding lanes of each request; returns per-lane tokens."""
+  batch = feed.shape[0]
+  b = jnp.arange(batch)[:, None]
+  rows_lane = jnp.argsort(~feed, axis=1, stable=True)[:, :num_q].astype(jnp.int32)  # feeders first
+  row_ok = feed[b, rows_lane]
+  mask = visible(state.horizon[b, rows_lane], state.slot_owner, state.slot_order, state.slot_valid)
+  mask = mask & row_ok[:, :, None]
+  logits, pool = model_fn(params, state.token[b, rows_lane], state.position[b, rows_lane], mask, state.pool,
+                          jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos)
+  chosen = choose_tokens(logits, rows_lane, state, cfg, forced)
+  scatter_lane = jnp.where(row_ok, rows_lane, cfg.lanes)  # padding rows are dropped
+  sampled = jnp.full((batch, cfg.lanes), -1, jnp.int32).at[b, scatter_lane].set(chosen, mode="drop")
+  lane_logits = None
+  if cfg.record_logits:
+    lane_logits = jnp.zeros((batch, cfg.lanes, logits.shape[-1])).at[b, scatter_lane].set(logits, mode="drop")
+  return sampled, lane_logits, pool
+
+
+def model_on_feeders(model_fn, params, state, feed, slots, cfg: InterpreterConfig, forced: bool):
+  """Lane-count buckets: one compiled branch per Q in 1, 2, 4, ..., T; the step picks the smallest."""
+  sizes = [1 << i for i in range((cfg.lanes - 1).bit_length())] + [cfg.lanes]
+  sizes = sorted(set(sizes)) if cfg.lane_buckets else [cfg.lanes]
+  branches = [functools.partial(run_rows, model_fn, params, num_q=q, forced=forced, cfg=cfg) for q in sizes]
+  if len(branches) == 1:
+    return branches[0](state, feed, slots)
+  need = jnp.max(feed.sum(axis=1))
+  index = jnp.searchsorted(jnp.asarray(sizes), need).astype(jnp.int32)
+  return jax.lax.switch(jnp.minimum(index, len(sizes) - 1), branches, state, feed, slots)
+
+
+def spawn_record(state: InterpState, plan: threads.FeedPlan) -> jax.Array:
+  """[B, 5] record of the `<async>` the interpreter inserts on the spawn lane."""
+  b = jnp.arange(state.token.shape[0])
+  lane = plan.spawn_lane
+  return jnp.stack([jnp.full_like(lane, state.step), lane, state.thread[b, lane], state.token[b, lane],
+                    state.position[b, lane]], axis=1)
+
+
+def append_records(state: InterpState, spawn_plan, spawn_row, recorded, lane_logits, cfg) -> InterpState:
+  """Appends this step's records: the inserted `<async>` (if a fork spawned), then lanes in order."""
+  batch = recorded.shape[0]
+  b = jnp.arange(batch)
+  lanes = jnp.broadcast_to(jnp.arange(cfg.lanes), (batch, cfg.lanes))
+  lane_rows = jnp.stack([jnp.full((batch, cfg.lanes), state.step), lanes, state.thread, state.token,
+                         state.position], axis=2)
+  rows = jnp.concatenate([spawn_row[:, None], lane_rows], axis=1)  # [B, 1 + T, 5]
+  keep = jnp.concatenate([spawn_plan.spawn[:, None], recorded], axis=1)
+  index = jnp.where(keep, state.num_records[:, None] + jnp.cumsum(keep, axis=1) - 1, cfg.max_records)
+  records = state.records.at[b[:, None], index].set(rows, mode="drop")
+  rec_logits = state.record_logits
+  if cfg.record_logits:
+    rec_logits = rec_logits.at[b[:, None], index[:, 1:]].set(lane_logits, mode="drop")
+  return dataclasses.replace(state, records=records, num_records=state.num_records + keep.sum(axis=1),
+                             record_logits=rec_logits)
+
+
+def interpreter_step(model_fn, params, state: InterpState, cfg: InterpreterConfig, length_table,
+                     forced: bool) -> InterpState:
+  state = dataclasses.replace(state, step=state.step + 1)
+  plan = threads.plan_feeds(state, cfg, length_table)
+  spawned_thread = state.next_thread
+  state = threads.apply_spawn(state, plan, cfg)
+  state = threads.release_sync(state, plan)
+  spawn_row = spawn_record(state, plan)
+  state, slots = threads.assign_slots(state, plan, cfg)
+  sampled, lane_logits, pool = model_on_feeders(model_fn, params, state, plan.feed, slots, cfg, forced)
+  state = dataclasses.replace(state, pool=pool)
+  if forced:  # advance each sampling thread's script pointer
+    b = jnp.arange(sampled.shape[0])[:, None]
+    took = plan.feed & (state.status != threads.CLOSING)
+    state = dataclasses.replace(state, script_ptr=state.script_ptr.at[b, jnp.where(took, state.thread, cfg.max_threads)]
+                                .add(1, mode="drop"))
+  state, recorded = threads.apply_samples(state, plan, sampled, cfg, length_table, spawned_thread)
+  return append_records(state, plan, spawn_row, recorded, lane_logits, cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "forced", "vocab_size", "pool_spec"))
+def prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, *, cfg: InterpreterConfig,
+                    forced: bool, vocab_size: int, pool_spec: tuple) -> InterpState:
+  """Prefill (one model call over the padded prompts [B, P]) then the whole decode loop on device."""
+  batch, prompt_len = prompt_tokens.shape
+  num_layers, kv_heads, head_dim, dtype = pool_spec
+  pool = KVPool(*(jnp.zeros((num_layers, batch, cfg.pool_slots, kv_heads, head_dim), dtype),) * 2)
+  idx = jnp.arange(prompt_len)
+  positions = jnp.broadcast_to(idx, (batch, prompt_len)).astype(jnp.int32)
+  horizon = jnp.where(jnp.arange(cfg.max_threads) == 0, idx[:, None], HIDDEN)  # [P, U]: causal main
+  slot_valid = jnp.arange(cfg.pool_slots)[None, :] < lengths[:, None]
+  slot_idx = jnp.broadcast_to(jnp.arange(cfg.pool_slots), (batch, cfg.pool_slots)).astype(jnp.int32)
+  mask = visible(jnp.broadcast_to(horizon, (batch,) + horizon.shape), jnp.zeros_like(slot_idx), slot_idx,
+                 slot_valid)
+  logits, pool = model_fn(params, prompt_tokens, positions, mask, pool, positions, slot_idx)
+  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)  # [B, 1, V]
+  state = init_state(pool, prompt_len, lengths, jnp.zeros_like(lengths), script, script_len, cfg, vocab_size, 0)
+  first = choose_tokens(last, jnp.zeros((batch, 1), jnp.int32), state, cfg, forced)[:, 0]
+  state = init_state(pool, prompt_len, lengths, first, script, script_len, cfg, vocab_size, 1)
+  if cfg.record_logits:
+    state = dataclasses.replace(state, record_logits=state.record_logits.at[:, 0].set(last[:, 0]))
+  length_table = jnp.asarray(cfg.vocab.length_table(vocab_size))
+
+  def cond(s: InterpState):
+    return (s.step < cfg.max_steps) & jnp.any(s.live)
+
+  def body(s: InterpState):
+    return interpreter_step(model_fn, params, s, cfg, length_table, forced)
+
+  final = jax.lax.while_loop(cond, body, state)
+  return dataclasses.replace(final, truncated=final.truncated | ~final.finished)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOutput:
+  """Host-side result of one request: records and counters (see docs/interpreter.md)."""
+
+  records: np.ndarray  # [N, 5] (step, lane, thread, token, position)
+  logits: np.ndarray | None  # [N, V] aligned with records (zeros for inserted `<async>`)
+  steps: int
+  stalls: int
+  finished: bool
+  truncated: bool
+
+
+def pad_scripts(scripts: Sequence[Sequence[Sequence[int]]] | None, batch: int, max_threads: int):
+  """Per-request, per-thread scripts -> [B, U, L] tokens and [B, U] lengths."""
+  if scripts is None:
+    return np.zeros((batch, max_threads, 1), np.int32), np.zeros((batch, max_threads), np.int32)
+  if len(scripts) != batch:
+    raise PastaError(f"got {len(scripts)} scripts for {batch} prompts")
+  too_many = [i for i, s in enumerate(scripts) if len(s) > max_threads]
+  if too_many:
+    raise PastaError(f"script of request {too_many[0]} has more threads than max_threads={max_threads}")
+  length = max(1, max(len(t) for s in scripts for t in s))
+  tokens = np.zeros((batch, max_threads, length), np.int32)
+  lens = np.zeros((batch, max_threads), np.int32)
+  for b, per_thread in enumerate(scripts):
+    for u, toks in enumerate(per_thread):
+      tokens[b, u, : len(toks)] = toks
+      lens[b, u] = len(toks)
+  return tokens, lens
+
+
+def run_interpreter(model_fn: ModelFn, params, prompts: Sequence[Sequence[int]], cfg: InterpreterConfig, *,
+                    vocab_size: int, pool_spec: tuple, scripts=None) -> list[RunOutput]:
+  """Runs B prompts through the jitted interpreter; `scripts` (per request, per thread) forces tokens."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise PastaError("empty prompt: give at least one token of prompt")
+  prompt_len = bucket(max(len(p) for p in prompts))
+  if prompt_len >= cfg.pool_slots:
+    raise PastaError(f"prompt needs {prompt_len} pool slots but the pool has {cfg.pool_slots}")
+  tokens = np.zeros((len(prompts), prompt_len), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, : len(p)] = p
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  script, script_len = pad_scripts(scripts, len(prompts), cfg.max_threads)
+  final = prefill_and_run(model_fn, params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(script),
+                          jnp.asarray(script_len), cfg=cfg, forced=scripts is not None, vocab_size=vocab_size,
+                          pool_spec=pool_spec)
+  return unpack(final, cfg)
+
+
+def unpack(final: InterpState, cfg: InterpreterConfig) -> list[RunOutput]:
+  final = jax.device_get(final)
+  outputs = []
+  for b in range(final.records.shape[0]):
+    n = int(final.num_records[b])
+    outputs.append(RunOutput(
+        records=np.asarray(final.records[b, :n]),
+        logits=np.asarray(final.record_logits[b, :n]) if cfg.record_logits else None,
+        steps=int(final.last_fed_step[b]), stalls=int(final.stalls[b]),
+        finished=bool(final.finished[b]), truncated=bool(final.truncated[b])))
+  return outputs

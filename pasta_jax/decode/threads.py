@@ -1,0 +1,152 @@
+"""Thread transitions of one interpreter step, as array ops over [B, T] (docs/interpreter.md).
+
+`plan_feeds` decides who feeds (stall, sync wait, implicit final sync, pool room); `apply_spawn`
+and `release_sync` update the thread table before attention; `apply_samples` turns sampled tokens
+into the next pending tokens, closes forks and frees lanes after attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pasta_jax.decode.state import CLOSING, DONE, FIXED_BLOCK_LENGTH, FREE, RUNNING, InterpreterConfig, InterpState
+from pasta_jax.lang.tags import reserved_span
+from pasta_jax.visibility import UNBOUNDED
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class FeedPlan:
+  feed: jax.Array  # [B, T] bool: lane feeds its pending token this step
+  spawn: jax.Array  # [B] bool: main's LENGTH feeds, a fork starts on `spawn_lane`
+  spawn_lane: jax.Array  # [B] int32
+  sync_release: jax.Array  # [B] bool: main's <sync/> feeds
+  main_done: jax.Array  # [B] bool: main's end token is reached with no fork running
+  stall: jax.Array  # [B] bool: main waits for a free lane or thread id
+  out_of_room: jax.Array  # [B] bool: the pool cannot take this step's writes
+
+
+def plan_feeds(state: InterpState, cfg: InterpreterConfig, length_table: jax.Array) -> FeedPlan:
+  vocab = cfg.vocab
+  lane_idx = jnp.arange(cfg.lanes)
+  live = state.live
+  main_token = state.token[:, 0]
+  main_running = live & (state.status[:, 0] == RUNNING)
+  is_length = length_table[main_token] > 0
+  is_end = jnp.isin(main_token, jnp.asarray(vocab.eos_ids))
+  fork_running = jnp.any((state.status == RUNNING) & (lane_idx > 0), axis=1)
+  free = (state.status == FREE) & (lane_idx > 0)
+  can_spawn = jnp.any(free, axis=1) & (state.next_thread < cfg.max_threads)
+  stall = main_running & is_length & ~can_spawn
+  wait = main_running & ((main_token == vocab.sync) | is_end) & fork_running
+  main_done = main_running & is_end & ~fork_running
+  main_feeds = main_running & ~is_end & ~stall & ~wait
+  spawn_lane = jnp.argmax(free, axis=1).astype(jnp.int32)
+  spawn = main_feeds & is_length
+  forks_feed = live[:, None] & (lane_idx > 0) & ((state.status == RUNNING) | (state.status == CLOSING))
+  feed = forks_feed | ((lane_idx == 0) & main_feeds[:, None]) | (spawn[:, None] & (lane_idx == spawn_lane[:, None]))
+  room = state.next_slot + feed.sum(axis=1) <= cfg.pool_slots
+  out_of_room = live & jnp.any(feed, axis=1) & ~room
+  return FeedPlan(feed & room[:, None], spawn & room, spawn_lane, main_feeds & room & (main_token == vocab.sync),
+                  main_done, stall, out_of_room)
+
+
+def apply_spawn(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig) -> InterpState:
+  """Starts a fork on the spawn lane: `<async>` pending at p + 1, main's view up to its promise."""
+  b = jnp.arange(state.token.shape[0])
+  lane = plan.spawn_lane
+  new_thread = state.next_thread
+  row = state.horizon[:, 0, :].at[:, 0].set(state.next_slot)  # main feeds first: its slot is next_slot
+  row = row.at[b, new_thread].set(UNBOUNDED, mode="drop")
+
+  def put(array, value):
+    return array.at[b, lane].set(jnp.where(plan.spawn, value, array[b, lane]))
+
+  return dataclasses.replace(
+      state,
+      status=put(state.status, RUNNING),
+      thread=put(state.thread, new_thread),
+      token=put(state.token, cfg.vocab.async_open),
+      position=put(state.position, state.position[:, 0] + 1),
+      horizon=state.horizon.at[b, lane].set(jnp.where(plan.spawn[:, None], row, state.horizon[b, lane])),
+      next_thread=state.next_thread + plan.spawn,
+  )
+
+
+def release_sync(state: InterpState, plan: FeedPlan) -> InterpState:
+  """At a `<sync/>` feed main sees every fork spawned so far, before attention in this step."""
+  spawned = jnp.arange(state.horizon.shape[-1])[None, :] < state.next_thread[:, None]  # [B, U]
+  main_row = jnp.where(plan.sync_release[:, None] & spawned, UNBOUNDED, state.horizon[:, 0, :])
+  return dataclasses.replace(state, horizon=state.horizon.at[:, 0, :].set(main_row))
+
+
+def assign_slots(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig) -> tuple[InterpState, jax.Array]:
+  """Feeding lanes take consecutive slots in lane order; writes the slots' metadata."""
+  offsets = jnp.cumsum(plan.feed, axis=1) - 1
+  slots = jnp.where(plan.feed, state.next_slot[:, None] + offsets, cfg.pool_slots).astype(jnp.int32)
+  b = jnp.arange(slots.shape[0])[:, None]
+
+  def put(array, value):
+    return array.at[b, slots].set(value, mode="drop")
+
+  state = dataclasses.replace(
+      state,
+      slot_owner=put(state.slot_owner, state.thread),
+      slot_order=put(state.slot_order, slots),
+      slot_pos=put(state.slot_pos, state.position),
+      slot_valid=put(state.slot_valid, True),
+      next_slot=state.next_slot + plan.feed.sum(axis=1),
+  )
+  return state, slots
+
+
+def next_main_position(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig,
+                       length_table: jax.Array, spawned_thread: jax.Array) -> jax.Array:
+  """p + 1, or p + 1 + R after main's promise (R per position mode)."""
+  fed = state.token[:, 0]
+  if cfg.position_mode == "pred":
+    block = length_table[fed]
+  elif cfg.position_mode == "fixed":
+    block = jnp.full_like(fed, FIXED_BLOCK_LENGTH)
+  else:  # oracle: the scripted block's true length (its script is content + </async>)
+    true_len = jnp.take_along_axis(state.script_len, spawned_thread[:, None], axis=1)[:, 0] - 1
+    block = true_len
+  skip = jnp.where(plan.spawn, reserved_span(block), 0)
+  return state.position[:, 0] + 1 + skip
+
+
+def apply_samples(state: InterpState, plan: FeedPlan, sampled: jax.Array, cfg: InterpreterConfig,
+                  length_table: jax.Array, spawned_thread: jax.Array) -> tuple[InterpState, jax.Array]:
+  """Sampled tokens [B, T] become pending tokens. Returns the state and which lanes recorded."""
+  vocab = cfg.vocab
+  lane_idx = jnp.arange(cfg.lanes)
+  closing_done = plan.feed & (state.status == CLOSING)
+  sampled_ok = plan.feed & ~closing_done  # lanes whose sample is kept
+  is_fork = lane_idx > 0
+  closes = is_fork & ((sampled == vocab.async_close) | jnp.isin(sampled, jnp.asarray(vocab.eos_ids)))
+  token = jnp.where(closes, vocab.async_close, sampled)
+  main_pos = next_main_position(state, plan, cfg, length_table, spawned_thread)
+  position = jnp.where(is_fork, state.position + 1, main_pos[:, None])
+  status = jnp.where(sampled_ok & closes, CLOSING, state.status)
+  status = jnp.where(closing_done, FREE, status)
+  status = status.at[:, 0].set(jnp.where(plan.main_done, DONE, status[:, 0]))
+  main_new = sampled[:, 0]
+  in_promise = jnp.where(plan.feed[:, 0], (main_new == vocab.promise) |
+                         (state.in_promise & (length_table[main_new] == 0)), state.in_promise)
+  finished = (status[:, 0] == DONE) & jnp.all((status == FREE) | ~is_fork, axis=1)
+  fed_any = jnp.any(plan.feed, axis=1)
+  state = dataclasses.replace(
+      state,
+      token=jnp.where(sampled_ok, token, state.token),
+      position=jnp.where(sampled_ok, position, state.position),
+      status=status,
+      in_promise=in_promise,
+      finished=state.finished | finished,
+      truncated=state.truncated | plan.out_of_room,
+      stalls=state.stalls + plan.stall,
+      last_fed_step=jnp.where(fed_any, state.step, state.last_fed_step),
+  )
+  return state, sampled_ok
