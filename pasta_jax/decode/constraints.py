@@ -20,7 +20,7 @@ class AllowedTokens:
   fork: np.ndarray
 
   @classmethod
-  def build(cls, vocab: TagVocab, vocab_size: int) -> "AllowedTokens":
+  def build(cls, vocab: TagVocab, vocab_size: int) -> AllowedTokens:
     def allow(*banned_groups) -> np.ndarray:
       mask = np.ones((vocab_size,), bool)
       for group in banned_groups:

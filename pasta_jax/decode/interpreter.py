@@ -28,8 +28,8 @@ from pasta_jax.visibility import HIDDEN, UNBOUNDED, visible
 
 
 def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Array, script, script_len,
-               cfg: InterpreterConfig, vocab_size: int, main_script_ptr: int) -> InterpState:
-  """State after prefill: prompt in slots 0..P-1 (padding invalid), main pending its first token."""
+               cfg: InterpreterConfig, vocab_size: int, main_script_ptr: int, key: jax.Array) -> InterpState:
+  """State after prefill: prompt b in slots 0..len_b-1, main pending its first token."""
   batch = lengths.shape[0]
   b_t = (batch, cfg.lanes)
   slot_idx = jnp.arange(cfg.pool_slots)
@@ -47,7 +47,7 @@ def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Arr
       slot_order=jnp.broadcast_to(slot_idx, (batch, cfg.pool_slots)).astype(jnp.int32),
       slot_pos=jnp.broadcast_to(slot_idx, (batch, cfg.pool_slots)).astype(jnp.int32),
       slot_valid=slot_idx[None, :] < lengths[:, None],
-      next_slot=jnp.full((batch,), prompt_len, jnp.int32),
+      next_slot=lengths.astype(jnp.int32),
       status=jnp.broadcast_to(jnp.where(lane0, RUNNING, FREE), b_t).astype(jnp.int32),
       thread=jnp.zeros(b_t, jnp.int32),
       token=jnp.where(lane0, first[:, None], 0).astype(jnp.int32),
@@ -59,7 +59,7 @@ def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Arr
       finished=jnp.zeros((batch,), bool), truncated=jnp.zeros((batch,), bool),
       stalls=jnp.zeros((batch,), jnp.int32), last_fed_step=jnp.zeros((batch,), jnp.int32),
       step=jnp.int32(0), records=records, num_records=jnp.ones((batch,), jnp.int32),
-      record_logits=rec_logits, key=jax.random.key(cfg.sampling.seed),
+      record_logits=rec_logits, key=key,
   )
 
 
@@ -160,7 +160,7 @@ def interpreter_step(model_fn, params, state: InterpState, cfg: InterpreterConfi
 
 
 @functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "forced", "vocab_size", "pool_spec"))
-def prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, *, cfg: InterpreterConfig,
+def prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, seed, *, cfg: InterpreterConfig,
                     forced: bool, vocab_size: int, pool_spec: tuple) -> InterpState:
   """Prefill (one model call over the padded prompts [B, P]) then the whole decode loop on device."""
   batch, prompt_len = prompt_tokens.shape
@@ -173,11 +173,14 @@ def prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len
   slot_idx = jnp.broadcast_to(jnp.arange(cfg.pool_slots), (batch, cfg.pool_slots)).astype(jnp.int32)
   mask = visible(jnp.broadcast_to(horizon, (batch,) + horizon.shape), jnp.zeros_like(slot_idx), slot_idx,
                  slot_valid)
-  logits, pool = model_fn(params, prompt_tokens, positions, mask, pool, positions, slot_idx)
+  # Padding rows are dropped (slot S), so each request's decode writes start right at its length.
+  prefill_slots = jnp.where(idx[None, :] < lengths[:, None], positions, cfg.pool_slots)
+  logits, pool = model_fn(params, prompt_tokens, positions, mask, pool, prefill_slots, slot_idx)
   last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)  # [B, 1, V]
-  state = init_state(pool, prompt_len, lengths, jnp.zeros_like(lengths), script, script_len, cfg, vocab_size, 0)
+  key = jax.random.key(seed)
+  state = init_state(pool, prompt_len, lengths, jnp.zeros_like(lengths), script, script_len, cfg, vocab_size, 0, key)
   first = choose_tokens(last, jnp.zeros((batch, 1), jnp.int32), state, cfg, forced)[:, 0]
-  state = init_state(pool, prompt_len, lengths, first, script, script_len, cfg, vocab_size, 1)
+  state = init_state(pool, prompt_len, lengths, first, script, script_len, cfg, vocab_size, 1, key)
   if cfg.record_logits:
     state = dataclasses.replace(state, record_logits=state.record_logits.at[:, 0].set(last[:, 0]))
   length_table = jnp.asarray(cfg.vocab.length_table(vocab_size))
@@ -213,7 +216,7 @@ def pad_scripts(scripts: Sequence[Sequence[Sequence[int]]] | None, batch: int, m
   too_many = [i for i, s in enumerate(scripts) if len(s) > max_threads]
   if too_many:
     raise PastaError(f"script of request {too_many[0]} has more threads than max_threads={max_threads}")
-  length = max(1, max(len(t) for s in scripts for t in s))
+  length = bucket(max(1, max(len(t) for s in scripts for t in s)))  # bucketed: few compiled shapes
   tokens = np.zeros((batch, max_threads, length), np.int32)
   lens = np.zeros((batch, max_threads), np.int32)
   for b, per_thread in enumerate(scripts):
@@ -223,22 +226,34 @@ def pad_scripts(scripts: Sequence[Sequence[Sequence[int]]] | None, batch: int, m
   return tokens, lens
 
 
-def run_interpreter(model_fn: ModelFn, params, prompts: Sequence[Sequence[int]], cfg: InterpreterConfig, *,
-                    vocab_size: int, pool_spec: tuple, scripts=None) -> list[RunOutput]:
-  """Runs B prompts through the jitted interpreter; `scripts` (per request, per thread) forces tokens."""
+def pad_prompts(prompts: Sequence[Sequence[int]], pool_slots: int) -> tuple[np.ndarray, np.ndarray]:
+  """Prompts -> tokens [B, P] (P bucketed to a power of two) and lengths [B], with clear errors."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise PastaError("empty prompt: give at least one token of prompt")
-  prompt_len = bucket(max(len(p) for p in prompts))
-  if prompt_len >= cfg.pool_slots:
-    raise PastaError(f"prompt needs {prompt_len} pool slots but the pool has {cfg.pool_slots}")
+  longest = max(len(p) for p in prompts)
+  prompt_len = bucket(longest)
+  if prompt_len > pool_slots:
+    raise PastaError(f"a prompt of {longest} tokens (padded to {prompt_len}) does not fit a pool of "
+                     f"{pool_slots} slots")
   tokens = np.zeros((len(prompts), prompt_len), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, : len(p)] = p
-  lengths = np.array([len(p) for p in prompts], np.int32)
+  return tokens, np.array([len(p) for p in prompts], np.int32)
+
+
+def static_config(cfg: InterpreterConfig) -> InterpreterConfig:
+  """The jit-static part of a config: the seed travels as a traced value, so a new seed reuses the loop."""
+  return dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, seed=0))
+
+
+def run_interpreter(model_fn: ModelFn, params, prompts: Sequence[Sequence[int]], cfg: InterpreterConfig, *,
+                    vocab_size: int, pool_spec: tuple, scripts=None) -> list[RunOutput]:
+  """Runs B prompts through the jitted interpreter; `scripts` (per request, per thread) forces tokens."""
+  tokens, lengths = pad_prompts(prompts, cfg.pool_slots)
   script, script_len = pad_scripts(scripts, len(prompts), cfg.max_threads)
   final = prefill_and_run(model_fn, params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(script),
-                          jnp.asarray(script_len), cfg=cfg, forced=scripts is not None, vocab_size=vocab_size,
-                          pool_spec=pool_spec)
+                          jnp.asarray(script_len), jnp.uint32(cfg.sampling.seed), cfg=static_config(cfg),
+                          forced=scripts is not None, vocab_size=vocab_size, pool_spec=pool_spec)
   return unpack(final, cfg)
 
 

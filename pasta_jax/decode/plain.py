@@ -53,7 +53,7 @@ def _pad_prompts(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarr
 
 @functools.partial(jax.jit, static_argnames=("model_fn", "pool_slots", "max_new", "sampling", "eos_ids",
                                              "pool_dtype", "num_layers", "kv_heads", "head_dim"))
-def prefill(model_fn, params, tokens, lengths, *, pool_slots, max_new, sampling: SamplingConfig,
+def prefill(model_fn, params, tokens, lengths, seed, *, pool_slots, max_new, sampling: SamplingConfig,
             eos_ids, pool_dtype, num_layers, kv_heads, head_dim) -> PlainState:
   """Writes the padded prompt [B, P] to slots 0..P-1 and samples the first new token."""
   batch, length = tokens.shape
@@ -67,7 +67,7 @@ def prefill(model_fn, params, tokens, lengths, *, pool_slots, max_new, sampling:
   mask = (slot_idx[None, None, :] <= idx[None, :, None]) & valid[:, None, :]  # [B, P, S]
   logits, pool = model_fn(params, tokens, positions, mask, pool, positions, slot_pos)
   last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-  key = jax.random.key(sampling.seed)
+  key = jax.random.key(seed)
   first = sample_rows(last, jax.random.split(jax.random.fold_in(key, 0), batch), sampling)
   out = jnp.full((batch, max_new), -1, jnp.int32).at[:, 0].set(first)
   return PlainState(pool, valid, slot_pos, first, lengths, jnp.int32(1), jnp.isin(first, jnp.array(eos_ids)),
@@ -124,8 +124,8 @@ class PlainDecoder:
             sampling: SamplingConfig) -> tuple[PlainState, int]:
     tokens, lengths = _pad_prompts(prompts)
     pool_slots = bucket(tokens.shape[1] + max_new_tokens)
-    state = prefill(self.model_fn, params, jnp.asarray(tokens), jnp.asarray(lengths), pool_slots=pool_slots,
-                    max_new=max_new_tokens, sampling=sampling, eos_ids=self.eos_ids, pool_dtype=self.pool_dtype,
+    state = prefill(self.model_fn, params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.uint32(sampling.seed),
+                    pool_slots=pool_slots, max_new=max_new_tokens, sampling=unseeded(sampling), eos_ids=self.eos_ids, pool_dtype=self.pool_dtype,
                     num_layers=self.num_layers, kv_heads=self.kv_heads, head_dim=self.head_dim)
     return state, tokens.shape[1]
 
@@ -135,15 +135,19 @@ class PlainDecoder:
     state, prompt_slots = self.start(params, prompts, max_new_tokens, sampling)
     yield np.asarray(state.out)
     while int(state.step) < max_new_tokens and not bool(jnp.all(state.done)):
-      state = decode_chunk(self.model_fn, params, state, prompt_slots=prompt_slots, sampling=sampling,
+      state = decode_chunk(self.model_fn, params, state, prompt_slots=prompt_slots, sampling=unseeded(sampling),
                            eos_ids=self.eos_ids, chunk=chunk)
       yield np.asarray(state.out)
 
   def generate(self, params, prompts, max_new_tokens: int, sampling: SamplingConfig) -> list[list[int]]:
     """Whole generation: prefill + one device loop. Returns each row's tokens up to and incl. its end."""
-    for out in self.stream(params, prompts, max_new_tokens, sampling, chunk=max_new_tokens):
-      pass
+    *_, out = self.stream(params, prompts, max_new_tokens, sampling, chunk=max_new_tokens)
     return [trim(row, self.eos_ids) for row in out]
+
+
+def unseeded(sampling: SamplingConfig) -> SamplingConfig:
+  """The static part of a sampling config: the seed travels as a traced value (no recompile)."""
+  return dataclasses.replace(sampling, seed=0)
 
 
 def trim(row: np.ndarray, eos_ids: Sequence[int]) -> list[int]:

@@ -6,7 +6,6 @@ import dataclasses
 from typing import Literal
 
 import jax
-import jax.numpy as jnp
 
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.lang.tags import TagVocab

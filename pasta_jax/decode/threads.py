@@ -12,7 +12,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pasta_jax.decode.state import CLOSING, DONE, FIXED_BLOCK_LENGTH, FREE, RUNNING, InterpreterConfig, InterpState
+from pasta_jax.decode.state import (
+  CLOSING,
+  DONE,
+  FIXED_BLOCK_LENGTH,
+  FREE,
+  RUNNING,
+  InterpreterConfig,
+  InterpState,
+)
 from pasta_jax.lang.tags import reserved_span
 from pasta_jax.visibility import UNBOUNDED
 
@@ -50,8 +58,9 @@ def plan_feeds(state: InterpState, cfg: InterpreterConfig, length_table: jax.Arr
   feed = forks_feed | ((lane_idx == 0) & main_feeds[:, None]) | (spawn[:, None] & (lane_idx == spawn_lane[:, None]))
   room = state.next_slot + feed.sum(axis=1) <= cfg.pool_slots
   out_of_room = live & jnp.any(feed, axis=1) & ~room
+  # A step without room changes nothing but `truncated`: no feed, spawn, stall or implicit sync.
   return FeedPlan(feed & room[:, None], spawn & room, spawn_lane, main_feeds & room & (main_token == vocab.sync),
-                  main_done, stall, out_of_room)
+                  main_done & room, stall & room, out_of_room)
 
 
 def apply_spawn(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig) -> InterpState:

@@ -1,0 +1,50 @@
+"""Hypothesis strategies for PASTA tag programs, and helpers to run both interpreters on them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import strategies as st
+
+from pasta_jax.lang.tags import TagVocab
+
+VOCAB_SIZE = 128
+VOCAB = TagVocab.from_base(60, eos_ids=(1,))
+PLAIN_TOKENS = st.integers(2, 59)  # ordinary text ids below the tags
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A scripted answer: main's tokens (with tags, ending in EOS) and each fork's content."""
+
+  main: tuple[int, ...]
+  forks: tuple[tuple[int, ...], ...]  # content + ASYNC_END, in promise order
+
+  def script(self) -> list[list[int]]:
+    return [list(self.main)] + [list(f) for f in self.forks]
+
+
+@st.composite
+def programs(draw, max_segments: int = 8, max_block: int = 24, eos_before_sync: bool | None = None) -> Program:
+  """Random main threads mixing text, promises (with blocks of very different lengths) and syncs."""
+  main: list[int] = []
+  forks: list[tuple[int, ...]] = []
+  for _ in range(draw(st.integers(0, max_segments))):
+    kind = draw(st.sampled_from(["text", "promise", "promise", "sync"]))
+    if kind == "text":
+      main += draw(st.lists(PLAIN_TOKENS, min_size=1, max_size=6))
+    elif kind == "promise":
+      topic = draw(st.lists(PLAIN_TOKENS, max_size=2))
+      main += [VOCAB.promise, *topic, VOCAB.length_token(draw(st.sampled_from([10, 20, 40, 100])))]
+      content = draw(st.lists(PLAIN_TOKENS, min_size=1, max_size=max_block))
+      end = draw(st.sampled_from([VOCAB.async_close, VOCAB.async_close, 1]))  # EOS in a fork closes it
+      forks.append((*content, end))
+    else:
+      main.append(VOCAB.sync)
+  if eos_before_sync is False and forks:
+    main.append(VOCAB.sync)
+  main += draw(st.lists(PLAIN_TOKENS, max_size=3)) + [1]
+  return Program(tuple(main), tuple(forks))
+
+
+prompts = st.lists(PLAIN_TOKENS, min_size=1, max_size=12)
