@@ -1,0 +1,53 @@
+"""`pasta` command line. Errors a user can fix print one line and exit nonzero, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pasta_jax.errors import PastaError
+
+
+def _add_sampling(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+  parser.add_argument("--top-k", type=int, default=0)
+  parser.add_argument("--top-p", type=float, default=1.0)
+  parser.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="pasta", description="PASTA learned asynchronous decoding in JAX.")
+  sub = parser.add_subparsers(dest="command", required=True)
+  gen = sub.add_parser("generate", help="decode a prompt (plain, or PASTA with --pasta)")
+  gen.add_argument("prompt")
+  gen.add_argument("--model", default=None,
+                   help="HF folder, .gguf file or Orbax checkpoint (default: the embedded Gemma 3 270M)")
+  gen.add_argument("--max-new-tokens", type=int, default=128)
+  gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
+                   help="wrap the prompt in Gemma's chat turns (for instruction-tuned models; the embedded "
+                        "270M is the pretrained base model, so the default is off)")
+  gen.add_argument("--pasta", action="store_true", help="decode with the PASTA interpreter and show threads")
+  gen.add_argument("--lanes", type=int, default=8, help="parallel lanes for --pasta (lane 0 is main)")
+  gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+  _add_sampling(gen)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    if args.command == "generate":
+      from pasta_jax.commands.generate import run_generate
+
+      return run_generate(args)
+  except PastaError as err:
+    print(f"pasta: error: {err}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("pasta: interrupted", file=sys.stderr)
+    return 130
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,66 @@
+"""`pasta generate`: stream a plain decode, or run the PASTA interpreter and show its threads."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from pasta_jax.decode.plain import PlainDecoder, trim
+from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.errors import PastaError
+from pasta_jax.model.gemma import Gemma
+from pasta_jax.model.load import load_model
+
+
+def _sampling(args) -> SamplingConfig:
+  try:
+    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+  except ValueError as err:
+    raise PastaError(str(err)) from None
+
+
+def _prompt_ids(model, text: str, chat: bool) -> list[int]:
+  if not text.strip():
+    raise PastaError("empty prompt: give some text to continue")
+  tok = model.tokenizer
+  return tok.encode(tok.format_chat(text) if chat else text, add_bos=True)
+
+
+def run_generate(args) -> int:
+  if args.max_new_tokens < 1:
+    raise PastaError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+  if not args.prompt.strip():
+    raise PastaError("empty prompt: give some text to continue")
+  sampling = _sampling(args)
+  dtype = jnp.dtype(args.dtype)
+  model = load_model(args.model)
+  prompt_ids = _prompt_ids(model, args.prompt, args.chat)
+  params = jax.tree.map(lambda x: jnp.asarray(x, dtype), model.params)
+  if args.pasta:
+    from pasta_jax.commands.pasta_view import run_pasta
+
+    return run_pasta(model, params, prompt_ids, args, sampling, dtype)
+  cfg = model.config
+  decoder = PlainDecoder(Gemma(cfg, dtype=dtype).apply, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                         eos_ids=model.tokenizer.eos_ids, pool_dtype=dtype)
+  start = time.perf_counter()
+  first_token_at = None
+  shown = ""
+  tokens: list[int] = []
+  for out in decoder.stream(params, [prompt_ids], args.max_new_tokens, sampling, chunk=8):
+    if first_token_at is None:
+      first_token_at = time.perf_counter() - start
+    tokens = trim(out[0], model.tokenizer.eos_ids)
+    text = model.tokenizer.decode([t for t in tokens if t not in model.tokenizer.eos_ids])
+    sys.stdout.write(text[len(shown):])
+    sys.stdout.flush()
+    shown = text
+  total = time.perf_counter() - start
+  decode_time = max(total - first_token_at, 1e-9)
+  rate = (len(tokens) - 1) / decode_time if len(tokens) > 1 else 0.0
+  print(f"\n\n[{len(tokens)} tokens; time to first token {first_token_at:.2f}s (includes compile on the first run); "
+        f"{rate:.1f} tok/s after it]", file=sys.stderr)
+  return 0
