@@ -81,7 +81,7 @@ def replay_logits(model, params, cfg, scripts, mode="pred"):
   # Each record's logits came from feeding the previous token of the same thread at its position.
   by_input = {}
   last_pos = {0: len(PROMPT) - 1}
-  for (step, lane, thread, token, position), logits in zip(out.records.tolist(), out.logits):
+  for (_, _, thread, token, position), logits in zip(out.records.tolist(), out.logits):
     if token != VOCAB.async_open or thread == 0:
       by_input[(thread, last_pos[thread])] = logits
     last_pos[thread] = position

