@@ -150,11 +150,8 @@ def interpreter_step(model_fn, params, state: InterpState, cfg: InterpreterConfi
   state, slots = threads.assign_slots(state, plan, cfg)
   sampled, lane_logits, pool = model_on_feeders(model_fn, params, state, plan.feed, slots, cfg, forced)
   state = dataclasses.replace(state, pool=pool)
-  if forced:  # advance each sampling thread's script pointer
-    b = jnp.arange(sampled.shape[0])[:, None]
-    took = plan.feed & (state.status != threads.CLOSING)
-    state = dataclasses.replace(state, script_ptr=state.script_ptr.at[b, jnp.where(took, state.thread, cfg.max_threads)]
-                                .add(1, mode="drop"))
+  if forced:
+    state = threads.advance_scripts(state, plan, cfg)
   state, recorded = threads.apply_samples(state, plan, sampled, cfg, length_table, spawned_thread)
   return append_records(state, plan, spawn_row, recorded, lane_logits, cfg)
 

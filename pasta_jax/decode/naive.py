@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from pasta_jax.decode import interpreter, threads
 from pasta_jax.decode.interpreter import RunOutput, choose_tokens
 from pasta_jax.decode.plain import ModelFn
-from pasta_jax.decode.state import CLOSING, FREE, RUNNING, InterpreterConfig, InterpState
+from pasta_jax.decode.state import CLOSING, InterpreterConfig, InterpState
 from pasta_jax.model.gemma import KVPool
 
 
@@ -70,34 +70,6 @@ def interleaved_kv_bytes(cfg: InterpreterConfig, batch: int, pool_spec: tuple) -
   """K + V bytes of the interleaved pool: B rows of S slots shared by all lanes."""
   num_layers, kv_heads, head_dim, dtype = pool_spec
   return 2 * num_layers * batch * cfg.pool_slots * kv_heads * head_dim * jnp.dtype(dtype).itemsize
-
-
-def plan_naive_feeds(table: InterpState, cfg: InterpreterConfig, length_table: jax.Array) -> threads.FeedPlan:
-  """threads.plan_feeds with the naive rules: sync/end also waits for closing forks, a new fork
-  feeds from the next step, and room counts the tokens written (the interleaved pool's fill)."""
-  vocab = cfg.vocab
-  lane_idx = jnp.arange(cfg.lanes)
-  live = table.live
-  main_token = table.token[:, 0]
-  main_running = live & (table.status[:, 0] == RUNNING)
-  is_length = length_table[main_token] > 0
-  is_end = jnp.isin(main_token, jnp.asarray(vocab.eos_ids))
-  busy = (lane_idx > 0) & ((table.status == RUNNING) | (table.status == CLOSING))  # [B, T]
-  fork_busy = jnp.any(busy, axis=1)
-  free = (table.status == FREE) & (lane_idx > 0)
-  can_spawn = jnp.any(free, axis=1) & (table.next_thread < cfg.max_threads)
-  stall = main_running & is_length & ~can_spawn
-  wait = main_running & ((main_token == vocab.sync) | is_end) & fork_busy
-  main_done = main_running & is_end & ~fork_busy
-  main_feeds = main_running & ~is_end & ~stall & ~wait
-  spawn = main_feeds & is_length
-  feed = (live[:, None] & busy) | ((lane_idx == 0) & main_feeds[:, None])
-  room = table.next_slot + feed.sum(axis=1) <= cfg.pool_slots
-  out_of_room = live & jnp.any(feed, axis=1) & ~room
-  # As in threads.plan_feeds, a step without room changes nothing but `truncated`.
-  return threads.FeedPlan(feed & room[:, None], spawn & room, jnp.argmax(free, axis=1).astype(jnp.int32),
-                          main_feeds & room & (main_token == vocab.sync), main_done & room, stall & room,
-                          out_of_room)
 
 
 def reveal_synced(state: NaiveState, plan: threads.FeedPlan) -> NaiveState:
@@ -139,14 +111,6 @@ def model_on_rows(model_fn: ModelFn, params, state: NaiveState, plan: threads.Fe
   sampled = jnp.where(plan.feed, choose_tokens(logits, rows_lane, table, cfg, forced), -1)
   lane_logits = jnp.where(plan.feed[..., None], logits, 0.0) if cfg.record_logits else None
   return sampled, lane_logits, pool
-
-
-def advance_scripts(table: InterpState, plan: threads.FeedPlan, cfg: InterpreterConfig) -> InterpState:
-  """Forced replay: each lane that sampled (fed and not closing) moves its thread's script pointer."""
-  b = jnp.arange(plan.feed.shape[0])[:, None]
-  took = plan.feed & (table.status != CLOSING)
-  ptr = table.script_ptr.at[b, jnp.where(took, table.thread, cfg.max_threads)].add(1, mode="drop")
-  return dataclasses.replace(table, script_ptr=ptr)
 
 
 def lanes_view(x: jax.Array, batch: int) -> jax.Array:
@@ -217,7 +181,7 @@ def copy_forks_to_main(state: NaiveState, closing: jax.Array) -> NaiveState:
 def naive_step(model_fn, params, state: NaiveState, cfg: InterpreterConfig, length_table,
                forced: bool) -> NaiveState:
   table = dataclasses.replace(state.table, step=state.table.step + 1)
-  plan = plan_naive_feeds(table, cfg, length_table)
+  plan = threads.plan_feeds(table, cfg, length_table, naive=True)
   closing = plan.feed & (table.status == CLOSING)  # these write `</async>` this step
   spawned_thread = table.next_thread
   table = threads.apply_spawn(table, plan, cfg)  # fork lane: `<async>` pending, fed from the next step
@@ -226,7 +190,7 @@ def naive_step(model_fn, params, state: NaiveState, cfg: InterpreterConfig, leng
   state, slots = write_row_slots(state, plan)
   sampled, lane_logits, pool = model_on_rows(model_fn, params, state, plan, slots, cfg, forced)
   state = dataclasses.replace(state, pool=pool)
-  table = advance_scripts(state.table, plan, cfg) if forced else state.table
+  table = threads.advance_scripts(state.table, plan, cfg) if forced else state.table
   table, recorded = threads.apply_samples(table, plan, sampled, cfg, length_table, spawned_thread)
   table = interpreter.append_records(table, plan, spawn_row, recorded, lane_logits, cfg)
   state = copy_prefix_to_forks(state, plan)  # before the closes: a new fork must not get their slots

@@ -37,7 +37,11 @@ class FeedPlan:
   out_of_room: jax.Array  # [B] bool: the pool cannot take this step's writes
 
 
-def plan_feeds(state: InterpState, cfg: InterpreterConfig, length_table: jax.Array) -> FeedPlan:
+def plan_feeds(state: InterpState, cfg: InterpreterConfig, length_table: jax.Array, *,
+               naive: bool = False) -> FeedPlan:
+  """Who feeds this step. `naive` gives the naive interpreter's rules: a new fork feeds from the
+  next step (after its prefix copy), and a sync or end also waits for closing forks (their KV
+  must be copied into main's row before main may attend to it)."""
   vocab = cfg.vocab
   lane_idx = jnp.arange(cfg.lanes)
   live = state.live
@@ -45,22 +49,33 @@ def plan_feeds(state: InterpState, cfg: InterpreterConfig, length_table: jax.Arr
   main_running = live & (state.status[:, 0] == RUNNING)
   is_length = length_table[main_token] > 0
   is_end = jnp.isin(main_token, jnp.asarray(vocab.eos_ids))
-  fork_running = jnp.any((state.status == RUNNING) & (lane_idx > 0), axis=1)
+  busy = (lane_idx > 0) & ((state.status == RUNNING) | (state.status == CLOSING))  # [B, T]
+  blocking = busy if naive else busy & (state.status == RUNNING)
+  fork_blocking = jnp.any(blocking, axis=1)
   free = (state.status == FREE) & (lane_idx > 0)
   can_spawn = jnp.any(free, axis=1) & (state.next_thread < cfg.max_threads)
   stall = main_running & is_length & ~can_spawn
-  wait = main_running & ((main_token == vocab.sync) | is_end) & fork_running
-  main_done = main_running & is_end & ~fork_running
+  wait = main_running & ((main_token == vocab.sync) | is_end) & fork_blocking
+  main_done = main_running & is_end & ~fork_blocking
   main_feeds = main_running & ~is_end & ~stall & ~wait
   spawn_lane = jnp.argmax(free, axis=1).astype(jnp.int32)
   spawn = main_feeds & is_length
-  forks_feed = live[:, None] & (lane_idx > 0) & ((state.status == RUNNING) | (state.status == CLOSING))
-  feed = forks_feed | ((lane_idx == 0) & main_feeds[:, None]) | (spawn[:, None] & (lane_idx == spawn_lane[:, None]))
+  feed = (live[:, None] & busy) | ((lane_idx == 0) & main_feeds[:, None])
+  if not naive:  # the fork's `<async>` feeds in its spawn step
+    feed = feed | (spawn[:, None] & (lane_idx == spawn_lane[:, None]))
   room = state.next_slot + feed.sum(axis=1) <= cfg.pool_slots
   out_of_room = live & jnp.any(feed, axis=1) & ~room
   # A step without room changes nothing but `truncated`: no feed, spawn, stall or implicit sync.
   return FeedPlan(feed & room[:, None], spawn & room, spawn_lane, main_feeds & room & (main_token == vocab.sync),
                   main_done & room, stall & room, out_of_room)
+
+
+def advance_scripts(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig) -> InterpState:
+  """Forced replay: each thread that samples this step moves one token along its script."""
+  b = jnp.arange(state.token.shape[0])[:, None]
+  took = plan.feed & (state.status != CLOSING)
+  ptr = state.script_ptr.at[b, jnp.where(took, state.thread, cfg.max_threads)].add(1, mode="drop")
+  return dataclasses.replace(state, script_ptr=ptr)
 
 
 def apply_spawn(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig) -> InterpState:
