@@ -1,0 +1,54 @@
+"""Sampling: greedy, top-k, top-p and temperature behave as their definitions say."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pasta_jax.decode.sampling import SamplingConfig, sample, sample_rows
+
+LOGITS = jnp.log(jnp.array([0.5, 0.25, 0.15, 0.07, 0.03]))
+
+
+def draws(cfg: SamplingConfig, n: int = 4000) -> np.ndarray:
+  keys = jax.random.split(jax.random.key(cfg.seed), n)
+  return np.asarray(sample_rows(jnp.broadcast_to(LOGITS, (n, 5)), keys, cfg))
+
+
+def test_greedy_is_argmax():
+  assert int(sample(LOGITS, jax.random.key(0), SamplingConfig())) == 0
+
+
+def test_top_k_keeps_only_k_best():
+  assert set(draws(SamplingConfig(temperature=1.0, top_k=2)).tolist()) == {0, 1}
+  assert set(draws(SamplingConfig(temperature=1.0, top_k=1)).tolist()) == {0}
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+  # 0.5 + 0.25 = 0.75 < 0.8, so the third token is needed; the fourth never is.
+  assert set(draws(SamplingConfig(temperature=1.0, top_p=0.8)).tolist()) == {0, 1, 2}
+  assert set(draws(SamplingConfig(temperature=1.0, top_p=0.3)).tolist()) == {0}
+
+
+def test_temperature_one_matches_softmax():
+  freq = np.bincount(draws(SamplingConfig(temperature=1.0, seed=3), 20000), minlength=5) / 20000
+  np.testing.assert_allclose(freq, np.exp(np.asarray(LOGITS)), atol=0.015)
+
+
+def test_low_temperature_sharpens():
+  freq = np.bincount(draws(SamplingConfig(temperature=0.25)), minlength=5) / 4000
+  assert freq[0] > 0.9
+
+
+def test_same_seed_same_draws_other_seed_differs():
+  a, b = draws(SamplingConfig(temperature=1.0, seed=5)), draws(SamplingConfig(temperature=1.0, seed=5))
+  c = draws(SamplingConfig(temperature=1.0, seed=6))
+  assert (a == b).all() and (a != c).any()
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-1)])
+def test_bad_settings_are_refused(bad):
+  with pytest.raises(ValueError, match="bad sampling settings"):
+    SamplingConfig(**bad)
