@@ -1,0 +1,29 @@
+"""Shared helpers for the benchmarks: timing medians and memory bandwidth."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+
+def median_time(fn: Callable[[], object], runs: int, warmup: int = 1) -> tuple[float, list[float]]:
+  """Median wall time of `runs` calls after `warmup` untimed calls."""
+  for _ in range(warmup):
+    fn()
+  times = []
+  for _ in range(runs):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), times
+
+
+def copy_bandwidth(num_bytes: int = 512 << 20, runs: int = 5) -> float:
+  """Bytes moved per second by a large memory copy (read + write, STREAM 'copy' convention)."""
+  src = np.ones(num_bytes // 4, np.float32)
+  dst = np.empty_like(src)
+  best, _ = median_time(lambda: np.copyto(dst, src), runs)
+  return 2 * num_bytes / best

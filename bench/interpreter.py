@@ -1,0 +1,137 @@
+"""Forced-replay speed of the interleaved PASTA interpreter on the real Gemma 3 270M (CPU, greedy, batch 1).
+
+LIMA answers (truncated to their first ~200 tokens) are annotated structurally (list items ->
+blocks, `pasta_jax.data.structural`). For each answer:
+  - realized speedup: time(tag-free twin replayed sequentially) / time(annotated answer replayed),
+    both through the same interleaved interpreter, against the theoretical speedup of the trace;
+  - sequential overhead: the twin's interpreter step time / a plain decode's step time (PlainDecoder,
+    end ids disabled, same prompt, same pool size);
+  - naive vs interleaved (`decode.naive`, same scripts): time ratio and KV-pool bytes ratio.
+Every time is the second of two runs (the first compiles and warms up). Prompts are kept to one
+shape bucket so each loop compiles once.
+
+  python -m bench.interpreter [--limit 24] [--answer-tokens 200] [--lanes 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from pasta_jax.data.structural import annotate
+from pasta_jax.decode import api, naive
+from pasta_jax.decode.plain import PlainDecoder, bucket
+from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.errors import TagError
+from pasta_jax.lang.metrics import geometric_mean
+from pasta_jax.lang.text import strip_tags
+from pasta_jax.model.load import load_model
+
+DATA = "/work/shared/data/lima.jsonl"
+
+
+def second_of_two(fn):
+  """Runs fn twice; returns the second result (fn returns (value, seconds))."""
+  fn()
+  return fn()
+
+
+def candidates(model, path: str, answer_tokens: int, prompt_bucket: int, limit: int):
+  """(id, prompt, prompt ids, annotated answer) for LIMA answers that get at least one block."""
+  lang_tok = api.LangTokenizer(model.tokenizer)
+  vocab = model.tokenizer.tag_vocab()
+  with open(path) as f:
+    for line in f:
+      row = json.loads(line)
+      prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+      ids = api.prompt_ids(model.tokenizer, [prompt], chat=True)[0]
+      if bucket(len(ids)) != prompt_bucket:  # one prompt shape: one compile per loop
+        continue
+      answer = lang_tok.decode(lang_tok.encode(row["output"])[:answer_tokens])
+      annotated = annotate(answer, lambda s: len(lang_tok.encode(s)))
+      if annotated is None:
+        continue
+      try:
+        api.forced_scripts(annotated, lang_tok, vocab)
+      except TagError:
+        continue
+      yield row["id"], prompt, ids, annotated
+      limit -= 1
+      if limit == 0:
+        return
+
+
+def measure(model, params, plain: PlainDecoder, prompt, ids, annotated, args) -> dict:
+  kw = dict(max_new_tokens=args.new_tokens, lanes=args.lanes)
+  twin_text = strip_tags(annotated)
+  ann = second_of_two(lambda: api.generate(model, [prompt], forced_answers=[annotated], **kw)[0])
+  twin = second_of_two(lambda: api.generate(model, [prompt], forced_answers=[twin_text], **kw)[0])
+
+  def plain_run():
+    start = time.perf_counter()
+    out = plain.generate(params, [ids], args.new_tokens, SamplingConfig())
+    return out, time.perf_counter() - start
+
+  _, plain_seconds = second_of_two(plain_run)
+  lang_tok = api.LangTokenizer(model.tokenizer)
+  scripts = [api.forced_scripts(annotated, lang_tok, model.tokenizer.tag_vocab())]
+  prep = api.prepare(model, [ids], params=params, scripts=scripts, **kw)
+  naive_runs, naive_seconds = second_of_two(lambda: api.run_prepared(prep, runner=naive.naive_prefill_and_run))
+  naive_bytes = naive.naive_kv_bytes(prep.cfg, 1, prep.pool_spec)
+  interleaved_bytes = naive.interleaved_kv_bytes(prep.cfg, 1, prep.pool_spec)
+  ok = ann.finished and twin.finished and naive_runs[0].finished and ann.text == twin.text == twin_text
+  return dict(
+      tokens=twin.content_tokens, blocks=len(ann.threads) - 1, steps=ann.steps, twin_steps=twin.steps,
+      stalls=ann.stalls, t_ann=ann.seconds, t_twin=twin.seconds, realized=twin.seconds / ann.seconds,
+      theoretical=ann.theoretical_speedup,
+      seq_overhead=(twin.seconds / twin.steps) / (plain_seconds / args.new_tokens),
+      naive_time=naive_seconds / ann.seconds, naive_kv=naive_bytes / interleaved_bytes, ok=ok)
+
+
+COLUMNS = ("id", "tokens", "blocks", "steps", "twin_steps", "stalls", "t_ann", "t_twin", "realized", "theoretical",
+           "seq_overhead", "naive_time", "naive_kv", "ok")
+
+
+def table(rows: list[dict]) -> str:
+  head = " ".join(f"{c:>12}" for c in COLUMNS)
+  lines = [head]
+  for r in rows:
+    lines.append(" ".join(f"{r[c]:>12.3f}" if isinstance(r[c], float) else f"{r[c]!s:>12}" for c in COLUMNS))
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--data", default=DATA)
+  parser.add_argument("--limit", type=int, default=24)
+  parser.add_argument("--answer-tokens", type=int, default=200, help="truncate answers to their first N tokens")
+  parser.add_argument("--new-tokens", type=int, default=256, help="step budget (fixed: one compile)")
+  parser.add_argument("--prompt-bucket", type=int, default=64, help="use prompts of this padded length only")
+  parser.add_argument("--lanes", type=int, default=8)
+  args = parser.parse_args()
+  model = load_model()
+  dtype = jnp.float32
+  params = api.cast_params(model.params, dtype)
+  cfg = model.config
+  plain = PlainDecoder(api.model_fn(cfg, dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eos_ids=(),
+                       pool_dtype=dtype)
+  items = list(candidates(model, args.data, args.answer_tokens, args.prompt_bucket, args.limit))
+  rows = []
+  for answer_id, prompt, ids, annotated in tqdm(items, desc="answers"):
+    rows.append(dict(id=answer_id, **measure(model, params, plain, prompt, ids, annotated, args)))
+  print(table(rows))
+  means = {k: geometric_mean(r[k] for r in rows) for k in ("realized", "theoretical", "seq_overhead", "naive_time",
+                                                            "naive_kv")}
+  print("geometric means: " + ", ".join(f"{k}={v:.3f}" for k, v in means.items()) +
+        f"; {sum(r['ok'] for r in rows)}/{len(rows)} replays finished with identical clean text")
+  print(f"RESULT realized_over_theoretical={means['realized'] / means['theoretical']:.3f} "
+        f"seq_overhead={means['seq_overhead']:.3f} naive_time_ratio={means['naive_time']:.3f} "
+        f"naive_kv_ratio={means['naive_kv']:.3f}")
+
+
+if __name__ == "__main__":
+  main()

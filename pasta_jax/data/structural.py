@@ -1,0 +1,77 @@
+"""A small structural annotator: markdown list items become PASTA blocks.
+
+Honest and mechanical (no model): it only uses the answer's layout.
+  - every list item (`- x`, `* x`, `+ x`, `• x`, `1. x`, `1) x`, with its continuation lines)
+    becomes `<promise topic="first 1-3 words" tokens="round_length(true count)"/><async>item</async>`;
+  - lead text before the first item stays in main; without lead text the first item stays in main
+    (main has something to say before its first promise);
+  - a `<sync/>` goes before a final paragraph that follows the last item, if there is one;
+  - every character stays where it was, so `strip_tags(annotate(a)) == a` byte for byte.
+Answers with no block return None.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from pasta_jax.errors import TagError
+from pasta_jax.lang import text as T
+from pasta_jax.lang.tags import round_length
+
+ITEM = re.compile(r"^[ \t]*(?:[-*+•]|\d{1,3}[.)])[ \t]+\S")
+MARKER = re.compile(r"^[ \t]*(?:[-*+•]|\d{1,3}[.)])[ \t]+")
+WORD = re.compile(r"[A-Za-z0-9][\w'’-]*")
+
+
+def split_items(text: str) -> list[tuple[str, str]]:
+  """Text -> pieces ('text' | 'item', chunk) covering it exactly, lines kept whole with their '\\n'.
+
+  A list item runs from its marker line through following non-blank, non-item lines; a blank line
+  or a new marker ends it (the blank line goes to main).
+  """
+  pieces: list[tuple[str, str]] = []
+  in_item = False
+  for line in text.splitlines(keepends=True):
+    if ITEM.match(line):
+      pieces.append(("item", line))
+      in_item = True
+    elif in_item and line.strip():
+      pieces[-1] = ("item", pieces[-1][1] + line)
+    else:
+      in_item = False
+      if pieces and pieces[-1][0] == "text":
+        pieces[-1] = ("text", pieces[-1][1] + line)
+      else:
+        pieces.append(("text", line))
+  return pieces
+
+
+def topic_of(item: str, max_words: int = 3) -> str:
+  """First 1-3 words of an item (marker dropped), safe as a promise topic."""
+  words = WORD.findall(MARKER.sub("", item, count=1))[:max_words]
+  return " ".join(words) if words else "item"
+
+
+def annotate(answer: str, count_tokens: Callable[[str], int]) -> str | None:
+  """The promise-form annotation of `answer` (see module doc), or None if it gets no block."""
+  pieces = split_items(answer)
+  first_item = next((i for i, (kind, _) in enumerate(pieces) if kind == "item"), None)
+  if first_item is None:
+    return None
+  keep_first = not any(chunk.strip() for _, chunk in pieces[:first_item])
+  last_item = max(i for i, (kind, _) in enumerate(pieces) if kind == "item")
+  segments: list[T.Segment] = []
+  for i, (kind, chunk) in enumerate(pieces):
+    if kind == "text" or (keep_first and i == first_item):
+      if i > last_item and chunk.strip() and any(isinstance(s, T.Block) for s in segments):
+        segments.append(T.Sync())  # the final paragraph sums up: it waits for the blocks
+      segments.append(T.Text(chunk))
+      continue
+    segments += [T.Promise(topic_of(chunk), round_length(count_tokens(chunk))), T.Block((T.Text(chunk),))]
+  if not any(isinstance(s, T.Block) for s in segments):
+    return None
+  try:
+    return T.render(T.normalize(segments))
+  except TagError:  # the answer's own text spells a tag: no honest annotation
+    return None
