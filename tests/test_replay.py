@@ -17,6 +17,7 @@ from pasta_jax.decode.plain import PlainDecoder
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.state import InterpreterConfig
 from pasta_jax.lang.layout import layout_example
+from pasta_jax.lang.metrics import annotated_from_records
 from pasta_jax.lang.tags import TagVocab
 from pasta_jax.lang.tokens import parse_tokens
 from pasta_jax.model.config import get_config
@@ -140,3 +141,64 @@ def test_untagged_answer_decodes_as_plain(name):
     assert not set(main) & VOCAB.tag_ids
     assert main == w
   assert want[0] != want[1]  # the continuations depend on the prompt: the comparison is not vacuous
+
+
+@pytest.fixture(scope="module")
+def real_model():
+  from pasta_jax.model.load import load_model
+
+  return load_model()
+
+
+@pytest.mark.slow
+def test_real_270m_training_forward_equals_decode_replay(real_model):
+  """One annotated example on the real Gemma 3 270M with its own tokenizer and reserved tag tokens."""
+  from pasta_jax.decode import api
+
+  model = real_model
+  vocab = model.tokenizer.tag_vocab()
+  lang_tok = api.LangTokenizer(model.tokenizer)
+  answer = ('Two facts:<promise topic="sun" tokens="10"/><async> The sun is a star.</async>'
+            '<promise topic="moon" tokens="10"/><async> The moon orbits Earth.</async> Both are bright.<sync/>'
+            ' Done.')
+  scripts = api.forced_scripts(answer, lang_tok, vocab)
+  prompt = model.tokenizer.encode("Tell me two facts about the sky.", add_bos=True)
+  cfg = model.config
+  fn = api.model_fn(cfg, jnp.float32)
+  icfg = InterpreterConfig(vocab=vocab, lanes=4, max_threads=8, pool_slots=128, max_steps=128, record_logits=True)
+  out = run_interpreter(fn, model.params, [prompt], icfg, vocab_size=cfg.vocab_size,
+                        pool_spec=api.pool_spec(cfg, jnp.float32), scripts=[scripts])[0]
+  assert out.finished
+  by_input, last_pos = {}, {0: len(prompt) - 1}
+  for (_, _, thread, token, position), logits in zip(out.records.tolist(), out.logits):
+    if token != vocab.async_open or thread == 0:
+      by_input[(thread, last_pos[thread])] = logits
+    last_pos[thread] = position
+  layout = layout_example(prompt, annotated_from_records(out.records, vocab), vocab)
+  train, _ = fn(model.params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
+                layout.mask()[None])
+  matched = 0
+  for j in range(len(prompt) - 1, len(layout.tokens)):
+    key = (int(layout.thread[j]), int(layout.positions[j]))
+    if key in by_input:
+      # Logits here reach |40|; float32 sums in another order (one [L] forward vs [1]-row steps)
+      # differ by up to ~2e-4 absolute, 6e-6 relative. The tiny configs hold 1e-4 absolute.
+      np.testing.assert_allclose(train[0, j], by_input[key], atol=1e-4, rtol=1e-5, err_msg=f"index {j}")
+      matched += 1
+  assert matched == len(by_input) > 20
+
+
+@pytest.mark.slow
+def test_real_270m_untagged_answer_decodes_as_plain(real_model):
+  model, cfg = real_model, real_model.config
+  from pasta_jax.decode import api
+
+  fn = api.model_fn(cfg, jnp.float32)
+  prompts = [model.tokenizer.encode(p, add_bos=True) for p in ("The capital of France is", "Water boils at")]
+  plain = PlainDecoder(fn, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eos_ids=model.tokenizer.eos_ids)
+  want = plain.generate(model.params, prompts, 24, SamplingConfig())
+  icfg = InterpreterConfig(vocab=model.tokenizer.tag_vocab(), lanes=4, max_threads=8, pool_slots=64, max_steps=23)
+  got = run_interpreter(fn, model.params, prompts, icfg, vocab_size=cfg.vocab_size,
+                        pool_spec=api.pool_spec(cfg, jnp.float32))
+  for w, g in zip(want, got):
+    assert [t for (_, _, thread, t, _) in g.records.tolist() if thread == 0] == w

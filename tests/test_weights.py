@@ -135,7 +135,7 @@ def test_config_from_legacy_keys():
             "vocab_size": 262_208,
             "query_pre_attn_scalar": 256, "sliding_window": 1024, "sliding_window_pattern": 6,
             "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
-            "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "max_position_embeddings": 8192}
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "max_position_embeddings": 131_072}
   config = weights.config_from_hf(legacy, name="gemma3-4b")
   assert config == dataclasses.replace(get_config("gemma3-4b"), vocab_size=262_208)
   multimodal = {"model_type": "gemma3", "text_config": legacy}

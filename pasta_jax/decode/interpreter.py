@@ -73,7 +73,11 @@ def choose_tokens(logits, rows_lane, state: InterpState, cfg: InterpreterConfig,
     scripted = jnp.take_along_axis(state.script[b, thread], jnp.minimum(ptr, state.script.shape[-1] - 1)[..., None],
                                    axis=-1)[..., 0]
     fallback = jnp.where(rows_lane == 0, cfg.vocab.eos_ids[0], cfg.vocab.async_close)
-    return jnp.where(ptr < state.script_len[b, thread], scripted, fallback)
+    forced_token = jnp.where(ptr < state.script_len[b, thread], scripted, fallback)
+    # The model still runs: without a use of the logits XLA would drop the output head, and forced
+    # replays (the benchmarks' workload) would time a model without its most expensive matmul.
+    model_choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jnp.where(model_choice < 0, model_choice, forced_token)
   allowed = AllowedTokens.build(cfg.vocab, logits.shape[-1]).for_rows(rows_lane == 0, state.in_promise[:, None])
   keys = jax.vmap(lambda bi, lanes: jax.vmap(lambda lane: lane_key(state.key, bi, state.step, lane))(lanes))(
       jnp.arange(batch), rows_lane)
