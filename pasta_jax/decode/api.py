@@ -110,11 +110,9 @@ class LangTokenizer:
 
 
 def chat_text(tokenizer, text: str) -> str:
-  if hasattr(tokenizer, "chat_prompt"):
-    return tokenizer.chat_prompt(text)
   if hasattr(tokenizer, "format_chat"):
     return tokenizer.format_chat(text)
-  from pasta_jax.model.tokenizer import chat_prompt
+  from pasta_jax.model.tokenizer import chat_prompt  # tokenizer-like test doubles
   return chat_prompt(text)
 
 
