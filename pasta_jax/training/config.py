@@ -1,0 +1,127 @@
+"""Static training configuration (frozen dataclasses), read from and written to JSON.
+
+One `TrainConfig` describes a whole job: the model, the mesh it is sharded over, the batch, the
+optimizer schedule, precision and checkpointing. `tpu_configs/*.json` are files of this shape; the
+memory planner (`training/plan.py`) reads the same object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Literal
+
+from pasta_jax.errors import ConfigError
+
+Objective = Literal["sft", "baseline_sft", "bonbon"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh shape. data x fsdp x tensor must equal the number of devices used."""
+
+  data: int = 1
+  fsdp: int = 1
+  tensor: int = 1
+
+  @property
+  def size(self) -> int:
+    return self.data * self.fsdp * self.tensor
+
+  @property
+  def shape(self) -> dict[str, int]:
+    return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """A training job. Defaults are the paper's SFT settings (batch 8, lr 1e-5 linear to 0, 4 epochs)."""
+
+  model: str = "gemma3-270m"  # preset name, HF folder, .gguf file or Orbax checkpoint
+  objective: Objective = "sft"
+  mesh: MeshConfig = MeshConfig()
+  hardware: str = "cpu"  # key of plan.HARDWARE: chip memory for the plan
+  batch_size: int = 8  # global examples per optimizer step
+  grad_accum: int = 1  # micro-batches per step (batch_size must divide by it)
+  seq_len: int = 1024  # tokens per example, prompt + laid-out answer (longer examples are refused)
+  num_threads: int = 16  # horizon columns per example (main + forks)
+  epochs: int = 4
+  max_steps: int = 0  # > 0 caps the number of optimizer steps
+  learning_rate: float = 1e-5
+  end_learning_rate: float = 0.0
+  warmup_steps: int = 0
+  weight_decay: float = 0.0
+  adam_b1: float = 0.9
+  adam_b2: float = 0.999
+  grad_clip: float = 1.0
+  compute_dtype: str = "float32"  # "bfloat16" on accelerators
+  param_dtype: str = "float32"  # master weights
+  remat: bool = False
+  position_mode: str = "pred"
+  bonbon_alpha: float = 0.005
+  bonbon_beta: float = 0.1
+  seed: int = 0
+  save_every: int = 100
+  keep_checkpoints: int = 2
+  log_every: int = 1
+
+  def __post_init__(self):
+    problems = []
+    if self.batch_size % self.grad_accum:
+      problems.append(f"batch_size={self.batch_size} is not a multiple of grad_accum={self.grad_accum}")
+    micro = self.batch_size // max(self.grad_accum, 1)
+    replicas = self.mesh.data * self.mesh.fsdp
+    if micro % replicas:
+      problems.append(f"the micro-batch of {micro} examples (batch_size / grad_accum) does not divide over "
+                      f"data x fsdp = {self.mesh.data} x {self.mesh.fsdp} = {replicas} devices")
+    if self.objective not in ("sft", "baseline_sft", "bonbon"):
+      problems.append(f"unknown objective {self.objective!r}; use sft, baseline_sft or bonbon")
+    for name in ("compute_dtype", "param_dtype"):
+      if getattr(self, name) not in ("float32", "bfloat16"):
+        problems.append(f"{name}={getattr(self, name)!r}; use float32 or bfloat16")
+    if min(self.mesh.data, self.mesh.fsdp, self.mesh.tensor) < 1:
+      problems.append(f"mesh axes must be >= 1, got {self.mesh.shape}")
+    if problems:
+      raise ConfigError("invalid training config: " + "; ".join(problems))
+
+  @property
+  def micro_batch(self) -> int:
+    return self.batch_size // self.grad_accum
+
+  def replace(self, **changes) -> TrainConfig:
+    if "mesh" in changes and isinstance(changes["mesh"], dict):
+      changes["mesh"] = MeshConfig(**changes["mesh"])
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, fields: dict[str, Any]) -> TrainConfig:
+    fields = dict(fields)
+    fields.pop("comment", None)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+      raise ConfigError(f"unknown training config fields {unknown}; known: {sorted(known)}")
+    if isinstance(fields.get("mesh"), dict):
+      mesh_known = {f.name for f in dataclasses.fields(MeshConfig)}
+      bad = sorted(set(fields["mesh"]) - mesh_known)
+      if bad:
+        raise ConfigError(f"unknown mesh axes {bad}; use data, fsdp, tensor")
+      fields["mesh"] = MeshConfig(**fields["mesh"])
+    return cls(**fields)
+
+
+def load_train_config(path: str | os.PathLike, **overrides) -> TrainConfig:
+  """A TrainConfig from a JSON file (tpu_configs/*.json), with keyword overrides."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"training config {str(path)!r} does not exist")
+  try:
+    with open(path) as f:
+      fields = json.load(f)
+  except json.JSONDecodeError as err:
+    raise ConfigError(f"training config {str(path)!r} is not valid JSON: {err}") from None
+  fields.update({k: v for k, v in overrides.items() if v is not None})
+  return TrainConfig.from_dict(fields)
