@@ -57,6 +57,7 @@ class TrainConfig:
   grad_clip: float = 1.0
   compute_dtype: str = "float32"  # "bfloat16" on accelerators
   param_dtype: str = "float32"  # master weights
+  mu_dtype: str = "float32"  # Adam first moment (bfloat16 halves it; the second moment stays float32)
   remat: bool = False
   position_mode: str = "pred"
   bonbon_alpha: float = 0.005
@@ -77,7 +78,7 @@ class TrainConfig:
                       f"data x fsdp = {self.mesh.data} x {self.mesh.fsdp} = {replicas} devices")
     if self.objective not in ("sft", "baseline_sft", "bonbon"):
       problems.append(f"unknown objective {self.objective!r}; use sft, baseline_sft or bonbon")
-    for name in ("compute_dtype", "param_dtype"):
+    for name in ("compute_dtype", "param_dtype", "mu_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16"):
         problems.append(f"{name}={getattr(self, name)!r}; use float32 or bfloat16")
     if min(self.mesh.data, self.mesh.fsdp, self.mesh.tensor) < 1:
