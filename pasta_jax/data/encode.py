@@ -1,0 +1,80 @@
+"""One instruction record -> one padded PASTA training layout (the unit every data pipeline maps).
+
+Records are dicts with `instruction`, optional `input`, and the answer: `annotated` (promise-form
+PASTA-LANG text, the Pasta-SFT field) or `output` (the source answer). Objectives:
+  sft           the annotated answer laid out with the PASTA mask and positions;
+  baseline_sft  the same answer with every tag stripped, re-tokenized as plain text, causal.
+Prompts use Gemma's chat turns; the answer ends with `<end_of_turn>` (the chat end id).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from pasta_jax.decode.api import LangTokenizer, chat_text
+from pasta_jax.errors import PastaError
+from pasta_jax.lang.layout import Layout, PositionMode, layout_example, pad_layout, plain_layout
+from pasta_jax.lang.tags import TagVocab
+from pasta_jax.lang.text import strip_tags
+from pasta_jax.lang.tokens import encode_answer
+
+
+class ExampleTooLong(PastaError):
+  """The laid-out example needs more tokens or threads than the configured shape."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodeConfig:
+  seq_len: int = 1024
+  num_threads: int = 16
+  position_mode: PositionMode = "pred"
+  objective: str = "sft"  # "sft" | "baseline_sft"
+  chat: bool = True
+
+
+def record_prompt(record: Mapping[str, Any]) -> str:
+  """The user turn of an instruction record: instruction, then its input if any."""
+  instruction = str(record.get("instruction") or "").strip()
+  extra = str(record.get("input") or "").strip()
+  if not instruction:
+    raise PastaError(f"record {record.get('id', '?')!r} has no instruction")
+  return f"{instruction}\n\n{extra}" if extra else instruction
+
+
+def record_answer(record: Mapping[str, Any], objective: str) -> str:
+  """Promise-form answer for sft; the tag-free text for baseline_sft."""
+  answer = record.get("annotated") or record.get("output")
+  if not answer:
+    raise PastaError(f"record {record.get('id', '?')!r} has neither 'annotated' nor 'output'")
+  return strip_tags(answer) if objective == "baseline_sft" else answer
+
+
+def end_id(tokenizer, vocab: TagVocab, chat: bool) -> int:
+  if chat and hasattr(tokenizer, "token_to_id"):
+    end_of_turn = tokenizer.token_to_id("<end_of_turn>")
+    if end_of_turn is not None:
+      return int(end_of_turn)
+  return int(vocab.eos_ids[0])
+
+
+def prompt_token_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+  return tokenizer.encode(chat_text(tokenizer, prompt) if chat else prompt, add_bos=True)
+
+
+def encode_example(record: Mapping[str, Any], tokenizer, vocab: TagVocab, config: EncodeConfig) -> Layout:
+  """The padded [seq_len] layout of one record. Raises TagError (bad tags) or ExampleTooLong."""
+  prompt = prompt_token_ids(tokenizer, record_prompt(record), config.chat)
+  answer_text = record_answer(record, config.objective)
+  lang = LangTokenizer(tokenizer)
+  end = end_id(tokenizer, vocab, config.chat)
+  if config.objective == "baseline_sft":
+    layout = plain_layout(prompt, lang.encode(answer_text), end)
+  else:
+    layout = layout_example(prompt, encode_answer(answer_text, lang, vocab), vocab, mode=config.position_mode,
+                            eos_id=end)
+  if layout.length > config.seq_len or layout.num_threads > config.num_threads:
+    raise ExampleTooLong(f"record {record.get('id', '?')!r} needs {layout.length} tokens x {layout.num_threads} "
+                         f"threads; the configured shape is {config.seq_len} x {config.num_threads}")
+  return pad_layout(layout, config.seq_len, config.num_threads)
