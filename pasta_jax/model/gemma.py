@@ -195,6 +195,7 @@ class Gemma(nn.Module):
 
   config: GemmaConfig
   dtype: jnp.dtype = jnp.float32
+  remat: bool = False  # training: keep only each layer's input, recompute the rest in the backward pass
 
   @nn.compact
   def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None,
@@ -209,8 +210,9 @@ class Gemma(nn.Module):
       kv_positions = positions
     pk = None if pool is None else pool.k
     pv = None if pool is None else pool.v
+    block = nn.remat(Block) if self.remat else Block
     for i, kind in enumerate(cfg.layer_kinds):
-      x, pk, pv = Block(cfg, kind, i, name=f"layer_{i}")(x, positions, mask, kv_positions, pk, pv, slots)
+      x, pk, pv = block(cfg, kind, i, name=f"layer_{i}")(x, positions, mask, kv_positions, pk, pv, slots)
     x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
     logits = jnp.einsum("bqd,vd->bqv", x, embedding.astype(self.dtype), preferred_element_type=jnp.float32)
     logits = softcap(logits, cfg.final_logit_softcap)

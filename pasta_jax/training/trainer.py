@@ -1,0 +1,179 @@
+"""The training loop: one code path from one CPU to a TPU pod slice.
+
+  setup   mesh from the config, memory plan check, state placed by the partitioning rules, resume
+          from the newest Orbax checkpoint in `<out>/checkpoints` (the dataset is random access by
+          step, so resuming at step k replays exactly the batches an uninterrupted run would see);
+  loop    one jitted, donated step per global batch, metrics to `<out>/metrics.jsonl`, a progress
+          bar on the main process, a checkpoint every `save_every` steps;
+  finish  the final params exported as a pasta checkpoint in `<out>/model` (loadable by
+          `load_model` and so by the interpreter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from pasta_jax.errors import ConfigError
+from pasta_jax.model.gemma import Gemma
+from pasta_jax.model.load import LoadedModel
+from pasta_jax.training import step as step_lib
+from pasta_jax.training.checkpoints import TrainCheckpoints
+from pasta_jax.training.config import TrainConfig
+from pasta_jax.training.losses import sft_loss_sum
+from pasta_jax.training.metrics_log import MetricsLog, train_flops_per_token
+from pasta_jax.training.optimizer import learning_rate_schedule, make_optimizer
+from pasta_jax.training.partitioning import make_mesh
+from pasta_jax.training.state import create_sharded_state, init_state
+
+
+class StepDataset(Protocol):
+  """Random access by optimizer step: `ds[k]` is this host's slice of global batch k (numpy leaves)."""
+
+  def __len__(self) -> int: ...
+
+  def __getitem__(self, step: int): ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+  out_dir: Path
+  steps: int  # optimizer steps completed (including those restored)
+  resumed_from: int | None
+  losses: list[float]  # losses of the steps run by this call
+  model_dir: Path | None  # exported final model (None when stopped early)
+
+
+def make_loss_fn(config: TrainConfig, apply_fn: Callable) -> step_lib.LossFn:
+  """The objective as a (numerator, denominator, aux) micro-batch loss."""
+  if config.objective in ("sft", "baseline_sft"):
+    return lambda params, batch: (*sft_loss_sum(apply_fn, params, batch), {})
+  from pasta_jax.training.bonbon import bonbon_objective
+
+  def bonbon(params, batch):
+    loss, aux = bonbon_objective(apply_fn, params, batch, alpha=config.bonbon_alpha, beta=config.bonbon_beta)
+    pairs = jnp.asarray(batch.ref_chosen.shape[0], jnp.float32)
+    return loss * pairs, pairs, aux
+
+  return bonbon
+
+
+def _check_plan(config: TrainConfig, model: LoadedModel) -> None:
+  from pasta_jax.training.plan import check_fits
+  check_fits(config, model.config)
+
+
+def _valid_tokens(host_batch) -> int:
+  leaves = [x for x in jax.tree.leaves(host_batch) if getattr(x, "dtype", None) == np.bool_]
+  return int(np.asarray(leaves[0]).sum()) if leaves else 0
+
+
+class Trainer:
+  """Holds the compiled step and the state; `run()` trains to the end (or `stop_after`)."""
+
+  def __init__(self, config: TrainConfig, model: LoadedModel, dataset: StepDataset, out_dir, *,
+               devices=None, check_memory: bool = True, progress: bool = True):
+    if len(dataset) == 0:
+      raise ConfigError("the dataset yields no batches: fewer kept examples than one global batch")
+    self.config, self.model, self.dataset = config, model, dataset
+    self.out_dir = Path(out_dir)
+    self.progress = progress and jax.process_index() == 0
+    self.mesh = make_mesh(config.mesh, devices)
+    if check_memory:
+      _check_plan(config, model)
+    self.total_steps = min(len(dataset), config.max_steps) if config.max_steps > 0 else len(dataset)
+    self.optimizer = make_optimizer(config, self.total_steps)
+    self.schedule = learning_rate_schedule(config, self.total_steps)
+    apply_fn = Gemma(model.config, dtype=jnp.dtype(config.compute_dtype), remat=config.remat).apply
+    params = jax.tree.map(lambda x: jnp.asarray(x, config.param_dtype), model.params)
+    self.state, self.shardings = create_sharded_state(params, self.optimizer, self.mesh)
+    self.checkpoints = TrainCheckpoints(self.out_dir / "checkpoints", model.config, config)
+    self.resumed_from = self._maybe_resume()
+    sample = step_lib.split_micro_batches(dataset[0], config.grad_accum)
+    batch_shardings = step_lib.micro_batch_shardings(self.mesh, sample)
+    self.step_fn = step_lib.make_train_step(make_loss_fn(config, apply_fn), self.optimizer, self.schedule,
+                                            self.shardings, batch_shardings)
+    self.flops_per_token = train_flops_per_token(model.config, config.seq_len)
+    self.log = MetricsLog(self.out_dir, enabled=jax.process_index() == 0)
+
+  def _maybe_resume(self) -> int | None:
+    latest = self.checkpoints.latest_step()
+    if latest is None:
+      return None
+    shapes = jax.eval_shape(lambda p: init_state(p, self.optimizer), self.state.params)
+    self.state = self.checkpoints.restore(latest, shapes, self.shardings)
+    _truncate_metrics(self.out_dir, latest)
+    return latest
+
+  def run(self, stop_after: int | None = None) -> TrainResult:
+    """Trains from the current step to the end, or stops (with a checkpoint) after step `stop_after`."""
+    start = int(self.state.step)
+    end = self.total_steps if stop_after is None else min(stop_after, self.total_steps)
+    losses = []
+    bar = tqdm(range(start, end), initial=start, total=self.total_steps, desc="train", disable=not self.progress)
+    for step in bar:
+      losses.append(self._one_step(step, bar))
+      done = step + 1
+      if done % self.config.save_every == 0 or done == end:
+        self.checkpoints.save(done, self.state, force=True)
+    self.checkpoints.wait()
+    model_dir = self._export() if end == self.total_steps else None
+    self.log.close()
+    return TrainResult(self.out_dir, end, self.resumed_from, losses, model_dir)
+
+  def _one_step(self, step: int, bar) -> float:
+    began = time.perf_counter()
+    host_batch = self.dataset[step]
+    batch = step_lib.place_batch(host_batch, self.mesh, self.config.grad_accum)
+    self.state, metrics = self.step_fn(self.state, batch)
+    values = {k: float(v) for k, v in metrics.items()}  # float() waits for the step
+    seconds = time.perf_counter() - began
+    tokens = int(np.prod(np.shape(jax.tree.leaves(host_batch)[0]))) * jax.process_count()
+    values.update(step_seconds=seconds, tokens_per_s=tokens / seconds,
+                  valid_tokens_per_s=_valid_tokens(host_batch) * jax.process_count() / seconds,
+                  mfu=self._mfu(tokens, seconds))
+    if (step + 1) % self.config.log_every == 0 or step == 0:
+      self.log.write(step, values)
+    bar.set_postfix(loss=f"{values['loss']:.4f}", lr=f"{values['learning_rate']:.2e}")
+    return values["loss"]
+
+  def _mfu(self, tokens: int, seconds: float) -> float:
+    from pasta_jax.training.plan import peak_flops_per_device
+    peak = peak_flops_per_device(self.config.hardware, self.config.compute_dtype) * self.mesh.size
+    return self.flops_per_token * tokens / seconds / peak if peak else 0.0
+
+  def _export(self) -> Path:
+    from pasta_jax.model.checkpoint import save_checkpoint
+    tokenizer = self.model.tokenizer if hasattr(self.model.tokenizer, "save") else None
+    params = jax.tree.map(lambda x: x, self.state.params)
+    return save_checkpoint(self.out_dir / "model", params, self.model.config, tokenizer=tokenizer,
+                           step=int(self.state.step), extra={"train": self.config.to_dict()}, overwrite=True)
+
+
+def _truncate_metrics(out_dir: Path, resume_step: int) -> None:
+  """Drops metric rows of steps a killed run logged after its last checkpoint (they are re-run)."""
+  path = out_dir / "metrics.jsonl"
+  if not path.exists():
+    return
+  import json
+  kept = []
+  for line in path.read_text().splitlines():
+    try:
+      if json.loads(line)["step"] < resume_step:
+        kept.append(line)
+    except (json.JSONDecodeError, KeyError):
+      continue
+  path.write_text("".join(f"{line}\n" for line in kept))
+
+
+def train(config: TrainConfig, model: LoadedModel, dataset: StepDataset, out_dir, **kwargs) -> TrainResult:
+  stop_after = kwargs.pop("stop_after", None)
+  return Trainer(config, model, dataset, out_dir, **kwargs).run(stop_after)
