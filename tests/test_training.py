@@ -1,4 +1,4 @@
-"""The trainer: sharding is exact, a killed run resumes losing nothing, accumulation is exact, bad configs are refused."""
+"""The trainer: exact sharding, a killed run resumes losing nothing, exact accumulation, bad configs refused."""
 
 from __future__ import annotations
 

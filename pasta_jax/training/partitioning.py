@@ -83,7 +83,8 @@ def _mesh_size(mesh_shape: dict[str, int], axis) -> int:
   return int(np.prod([mesh_shape[a] for a in names]))
 
 
-def spec_for(shape: Sequence[int], logical: Sequence[str], mesh_shape: dict[str, int], where: str = "") -> PartitionSpec:
+def spec_for(shape: Sequence[int], logical: Sequence[str], mesh_shape: dict[str, int],
+             where: str = "") -> PartitionSpec:
   """PartitionSpec of one array from its logical axes; raises ConfigError naming a dimension that does not divide."""
   out = []
   for dim, name in zip(shape, logical, strict=True):
