@@ -5,7 +5,8 @@ blocks, `pasta_jax.data.structural`). For each answer:
   - realized speedup: time(tag-free twin replayed sequentially) / time(annotated answer replayed),
     both through the same interleaved interpreter, against the theoretical speedup of the trace;
   - sequential overhead: the twin's interpreter step time / a plain decode's step time (PlainDecoder,
-    end ids disabled, same prompt, same pool size);
+    end ids disabled, same prompt), both net of prefill: plain decoding is timed at two lengths, the
+    slope is its step time and the intercept the prefill, which is taken off the twin's time too;
   - naive vs interleaved (`decode.naive`, same scripts): time ratio and KV-pool bytes ratio.
 Every time is the second of two runs (the first compiles and warms up). Prompts are kept to one
 shape bucket so each loop compiles once.
@@ -71,12 +72,18 @@ def measure(model, params, plain: PlainDecoder, prompt, ids, annotated, args) ->
   ann = second_of_two(lambda: api.generate(model, [prompt], forced_answers=[annotated], **kw)[0])
   twin = second_of_two(lambda: api.generate(model, [prompt], forced_answers=[twin_text], **kw)[0])
 
-  def plain_run():
+  def plain_run(tokens):
     start = time.perf_counter()
-    out = plain.generate(params, [ids], args.new_tokens, SamplingConfig())
+    out = plain.generate(params, [ids], tokens, SamplingConfig())
     return out, time.perf_counter() - start
 
-  _, plain_seconds = second_of_two(plain_run)
+  # Two plain lengths give the per-step slope and the prefill (intercept), so the twin's step time is
+  # taken net of prefill too, however many steps its answer needs.
+  half = args.new_tokens // 2
+  _, plain_full = second_of_two(lambda: plain_run(args.new_tokens))
+  _, plain_half = second_of_two(lambda: plain_run(half))
+  plain_step = (plain_full - plain_half) / (args.new_tokens - half)
+  prefill = max(plain_full - args.new_tokens * plain_step, 0.0)
   lang_tok = api.LangTokenizer(model.tokenizer)
   scripts = [api.forced_scripts(annotated, lang_tok, model.tokenizer.tag_vocab())]
   prep = api.prepare(model, [ids], params=params, scripts=scripts, **kw)
@@ -88,7 +95,7 @@ def measure(model, params, plain: PlainDecoder, prompt, ids, annotated, args) ->
       tokens=twin.content_tokens, blocks=len(ann.threads) - 1, steps=ann.steps, twin_steps=twin.steps,
       stalls=ann.stalls, t_ann=ann.seconds, t_twin=twin.seconds, realized=twin.seconds / ann.seconds,
       theoretical=ann.theoretical_speedup,
-      seq_overhead=(twin.seconds / twin.steps) / (plain_seconds / args.new_tokens),
+      seq_overhead=((twin.seconds - prefill) / twin.steps) / plain_step,
       naive_time=naive_seconds / ann.seconds, naive_kv=naive_bytes / interleaved_bytes, ok=ok)
 
 
