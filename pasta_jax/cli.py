@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--lanes", type=int, default=8, help="parallel lanes for --pasta (lane 0 is main)")
   gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
   _add_sampling(gen)
+  from pasta_jax.commands.plan import add_plan_parser
+
+  add_plan_parser(sub)
   return parser
 
 
@@ -40,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
       from pasta_jax.commands.generate import run_generate
 
       return run_generate(args)
+    if args.command == "plan":
+      from pasta_jax.commands.plan import run_plan
+
+      return run_plan(args)
   except PastaError as err:
     print(f"pasta: error: {err}", file=sys.stderr)
     return 2

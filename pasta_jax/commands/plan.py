@@ -1,0 +1,56 @@
+"""`pasta plan CONFIG`: print the per-device memory plan of a training config; exit 0 if it fits, 1 if not."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pasta_jax.errors import ConfigError
+
+FITS, DOES_NOT_FIT = 0, 1
+
+# flag -> TrainConfig field (the same overrides the training entry points take)
+OVERRIDES = {
+  "--model": ("model", str), "--objective": ("objective", str), "--hardware": ("hardware", str),
+  "--batch-size": ("batch_size", int), "--grad-accum": ("grad_accum", int), "--seq-len": ("seq_len", int),
+  "--num-threads": ("num_threads", int), "--compute-dtype": ("compute_dtype", str),
+  "--param-dtype": ("param_dtype", str), "--mu-dtype": ("mu_dtype", str),
+}
+
+
+def add_plan_parser(sub) -> None:
+  plan = sub.add_parser("plan", help="per-device memory plan of a training config (exit 1 if it does not fit)")
+  plan.add_argument("config", help="a TrainConfig JSON file (tpu_configs/*.json)")
+  plan.add_argument("--mesh", help="data,fsdp,tensor (e.g. 1,4,2)")
+  plan.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None)
+  for flag, (_, kind) in OVERRIDES.items():
+    plan.add_argument(flag, type=kind)
+
+
+def _parse_mesh(text: str) -> dict[str, int]:
+  try:
+    data, fsdp, tensor = (int(x) for x in text.split(","))
+  except ValueError:
+    raise ConfigError(f"--mesh {text!r}: expected three integers data,fsdp,tensor") from None
+  return {"data": data, "fsdp": fsdp, "tensor": tensor}
+
+
+def overrides_from(args: argparse.Namespace) -> dict:
+  fields = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in OVERRIDES.items()}
+  if args.mesh:
+    fields["mesh"] = _parse_mesh(args.mesh)
+  fields["remat"] = args.remat
+  return {k: v for k, v in fields.items() if v is not None}
+
+
+def run_plan(args: argparse.Namespace) -> int:
+  from pasta_jax.training.config import load_train_config
+  from pasta_jax.training.plan import format_plan, plan_for
+
+  config = load_train_config(args.config, **overrides_from(args))
+  plan = plan_for(config)
+  print(format_plan(plan))
+  if plan.fits:
+    return FITS
+  print(f"pasta: does not fit: {plan.reason()}", file=sys.stderr)
+  return DOES_NOT_FIT

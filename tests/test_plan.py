@@ -1,0 +1,195 @@
+"""The memory planner: tpu_configs fit their hardware, parameter bytes match real shapes, bad configs are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pasta_jax.cli import main
+from pasta_jax.errors import ConfigError
+from pasta_jax.model.config import PRESETS
+from pasta_jax.model.gemma import Gemma, causal_mask
+from pasta_jax.training.config import MeshConfig, TrainConfig, load_train_config
+from pasta_jax.training.plan import (
+  HARDWARE,
+  check_fits,
+  format_plan,
+  memory_plan,
+  peak_flops_per_device,
+  plan_for,
+  resolve_model_config,
+)
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "tpu_configs"
+CONFIGS = sorted(CONFIG_DIR.glob("*.json"))
+REFUSED_MARK = "refused by the plan"  # a config whose comment says this is documented as not fitting
+TINY = PRESETS["tiny-gemma3"]  # vocab 512, embed 64, mlp 128, 6 layers, 4 heads, 2 KV heads, head_dim 16
+
+
+def tiny_config(**changes) -> TrainConfig:
+  return TrainConfig(model="tiny-gemma3", hardware="cpu", batch_size=4, seq_len=32, num_threads=4).replace(**changes)
+
+
+def real_leaves(config=TINY) -> list[jax.ShapeDtypeStruct]:
+  """Parameter shapes from an abstract init of the model itself (independent of the planner)."""
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  shapes = jax.eval_shape(Gemma(config).init, jax.random.key(1), tokens, tokens, causal_mask(1, 4))
+  return jax.tree.leaves(shapes)
+
+
+def elements(leaves) -> int:
+  return sum(int(np.prod(x.shape)) for x in leaves)
+
+
+# ------------------------------------------------------------------------------------------ tpu_configs
+
+
+def test_configs_cover_every_target():
+  names = {p.name for p in CONFIGS}
+  for hardware in ("v4-8", "v5e-16", "v5p-8", "v6e-8", "h100x1", "h100x8"):
+    for objective in ("sft", "bonbon"):
+      assert f"gemma7b_{objective}_{hardware}.json" in names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_fits_its_hardware(path):
+  fields = json.loads(path.read_text())
+  config = load_train_config(path)
+  assert config.model == "gemma1-7b" and config.hardware in HARDWARE
+  assert config.batch_size == 8 and config.compute_dtype == "bfloat16"
+  assert config.learning_rate == (1e-5 if config.objective == "sft" else 5e-7)
+  assert fields.get("comment"), "every config says why it is shaped the way it is"
+  model = resolve_model_config(config.model)
+  if REFUSED_MARK in fields["comment"]:
+    with pytest.raises(ConfigError, match="does not fit") as refused:
+      check_fits(config, model)
+    assert "headroom" in str(refused.value)  # the plan comes with the refusal
+  else:
+    plan = check_fits(config, model)
+    assert plan.fits and plan.headroom >= 0
+    assert (plan.reference > 0) == (config.objective == "bonbon")
+
+
+# ---------------------------------------------------------------------------------------- param bytes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_unsharded_parameter_bytes_equal_real_count(dtype):
+  plan = memory_plan(tiny_config(param_dtype=dtype), TINY)
+  expected = elements(real_leaves()) * jnp.dtype(dtype).itemsize
+  assert plan.params == expected == plan.grads
+  assert elements(real_leaves()) == TINY.param_count()
+
+
+def test_optimizer_holds_two_moments():
+  f32 = memory_plan(tiny_config(), TINY)
+  assert 2 * f32.params <= f32.optimizer <= 2 * f32.params + 64  # mu, nu (+ scalar counts)
+  mu16 = memory_plan(tiny_config(mu_dtype="bfloat16"), TINY)
+  assert 1.5 * mu16.params <= mu16.optimizer <= 1.5 * mu16.params + 64
+
+
+def _split(leaves_with_names, predicate) -> int:
+  return sum(int(np.prod(leaf.shape)) for name, leaf in leaves_with_names if predicate(name))
+
+
+def test_sharded_parameter_bytes_shrink_by_the_mesh():
+  named = [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(
+      jax.eval_shape(Gemma(TINY).init, jax.random.key(1), jnp.zeros((1, 4), jnp.int32),
+                     jnp.zeros((1, 4), jnp.int32), causal_mask(1, 4)))[0]]
+  norms = _split(named, lambda n: n.endswith("['scale']"))  # 1-D norm scales stay replicated
+  kv = _split(named, lambda n: n.endswith("['k']") or n.endswith("['v']"))
+  rest = elements(leaf for _, leaf in named) - norms
+  f32 = 4
+  plan = memory_plan(tiny_config(mesh=MeshConfig(1, 2, 2)), TINY)  # every weight splits 4 ways
+  assert plan.params == f32 * (rest // 4 + norms)
+  # tensor=4 cannot split 2 KV heads: K and V are replicated over tensor and count fully.
+  plan = memory_plan(tiny_config(mesh=MeshConfig(1, 1, 4)), TINY)
+  assert plan.params == f32 * ((rest - kv) // 4 + kv + norms)
+
+
+def test_non_dividing_mesh_is_refused():
+  with pytest.raises(ConfigError, match="does not divide over mesh axis tensor of size 3"):
+    memory_plan(tiny_config(mesh=MeshConfig(1, 1, 3)), TINY)
+
+
+# ------------------------------------------------------------------------------------------ estimates
+
+
+def test_remat_tensor_and_bonbon_move_the_estimate_the_right_way():
+  base = memory_plan(tiny_config(), TINY)
+  assert memory_plan(tiny_config(remat=True), TINY).activations < base.activations
+  assert memory_plan(tiny_config(mesh=MeshConfig(1, 1, 2)), TINY).activations < base.activations
+  bonbon = memory_plan(tiny_config(objective="bonbon"), TINY)
+  assert bonbon.activations > base.activations and bonbon.reference > 0 and base.reference == 0
+  assert base.total == base.params + base.grads + base.optimizer + base.activations + base.batch
+
+
+def test_plan_checks_the_hardware():
+  with pytest.raises(ConfigError, match="v4-8 has 4 chips"):
+    memory_plan(tiny_config(hardware="v4-8", mesh=MeshConfig(1, 2, 1)), TINY)
+  with pytest.raises(ConfigError, match="unknown hardware 'v9'"):
+    memory_plan(tiny_config(hardware="v9"), TINY)
+  assert peak_flops_per_device("v5p-8") == 459e12
+  assert peak_flops_per_device("h100x8", "float32") == 494.7e12
+
+
+def test_check_fits_refuses_with_the_plan():
+  config = load_train_config(CONFIG_DIR / "gemma7b_sft_h100x1.json", param_dtype="float32", mu_dtype="float32")
+  with pytest.raises(ConfigError) as refused:
+    check_fits(config, PRESETS["gemma1-7b"])
+  first, *table = str(refused.value).splitlines()
+  assert first.startswith("does not fit: training needs") and "h100x1" in first
+  assert "DOES NOT FIT" in table[-1] and any(line.strip().startswith("parameters (float32)") for line in table)
+
+
+def test_format_plan_lists_every_line():
+  text = format_plan(plan_for(tiny_config(objective="bonbon")))
+  for label in ("parameters", "gradients", "optimizer state (mu float32, nu float32)", "activations", "batch",
+                "total", "reference total", "usable", "headroom"):
+    assert label in text
+
+
+def test_model_resolution(tmp_path):
+  from pasta_jax.model.weights import config_to_hf
+  (tmp_path / "config.json").write_text(json.dumps(config_to_hf(TINY)))
+  resolved = resolve_model_config(str(tmp_path))
+  assert (resolved.num_layers, resolved.embed_dim, resolved.vocab_size) == (6, 64, 512)
+  with pytest.raises(ConfigError, match="neither a preset"):
+    resolve_model_config("gemma-9000")
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def write_config(tmp_path, **fields) -> str:
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps({"comment": "test", **fields}))
+  return str(path)
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+  fits = write_config(tmp_path, model="tiny-gemma3", hardware="cpu", batch_size=4, seq_len=32)
+  assert main(["plan", fits]) == 0
+  assert "fits" in capsys.readouterr().out
+
+  assert main(["plan", str(CONFIG_DIR / "gemma7b_sft_h100x1.json"), "--seq-len", "4096"]) == 1
+  out, err = capsys.readouterr()
+  assert "DOES NOT FIT" in out
+  assert err.strip().count("\n") == 0 and "does not fit" in err
+
+  assert main(["plan", fits, "--mesh", "1,1,3"]) == 2
+  assert "does not divide" in capsys.readouterr().err
+
+
+def test_unknown_field_is_refused_naming_it(tmp_path, capsys):
+  path = write_config(tmp_path, model="tiny-gemma3", hardware="cpu", batchsize=4)
+  with pytest.raises(ConfigError, match="batchsize"):
+    load_train_config(path)
+  assert main(["plan", path]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("pasta: error:") and "batchsize" in err
