@@ -26,6 +26,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--out", required=True, help="run directory: checkpoints, metrics, exported model")
   parser.add_argument("--mesh", help="data,fsdp,tensor (e.g. 2,2,2); default: all devices on data")
   parser.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None)
+  parser.add_argument("--multi-host", action="store_true",
+                      help="call jax.distributed.initialize() (auto when the environment names several hosts)")
   parser.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after this step; schedule unchanged")
   for flag, (_, kind) in OVERRIDES.items():
     parser.add_argument(flag, type=kind)

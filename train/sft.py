@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 import jax
 
@@ -23,6 +22,7 @@ from pasta_jax.data.pipeline import annotate_records, layout_dataset
 from pasta_jax.data.sources import DataError
 from pasta_jax.data.tfds_builders import data_source
 from pasta_jax.model.load import load_model
+from pasta_jax.paths import is_remote, run_path
 from pasta_jax.training.distributed import is_main_process, maybe_initialize_distributed
 from pasta_jax.training.plots import plot_loss_curve
 from pasta_jax.training.trainer import Trainer
@@ -61,7 +61,7 @@ def training_records(args, tokenizer) -> tuple[list[dict], list[dict]]:
   return train, held_out
 
 
-def sample_held_out(model_dir: Path, prompts: list[str], out_dir: Path, tokens: int) -> str:
+def sample_held_out(model_dir, prompts: list[str], out_dir, tokens: int) -> str:
   from pasta_jax.decode import api
   model = load_model(model_dir)
   results = api.generate(model, prompts, max_new_tokens=tokens, chat=True)
@@ -80,7 +80,7 @@ def sample_held_out(model_dir: Path, prompts: list[str], out_dir: Path, tokens: 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  maybe_initialize_distributed()
+  maybe_initialize_distributed(force=args.multi_host)
   config = train_config(args, jax.device_count(), objective=args.objective)
   model = load_model(model_path(args))
   train, held_out = training_records(args, model.tokenizer)
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
                            epochs=config.epochs, shard_index=jax.process_index(), shard_count=jax.process_count())
   annotated = sum(bool(r.get("annotated")) for r in train)
   print(f"data: {len(train)} records ({annotated} annotated); {dataset.report.summary()}; {len(dataset)} steps")
-  out = Path(args.out)
+  out = run_path(args.out)
   result = Trainer(config, model, dataset, out).run(args.stop_after)
   if not is_main_process():
     return 0
@@ -100,7 +100,9 @@ def main(argv=None) -> int:
     print(f"stopped after step {result.steps}; run the same command again to resume")
     return 0
   print(f"model: {result.model_dir}")
-  if args.sample and held_out:
+  if args.sample and held_out and is_remote(args.out):
+    print("--sample skipped: the model is remote; load it locally with pasta generate --pasta")
+  elif args.sample and held_out:
     from pasta_jax.data.encode import record_prompt
     print(sample_held_out(result.model_dir, [record_prompt(r) for r in held_out[:args.sample]], out,
                           args.sample_tokens))

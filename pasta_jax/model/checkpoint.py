@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,8 @@ FORMAT = 1
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
-  return (Path(path) / META_FILE).is_file()
+  from pasta_jax.paths import run_path
+  return (run_path(path) / META_FILE).is_file()
 
 
 def config_to_dict(config: GemmaConfig) -> dict[str, Any]:
@@ -61,20 +61,22 @@ def _label(config: GemmaConfig) -> str:
 
 def save_checkpoint(path: str | os.PathLike, params: dict, config: GemmaConfig, *, tokenizer=None,
                     tokenizer_source: str | None = None, step: int | None = None,
-                    extra: dict[str, Any] | None = None, overwrite: bool = False) -> Path:
+                    extra: dict[str, Any] | None = None, overwrite: bool = False):
   """Save params ({'params': ...}) and config; with `tokenizer` (a Tokenizer) its files go alongside.
 
   tokenizer_source: where the tokenizer can be reloaded from (a .gguf or HF folder) when its files
   are not saved; a given `tokenizer` records its own source.
   """
   import orbax.checkpoint as ocp
-  path = Path(path).absolute()  # Orbax requires absolute paths
+
+  from pasta_jax.paths import run_path, save_folder
+  path = run_path(path)  # local (absolute, as Orbax requires) or remote (gs://)
   if path.exists() and any(path.iterdir()):
     if not overwrite:
       raise WeightsError(f"checkpoint directory {path} is not empty (pass overwrite=True to replace it)")
     if not is_checkpoint(path):  # overwrite replaces a checkpoint, never an arbitrary folder
       raise WeightsError(f"refusing to overwrite {path}: it is not empty and not a pasta checkpoint")
-    shutil.rmtree(path)
+    path.rmtree()
   path.mkdir(parents=True, exist_ok=True)
   leaves = jax.tree.leaves(params)
   dtype = str(leaves[0].dtype) if leaves else "float32"
@@ -82,7 +84,7 @@ def save_checkpoint(path: str | os.PathLike, params: dict, config: GemmaConfig, 
   checkpointer.save(path / PARAMS_DIR, params, force=True)
   checkpointer.wait_until_finished()
   if tokenizer is not None:
-    tokenizer.save(path / TOKENIZER_DIR)
+    save_folder(path / TOKENIZER_DIR, tokenizer.save)
     tokenizer_source = tokenizer_source or tokenizer.source
   meta = {"format": FORMAT, "config": config_to_dict(config), "dtype": dtype,
           "tokenizer_source": tokenizer_source, "step": step, "extra": extra or {}}

@@ -196,6 +196,9 @@ class Gemma(nn.Module):
   config: GemmaConfig
   dtype: jnp.dtype = jnp.float32
   remat: bool = False  # training: keep only each layer's input, recompute the rest in the backward pass
+  # Training on a mesh: pin activations to the batch sharding (examples over data x fsdp). Without it XLA
+  # may gather the whole micro-batch onto every device instead of gathering the fsdp-sharded weights.
+  mesh: jax.sharding.Mesh | None = None
 
   @nn.compact
   def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None,
@@ -204,6 +207,7 @@ class Gemma(nn.Module):
     embedding = self.param("embedder", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.embed_dim))
     x = jnp.take(embedding, tokens, axis=0).astype(self.dtype)
     x = x * jnp.asarray(cfg.embed_dim**0.5, self.dtype)
+    x = self._constrain(x)
     if kv_positions is None:
       if pool is not None and "local" in cfg.layer_kinds:
         raise ValueError("kv_positions [B, S] is required with a pool: sliding-window layers compare positions")
@@ -213,13 +217,28 @@ class Gemma(nn.Module):
     block = nn.remat(Block) if self.remat else Block
     for i, kind in enumerate(cfg.layer_kinds):
       x, pk, pv = block(cfg, kind, i, name=f"layer_{i}")(x, positions, mask, kv_positions, pk, pv, slots)
+      x = self._constrain(x)
     x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
     logits = jnp.einsum("bqd,vd->bqv", x, embedding.astype(self.dtype), preferred_element_type=jnp.float32)
-    logits = softcap(logits, cfg.final_logit_softcap)
+    logits = self._constrain(softcap(logits, cfg.final_logit_softcap), last="tensor")
     new_pool = None if pool is None else KVPool(pk, pv)
     if return_hidden:
       return logits, new_pool, x
     return logits, new_pool
+
+  def _constrain(self, x: Array, last: str | None = None) -> Array:
+    return x if self.mesh is None else _batch_constraint(x, self.mesh, last)
+
+
+def _batch_constraint(x: Array, mesh, last: str | None) -> Array:
+  """[B, Q, X] pinned to examples over data x fsdp (and X over `last` when it divides)."""
+  from jax.sharding import NamedSharding, PartitionSpec
+  batch_axes = ("data", "fsdp")
+  if x.shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]):
+    return x
+  if last is not None and x.shape[-1] % mesh.shape[last]:
+    last = None
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(batch_axes, None, last)))
 
 
 def causal_mask(batch: int, length: int, lengths: Array | None = None) -> Array:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -18,6 +17,7 @@ import orbax.checkpoint as ocp
 from pasta_jax.errors import ConfigError
 from pasta_jax.model.checkpoint import config_from_dict, config_to_dict, describe_difference
 from pasta_jax.model.config import GemmaConfig
+from pasta_jax.paths import run_path
 from pasta_jax.training.config import TrainConfig
 from pasta_jax.training.state import TrainState
 
@@ -30,7 +30,7 @@ class TrainCheckpoints:
   """Save every `save_every` steps, keep the newest `keep`, restore the latest."""
 
   def __init__(self, directory: str | os.PathLike, model_config: GemmaConfig, train_config: TrainConfig):
-    self.directory = Path(directory).absolute()  # Orbax requires absolute paths
+    self.directory = run_path(directory)  # local (absolute) or gs://
     self.model_config = model_config
     self.train_config = train_config
     options = ocp.CheckpointManagerOptions(max_to_keep=train_config.keep_checkpoints, create=True,

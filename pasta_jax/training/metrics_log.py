@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
 from pasta_jax.model.config import GemmaConfig
+from pasta_jax.paths import is_remote, run_path
 
 
 def matmul_params(config: GemmaConfig) -> int:
@@ -32,13 +32,15 @@ class MetricsLog:
 
   def __init__(self, out_dir: str | os.PathLike, enabled: bool = True):
     self.enabled = enabled
-    self.path = Path(out_dir) / "metrics.jsonl"
+    self.path = run_path(out_dir) / "metrics.jsonl"
+    self.remote = is_remote(out_dir)
+    self.lines = self.path.read_text().splitlines(keepends=True) if enabled and self.path.exists() else []
     self.writer = None
     if enabled:
       self.path.parent.mkdir(parents=True, exist_ok=True)
       try:
         from tensorboardX import SummaryWriter  # optional
-        self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+        self.writer = SummaryWriter(str(run_path(out_dir) / "tensorboard"))
       except ImportError:
         self.writer = None
 
@@ -46,8 +48,13 @@ class MetricsLog:
     if not self.enabled:
       return
     record = {"step": step, "time": time.time(), **{k: float(v) for k, v in values.items()}}
-    with self.path.open("a") as f:
-      f.write(json.dumps(record) + "\n")
+    line = json.dumps(record) + "\n"
+    if self.remote:  # object stores cannot append: rewrite the (small) file
+      self.lines.append(line)
+      self.path.write_text("".join(self.lines))
+    else:
+      with self.path.open("a") as f:
+        f.write(line)
     if self.writer is not None:
       for key, value in values.items():
         self.writer.add_scalar(key, float(value), step)
@@ -58,7 +65,7 @@ class MetricsLog:
 
 
 def read_metrics(out_dir: str | os.PathLike) -> list[dict]:
-  path = Path(out_dir) / "metrics.jsonl"
+  path = run_path(out_dir) / "metrics.jsonl"
   if not path.exists():
     return []
   rows = []

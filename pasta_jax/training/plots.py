@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
+from pasta_jax.paths import run_path
 from pasta_jax.training.metrics_log import read_metrics
 
 
-def plot_loss_curve(out_dir: str | os.PathLike, path: str | os.PathLike | None = None, title: str = "") -> Path:
+def plot_loss_curve(out_dir: str | os.PathLike, path: str | os.PathLike | None = None, title: str = ""):
   """Writes the training loss (and a moving average) against the step; returns the PNG path."""
   import matplotlib
   matplotlib.use("Agg")
@@ -27,11 +27,12 @@ def plot_loss_curve(out_dir: str | os.PathLike, path: str | os.PathLike | None =
   ax.plot(steps, smooth, label=f"moving average ({window} steps)")
   ax.set_xlabel("optimizer step")
   ax.set_ylabel("token NLL")
-  ax.set_title(title or f"training loss: {Path(out_dir).name}")
+  ax.set_title(title or f"training loss: {run_path(out_dir).name}")
   ax.grid(alpha=0.3)
   ax.legend()
-  path = Path(path) if path else Path(out_dir) / "loss.png"
+  path = run_path(path) if path else run_path(out_dir) / "loss.png"
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  with path.open("wb") as f:  # a file object: works for gs:// too
+    fig.savefig(f, format="png", dpi=120)
   plt.close(fig)
   return path

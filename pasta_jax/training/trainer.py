@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Protocol
 
 import jax
@@ -25,6 +24,7 @@ from tqdm import tqdm
 from pasta_jax.errors import ConfigError
 from pasta_jax.model.gemma import Gemma
 from pasta_jax.model.load import LoadedModel
+from pasta_jax.paths import run_path
 from pasta_jax.training import step as step_lib
 from pasta_jax.training.checkpoints import TrainCheckpoints
 from pasta_jax.training.config import TrainConfig
@@ -45,11 +45,11 @@ class StepDataset(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class TrainResult:
-  out_dir: Path
+  out_dir: object  # epath.Path: local or gs://
   steps: int  # optimizer steps completed (including those restored)
   resumed_from: int | None
   losses: list[float]  # losses of the steps run by this call
-  model_dir: Path | None  # exported final model (None when stopped early)
+  model_dir: object | None  # exported final model (None when stopped early)
 
 
 def make_loss_fn(config: TrainConfig, apply_fn: Callable) -> step_lib.LossFn:
@@ -84,7 +84,7 @@ class Trainer:
     if len(dataset) == 0:
       raise ConfigError("the dataset yields no batches: fewer kept examples than one global batch")
     self.config, self.model, self.dataset = config, model, dataset
-    self.out_dir = Path(out_dir)
+    self.out_dir = run_path(out_dir)
     self.progress = progress and jax.process_index() == 0
     self.mesh = make_mesh(config.mesh, devices)
     if check_memory:
@@ -92,7 +92,8 @@ class Trainer:
     self.total_steps = min(len(dataset), config.max_steps) if config.max_steps > 0 else len(dataset)
     self.optimizer = make_optimizer(config, self.total_steps)
     self.schedule = learning_rate_schedule(config, self.total_steps)
-    apply_fn = Gemma(model.config, dtype=jnp.dtype(config.compute_dtype), remat=config.remat).apply
+    apply_fn = Gemma(model.config, dtype=jnp.dtype(config.compute_dtype), remat=config.remat,
+                     mesh=self.mesh if self.mesh.size > 1 else None).apply
     params = jax.tree.map(lambda x: jnp.asarray(x, config.param_dtype), model.params)
     self.state, self.shardings = create_sharded_state(params, self.optimizer, self.mesh)
     self.checkpoints = TrainCheckpoints(self.out_dir / "checkpoints", model.config, config)
@@ -150,7 +151,7 @@ class Trainer:
     peak = peak_flops_per_device(self.config.hardware, self.config.compute_dtype) * self.mesh.size
     return self.flops_per_token * tokens / seconds / peak if peak else 0.0
 
-  def _export(self) -> Path:
+  def _export(self):
     from pasta_jax.model.checkpoint import save_checkpoint
     tokenizer = self.model.tokenizer if hasattr(self.model.tokenizer, "save") else None
     params = jax.tree.map(lambda x: x, self.state.params)
@@ -158,7 +159,7 @@ class Trainer:
                            step=int(self.state.step), extra={"train": self.config.to_dict()}, overwrite=True)
 
 
-def _truncate_metrics(out_dir: Path, resume_step: int) -> None:
+def _truncate_metrics(out_dir, resume_step: int) -> None:
   """Drops metric rows of steps a killed run logged after its last checkpoint (they are re-run)."""
   path = out_dir / "metrics.jsonl"
   if not path.exists():
