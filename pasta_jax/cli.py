@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
   from pasta_jax.commands.plan import add_plan_parser
 
   add_plan_parser(sub)
+  from pasta_jax.commands.eval import build_eval_parser
+
+  build_eval_parser(sub)
   return parser
 
 
@@ -43,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
       from pasta_jax.commands.generate import run_generate
 
       return run_generate(args)
+    if args.command == "eval":
+      from pasta_jax.commands.eval import run_eval
+
+      return run_eval(args)
     if args.command == "plan":
       from pasta_jax.commands.plan import run_plan
 

@@ -1,0 +1,122 @@
+"""`pasta eval`: speed (and, with a judge, quality) of decoding methods against a baseline.
+
+  pasta eval --limit 20 --methods pasta-forced --out runs/eval20
+  pasta eval --methods pasta:runs/sft/model --baseline sequential:runs/baseline_sft/model --judge http --out ...
+
+Writes results.json, report.md and pareto.png to --out; rerunning with the same --out resumes. This
+module imports only argparse at the top, so building the CLI parser stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+from pathlib import Path
+
+JUDGE_URL_ENV = "PASTA_JUDGE_BASE_URL"
+VERDICTS_FILE = "verdicts.jsonl"
+
+
+def build_eval_parser(subparsers) -> argparse.ArgumentParser:
+  parser = subparsers.add_parser("eval", help="speed and quality of decoding methods against a baseline",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--prompts", default="alpaca_eval_805",
+                      help="alpaca_eval_805 (default), mt_bench (first turns), or any instruction JSONL")
+  parser.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts only")
+  parser.add_argument("--methods", nargs="+", default=["pasta-forced"], metavar="NAME[:MODEL]",
+                      help="methods to compare: sequential, pasta, pasta-forced, sequential-forced "
+                           "(default: pasta-forced)")
+  parser.add_argument("--baseline", default="sequential", metavar="NAME[:MODEL]",
+                      help="what methods without their own reference are measured against (default: sequential)")
+  parser.add_argument("--model", default=None,
+                      help="model of methods named without one (default: the embedded Gemma 3 270M)")
+  parser.add_argument("--out", required=True, help="output folder (resumed if it holds the same run)")
+  parser.add_argument("--max-new-tokens", type=int, default=256,
+                      help="step budget of free decodes; forced answers are cut to this many tokens")
+  parser.add_argument("--lanes", type=int, default=8, help="interpreter lanes (lane 0 is main)")
+  parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                      help="wrap prompts in Gemma chat turns, as SFT trains (default on)")
+  parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+  parser.add_argument("--judge", default="auto", metavar="auto|none|http|local[:MODEL]",
+                      help=f"pairwise judge for quality; auto = http if {JUDGE_URL_ENV} is set, else none")
+  parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+  return parser
+
+
+def run_eval(args) -> int:
+  from pasta_jax.data import sources
+  from pasta_jax.eval import methods as M
+  from pasta_jax.eval.report import speed_table, write_outputs
+  from pasta_jax.eval.runner import evaluate
+
+  check_numbers(args)
+  baseline_spec = M.parse_spec(args.baseline)
+  specs = [M.parse_spec(text) for text in args.methods]
+  records = sources.read_records(args.prompts, args.limit)
+  settings = M.DecodeSettings(max_new_tokens=args.max_new_tokens, lanes=args.lanes, chat=args.chat, dtype=args.dtype)
+  identity = dict(prompts=sources.dataset_name(args.prompts), model=args.model, **vars(settings))
+  out = Path(args.out)
+  judge, judge_note = make_judge(args.judge, out)
+  load = lambda path: M.cached_model(path)
+  baseline = M.build_method(baseline_spec, settings, load, args.model)
+  methods = [M.build_method(spec, settings, load, args.model) for spec in specs]
+  results = evaluate(records, baseline, methods, out, identity=identity, judge=judge, judge_note=judge_note,
+                     progress=args.progress)
+  results["settings"].update(baseline=baseline.name, methods=[m.name for m in methods], limit=args.limit)
+  paths = write_outputs(results, out)
+  print("\n".join(speed_table(results)))
+  judged = f"quality judged by {results['judge']['name']}" if judge is not None else "quality not judged"
+  print(f"{judged}. {judge_note}".strip())
+  print("wrote " + ", ".join(str(p) for p in paths))
+  return 0
+
+
+def check_numbers(args) -> None:
+  from pasta_jax.errors import PastaError
+
+  if args.limit is not None and args.limit < 1:
+    raise PastaError(f"--limit must be at least 1, got {args.limit}")
+  if args.max_new_tokens < 1:
+    raise PastaError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+  if args.lanes < 1:
+    raise PastaError(f"--lanes must be at least 1, got {args.lanes}")
+
+
+def make_judge(spec: str, out_dir: Path):
+  """(judge or None, a note for the report). Judges are imported lazily: speed-only runs need none."""
+  from pasta_jax.errors import PastaError
+
+  kind, _, model_path = spec.partition(":")
+  if kind == "auto":
+    if not os.environ.get(JUDGE_URL_ENV):
+      return None, f"No judge configured: set {JUDGE_URL_ENV} (or pass --judge local:MODEL) to judge quality."
+    kind = "http"
+  if kind == "none":
+    return None, "--judge none."
+  if kind not in ("http", "local"):
+    raise PastaError(f"unknown judge {spec!r}; use auto, none, http or local[:MODEL]")
+  judges = import_judges(kind)
+  if kind == "http":
+    judge, note = judges.HttpJudge(judges.EndpointConfig.from_env()), ""
+  else:
+    from pasta_jax.eval.methods import cached_model
+    judge = judges.LocalJudge(cached_model(model_path or None))
+    note = "" if model_path else ("The judge is the embedded Gemma 3 270M base model: not a meaningful judge "
+                                  "(it does not follow judging instructions); treat win rates as a smoke test.")
+  return judges.CachedJudge(judge, out_dir / VERDICTS_FILE), note
+
+
+def import_judges(kind: str):
+  from pasta_jax.errors import PastaError
+
+  needed = ("CachedJudge", "EndpointConfig", "HttpJudge") if kind == "http" else ("CachedJudge", "LocalJudge")
+  try:
+    judges = importlib.import_module("pasta_jax.judges")
+  except ImportError as err:
+    raise PastaError(f"--judge {kind} needs pasta_jax.judges, which cannot be imported: {err}") from None
+  missing = [name for name in needed if not hasattr(judges, name)]
+  if missing:
+    raise PastaError(f"--judge {kind} needs pasta_jax.judges.{', '.join(missing)}, not in this checkout yet; "
+                     "use --judge none")
+  return judges

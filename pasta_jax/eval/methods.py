@@ -1,0 +1,235 @@
+"""Decoding methods that `pasta eval` compares, as a small registry.
+
+A method turns one prompt record into a `MethodOutput`. Every method here decodes through the one
+PASTA interpreter (`decode.api.generate`), greedy, batch 1, as the paper times both sides ("baseline
+model time divided by test model time, both using the PASTA-LANG interpreter"): the baseline is then
+measured on the same machinery, so realized speedup measures parallel decoding, not the interpreter's
+overhead over plain decoding (about 7% on CPU, `bench.interpreter`).
+
+  sequential         the baseline: the model decodes freely; an untagged answer runs on one lane
+  pasta              the model decodes freely and its tags fork threads (a Pasta-SFT/BoN model)
+  pasta-forced       replays the structural annotation of the record's reference answer, truncated
+                     to --max-new-tokens; measured against its twin below, so realized speedup
+                     compares like with like (same text, same tokens, with and without tags)
+  sequential-forced  that twin: the same truncated answer without tags, replayed sequentially
+
+A method's `reference` is what it is measured against: None means the run's baseline. Methods are
+named `name[:model_path]` (no path: the run's default model). APAR and Skeleton-of-Thought belong to
+another issue: they plug in with `register_method` (see PLANNED).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+import jax.numpy as jnp
+
+from pasta_jax.data.encode import record_prompt
+from pasta_jax.data.structural import annotate
+from pasta_jax.decode import api
+from pasta_jax.errors import PastaError, TagError
+from pasta_jax.lang import metrics
+from pasta_jax.lang.text import strip_tags
+
+PLANNED = ("apar", "sot", "sot-router")  # baselines of the paper's section 5, added by another issue
+
+
+class MethodError(PastaError):
+  """An unknown method, a bad method spec, or prompts a method cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+  """What every method of one run shares (part of the run's identity for resume)."""
+
+  max_new_tokens: int = 256
+  lanes: int = 8
+  chat: bool = True  # Gemma chat turns, as SFT trains (data.encode)
+  dtype: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodOutput:
+  text: str  # the clean answer the judge sees
+  annotated: str  # promise form (= text when untagged)
+  steps: int  # interpreter steps
+  seconds: float  # wall time of the timed (second) run, compile excluded
+  theoretical_speedup: float  # own content tokens / critical path (nan if the answer is malformed)
+  parallelism: float  # content tokens / critical path
+  content_tokens: int  # tokens of the sequential answer: no tags, topics or end id
+  critical_path: float  # decode steps with unlimited lanes (nan if malformed)
+  finished: bool  # ended with an end id (not cut off by the step budget)
+  threads: int = 1  # main + forks
+  note: str = ""  # why a forced answer was replayed without tags, etc.
+
+
+class Method(Protocol):
+  name: str  # the spec it was built from, e.g. "pasta:runs/sft/model"; unique within a run
+  reference: Method | None  # what it is measured against; None: the run's baseline
+
+  def check(self, records: Sequence[Mapping[str, str]]) -> None:
+    """Raises MethodError if some record cannot be run (before any decoding starts)."""
+    ...
+
+  def run(self, record: Mapping[str, str]) -> MethodOutput:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+  name: str
+  model_path: str | None = None
+
+  @property
+  def label(self) -> str:
+    return self.name if self.model_path is None else f"{self.name}:{self.model_path}"
+
+
+# --- the interpreter methods -------------------------------------------------------------------------
+class InterpreterMethod:
+  """Greedy, batch-1 decoding through the interpreter: free, or replaying `forced(record)`."""
+
+  def __init__(self, name: str, model, settings: DecodeSettings, forced: ForcedAnswer | None = None,
+               reference: Method | None = None):
+    self.name, self.model, self.settings, self.forced, self.reference = name, model, settings, forced, reference
+
+  def check(self, records: Sequence[Mapping[str, str]]) -> None:
+    if self.forced is not None:
+      self.forced.check(records, self.name)
+
+  def run(self, record: Mapping[str, str]) -> MethodOutput:
+    s = self.settings
+    answer, note, budget = self.forced(record) if self.forced is not None else (None, "", s.max_new_tokens)
+    [result] = api.generate(self.model, [record_prompt(record)], max_new_tokens=budget, lanes=s.lanes, chat=s.chat,
+                            dtype=jnp.dtype(s.dtype), forced_answers=None if answer is None else [answer])
+    return output_of(result, self.model.tokenizer.tag_vocab(), note)
+
+
+def output_of(result: api.PastaResult, vocab, note: str = "") -> MethodOutput:
+  return MethodOutput(text=result.text, annotated=result.annotated, steps=result.steps, seconds=result.seconds,
+                      theoretical_speedup=result.theoretical_speedup, parallelism=result.theoretical_parallelism,
+                      content_tokens=result.content_tokens, critical_path=critical_path(result.records, vocab),
+                      finished=result.finished, threads=len(result.threads), note=note)
+
+
+def critical_path(records, vocab) -> float:
+  try:
+    return float(metrics.answer_metrics(metrics.annotated_from_records(records, vocab), vocab).critical_path)
+  except TagError:  # cut off inside a block: no well-defined answer
+    return math.nan
+
+
+class ForcedAnswer:
+  """The answer a forced method replays: the record's reference answer cut to the token budget, with
+  the structural annotation (`tagged=True`) or without tags (its sequential twin)."""
+
+  def __init__(self, model, budget: int, tagged: bool):
+    self.tokenizer = api.LangTokenizer(model.tokenizer)
+    self.vocab = model.tokenizer.tag_vocab()
+    self.budget, self.tagged = budget, tagged
+
+  def check(self, records: Sequence[Mapping[str, str]], method: str) -> None:
+    missing = [r["id"] for r in records if not reference_answer(r)]
+    if missing:
+      raise MethodError(f"{method} replays reference answers, but {len(missing)} prompt(s) have none "
+                        f"(first: id {missing[0]}); use prompts with answers (alpaca_eval_805, or a JSONL "
+                        "with output/reference/annotated)")
+
+  def __call__(self, record: Mapping[str, str]) -> tuple[str, str, int]:
+    """(answer to replay, note, step budget). The budget fits the tagged answer, and is the same for both
+    twins: equal pools and step budgets, so their per-step costs compare."""
+    tagged, plain, note = self.answers(record)
+    try:
+      scripts = api.forced_scripts(tagged, self.tokenizer, self.vocab)
+    except TagError as err:
+      raise MethodError(f"prompt {record['id']}: its annotated answer cannot be replayed: {err}") from None
+    budget = max(self.budget, sum(len(t) for t in scripts) + 2 * len(scripts))  # as decode.api.prepare sizes it
+    return (tagged, note, budget) if self.tagged else (plain, "", budget)
+
+  def answers(self, record: Mapping[str, str]) -> tuple[str, str, str]:
+    """(tagged answer, its tag-free twin, note). Given annotations are replayed whole; otherwise the
+    reference answer is cut to the token budget and annotated structurally."""
+    if record.get("annotated"):
+      return record["annotated"], strip_tags(record["annotated"]), ""
+    plain = self.truncated(reference_answer(record))
+    annotated = annotate(plain, lambda text: len(self.tokenizer.encode(text)))
+    if annotated is None:
+      return plain, plain, "no list structure: replayed without tags"
+    try:
+      api.forced_scripts(annotated, self.tokenizer, self.vocab)
+    except TagError as err:
+      return plain, plain, f"annotation rejected ({err}): replayed without tags"
+    return annotated, plain, ""
+
+  def truncated(self, answer: str) -> str:
+    ids = self.tokenizer.encode(answer)
+    return answer if len(ids) <= self.budget else self.tokenizer.decode(ids[: self.budget])
+
+
+def reference_answer(record: Mapping[str, str]) -> str:
+  return record.get("reference") or record.get("output") or ""
+
+
+# --- the registry ------------------------------------------------------------------------------------
+MethodFactory = Callable[[MethodSpec, object, DecodeSettings], Method]  # (spec, loaded model, settings)
+
+
+def _sequential(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
+  return InterpreterMethod(spec.label, model, settings)
+
+
+def _pasta(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
+  return InterpreterMethod(spec.label, model, settings)  # the same loop: the model's own tags fork
+
+
+def _sequential_forced(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
+  return InterpreterMethod(spec.label, model, settings, ForcedAnswer(model, settings.max_new_tokens, tagged=False))
+
+
+def _pasta_forced(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
+  twin = _sequential_forced(MethodSpec("sequential-forced", spec.model_path), model, settings)
+  return InterpreterMethod(spec.label, model, settings, ForcedAnswer(model, settings.max_new_tokens, tagged=True),
+                           reference=twin)
+
+
+METHODS: dict[str, MethodFactory] = {
+  "sequential": _sequential,
+  "pasta": _pasta,
+  "pasta-forced": _pasta_forced,
+  "sequential-forced": _sequential_forced,
+}
+
+
+def register_method(name: str, factory: MethodFactory) -> None:
+  """The extension point (APAR, SoT, SoT-router): `factory(spec, model, settings)` -> a Method."""
+  METHODS[name] = factory
+
+
+def parse_spec(text: str) -> MethodSpec:
+  """'name' or 'name:model_path' -> MethodSpec; unknown names raise MethodError listing the known ones."""
+  name, colon, path = text.strip().partition(":")
+  if name not in METHODS:
+    known = ", ".join(METHODS)
+    if name in PLANNED:
+      raise MethodError(f"method {name!r} is planned but not implemented yet; known methods: {known}")
+    raise MethodError(f"unknown method {name!r}; known methods: {known} (write name or name:model_path)")
+  if colon and not path:
+    raise MethodError(f"method spec {text!r} has an empty model path after ':'")
+  return MethodSpec(name, path or None)
+
+
+def build_method(spec: MethodSpec, settings: DecodeSettings, load: Callable[[str | None], object],
+                 default_model: str | None = None) -> Method:
+  """The method for `spec`; `load(path)` gives a loaded model (None: the embedded one)."""
+  return METHODS[spec.name](spec, load(spec.model_path or default_model), settings)
+
+
+@functools.lru_cache(maxsize=4)
+def cached_model(path: str | None):
+  """Each model loaded once per process (a baseline and a method often share one)."""
+  from pasta_jax.model.load import load_model
+  return load_model(path)

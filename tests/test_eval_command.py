@@ -1,0 +1,114 @@
+"""`pasta eval` through its command function: an end-to-end run on the tiny model, and one-line user errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import types
+
+import pytest
+
+from pasta_jax.commands.eval import build_eval_parser, make_judge, run_eval
+from pasta_jax.errors import PastaError
+from pasta_jax.eval import methods as M
+from tests.tiny import tiny_model
+
+RECORDS = [
+  dict(id="colors", instruction="Name two colors.", output="Colors:\n- red\n- blue\n"),
+  dict(id="fruits", instruction="Name two fruits.", output="Fruits:\n1. apple\n2. pear\n"),  # cut to 24 tokens
+]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="pasta")
+  build_eval_parser(parser.add_subparsers(dest="command", required=True))
+  return parser.parse_args(["eval", *argv])
+
+
+def write_prompts(tmp_path, records=RECORDS):
+  path = tmp_path / "prompts.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  return str(path)
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+  """User errors must be caught before any model is loaded."""
+  monkeypatch.setattr(M, "cached_model", lambda path: pytest.fail("loaded a model before checking the input"))
+
+
+def test_end_to_end_on_the_tiny_model(tmp_path, monkeypatch, capsys):
+  model = tiny_model()
+  monkeypatch.setattr(M, "cached_model", lambda path: model)
+  monkeypatch.delenv("PASTA_JUDGE_BASE_URL", raising=False)
+  out = tmp_path / "run"
+  args = parse("--prompts", write_prompts(tmp_path), "--methods", "pasta-forced", "--out", str(out),
+               "--max-new-tokens", "24", "--lanes", "4", "--no-progress")
+  assert run_eval(args) == 0
+  printed = capsys.readouterr().out
+  assert "| `pasta-forced` | `sequential-forced` | 2 |" in printed and "quality not judged" in printed
+  results = json.loads((out / "results.json").read_text())
+  assert [(m["name"], m["role"]) for m in results["methods"]] == [
+    ("sequential", "baseline"), ("sequential-forced", "reference"), ("pasta-forced", "method")]
+  assert results["settings"]["prompts"] == "prompts" and results["settings"]["max_new_tokens"] == 24
+  colors = results["prompts"][0]["runs"]
+  assert colors["pasta-forced"]["text"] == colors["sequential-forced"]["text"] == RECORDS[0]["output"]
+  assert colors["pasta-forced"]["threads"] == 3 and colors["sequential-forced"]["threads"] == 1  # two list items
+  assert "<promise" in colors["pasta-forced"]["annotated"]
+  assert results["prompts"][1]["runs"]["sequential-forced"]["content_tokens"] == 24  # the answer cut to the budget
+  pasta = results["methods"][2]
+  assert pasta["speed"]["realized_speedup"]["n"] == 2 and math.isfinite(pasta["speed"]["realized_speedup"]["geometric"])
+  expected = [r["runs"]["sequential-forced"]["content_tokens"] / r["runs"]["pasta-forced"]["critical_path"]
+              for r in results["prompts"]]
+  assert pasta["speed"]["theoretical_speedup"]["geometric"] == pytest.approx(math.prod(expected) ** 0.5)
+  assert not results["judge"]["judged"] and "PASTA_JUDGE_BASE_URL" in results["judge"]["note"]
+  assert (out / "report.md").exists() and (out / "pareto.png").exists()
+  # A second run finds every decode done: nothing is decoded again.
+  monkeypatch.setattr(M.InterpreterMethod, "run", lambda *a: pytest.fail("decoded again on resume"))
+  assert run_eval(args) == 0
+
+
+def test_unknown_and_planned_methods_list_the_known_ones(tmp_path, no_model_loads):
+  with pytest.raises(PastaError, match="unknown method 'bogus'; known methods: sequential, pasta, pasta-forced"):
+    run_eval(parse("--methods", "bogus", "--out", str(tmp_path)))
+  with pytest.raises(PastaError, match="'apar' is planned but not implemented yet; known methods: sequential"):
+    run_eval(parse("--methods", "apar", "--out", str(tmp_path)))
+  with pytest.raises(PastaError, match="empty model path"):
+    run_eval(parse("--methods", "pasta:", "--out", str(tmp_path)))
+
+
+def test_missing_prompts_file(tmp_path, no_model_loads):
+  with pytest.raises(PastaError, match="no such data file: .*nope.jsonl"):
+    run_eval(parse("--prompts", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path)))
+
+
+def test_limit_must_be_positive(tmp_path, no_model_loads):
+  with pytest.raises(PastaError, match="--limit must be at least 1, got 0"):
+    run_eval(parse("--limit", "0", "--out", str(tmp_path)))
+
+
+def test_forced_methods_need_reference_answers(tmp_path, monkeypatch):
+  monkeypatch.setattr(M, "cached_model", lambda path: tiny_model())
+  prompts = write_prompts(tmp_path, [dict(question_id=81, turns=["Write a poem."])])  # MT-Bench: no reference
+  with pytest.raises(PastaError, match="pasta-forced replays reference answers, but 1 prompt"):
+    run_eval(parse("--prompts", prompts, "--judge", "none", "--out", str(tmp_path / "run")))
+
+
+def test_judges_are_built_lazily_and_cached_in_the_run_folder(tmp_path, monkeypatch):
+  monkeypatch.delenv("PASTA_JUDGE_BASE_URL", raising=False)
+  assert make_judge("auto", tmp_path)[0] is None
+  assert make_judge("none", tmp_path) == (None, "--judge none.")
+  with pytest.raises(PastaError, match="unknown judge 'oracle'"):
+    make_judge("oracle", tmp_path)
+  fake = types.ModuleType("pasta_jax.judges")
+  fake.LocalJudge = lambda model: ("local", model)
+  fake.CachedJudge = lambda judge, path: ("cached", judge, path)
+  monkeypatch.setitem(sys.modules, "pasta_jax.judges", fake)
+  monkeypatch.setattr(M, "cached_model", lambda path: f"model at {path}")
+  judge, note = make_judge("local:some/model", tmp_path)
+  assert judge == ("cached", ("local", "model at some/model"), tmp_path / "verdicts.jsonl") and note == ""
+  assert "not a meaningful judge" in make_judge("local", tmp_path)[1]
+  with pytest.raises(PastaError, match=r"needs pasta_jax.judges.EndpointConfig, HttpJudge"):
+    make_judge("http", tmp_path)
