@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -154,8 +155,7 @@ class Trainer:
   def _export(self):
     from pasta_jax.model.checkpoint import save_checkpoint
     tokenizer = self.model.tokenizer if hasattr(self.model.tokenizer, "save") else None
-    params = jax.tree.map(lambda x: x, self.state.params)
-    return save_checkpoint(self.out_dir / "model", params, self.model.config, tokenizer=tokenizer,
+    return save_checkpoint(self.out_dir / "model", self.state.params, self.model.config, tokenizer=tokenizer,
                            step=int(self.state.step), extra={"train": self.config.to_dict()}, overwrite=True)
 
 
@@ -164,7 +164,6 @@ def _truncate_metrics(out_dir, resume_step: int) -> None:
   path = out_dir / "metrics.jsonl"
   if not path.exists():
     return
-  import json
   kept = []
   for line in path.read_text().splitlines():
     try:
