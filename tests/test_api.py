@@ -18,34 +18,11 @@ from pasta_jax.data.structural import annotate
 from pasta_jax.decode import api
 from pasta_jax.errors import PastaError, TagError
 from pasta_jax.lang import metrics
-from pasta_jax.lang.tags import TagVocab
 from pasta_jax.lang.text import strip_tags
 from pasta_jax.lang.tokens import encode_answer
 from pasta_jax.model.config import get_config
 from pasta_jax.model.gemma import Gemma
-
-BOS, EOS = 2, 1
-TEXT_BASE = 100  # character c -> TEXT_BASE + ord(c) (ASCII only), above the tag ids 10..65
-
-
-class CharTokenizer:
-  """Tokenizer-like: one id per ASCII character, tags on ids 10.., explicit BOS."""
-
-  hf = None
-  eos_ids = (EOS,)
-
-  def encode(self, text: str, add_bos: bool = True) -> list[int]:
-    return ([BOS] if add_bos else []) + [TEXT_BASE + ord(c) for c in text]
-
-  def decode(self, ids) -> str:
-    return "".join(chr(i - TEXT_BASE) for i in ids if i >= TEXT_BASE)
-
-  def chat_prompt(self, text: str) -> str:
-    return f"<u>{text}<m>"
-
-  def tag_vocab(self) -> TagVocab:
-    return TagVocab.from_base(10, self.eos_ids)
-
+from tests.tiny import CharTokenizer
 
 ANSWER = ('Two tips:\n<promise topic="sleep" tokens="20"/><async>- Sleep eight hours.\n</async>'
           '<promise topic="food" tokens="10"/><async>- Eat greens.\n</async><sync/>Done.')
