@@ -10,7 +10,7 @@ Prompts use Gemma's chat turns; the answer ends with `<end_of_turn>` (the chat e
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pasta_jax.decode.api import LangTokenizer, chat_text
@@ -27,8 +27,8 @@ class ExampleTooLong(PastaError):
 
 @dataclasses.dataclass(frozen=True)
 class EncodeConfig:
-  seq_len: int = 1024
-  num_threads: int = 16
+  seq_len: int | None = 1024  # None: the example's own length, unpadded (reference log-probs)
+  num_threads: int | None = 16  # None: the example's own thread count
   position_mode: PositionMode = "pred"
   objective: str = "sft"  # "sft" | "baseline_sft"
   chat: bool = True
@@ -74,7 +74,23 @@ def encode_example(record: Mapping[str, Any], tokenizer, vocab: TagVocab, config
   else:
     layout = layout_example(prompt, encode_answer(answer_text, lang, vocab), vocab, mode=config.position_mode,
                             eos_id=end)
-  if layout.length > config.seq_len or layout.num_threads > config.num_threads:
-    raise ExampleTooLong(f"record {record.get('id', '?')!r} needs {layout.length} tokens x {layout.num_threads} "
-                         f"threads; the configured shape is {config.seq_len} x {config.num_threads}")
-  return pad_layout(layout, config.seq_len, config.num_threads)
+  return fit_layout(layout, config, str(record.get("id", "?")))
+
+
+def encode_ids(prompt: str, answer_ids: Sequence[int], tokenizer, vocab: TagVocab, config: EncodeConfig,
+               where: str = "?") -> Layout:
+  """The padded layout of an answer given as token ids (a sampled answer, exactly as it was decoded:
+  re-tokenizing its text could split it differently and change log p(y|x))."""
+  prompt_ids = prompt_token_ids(tokenizer, prompt, config.chat)
+  layout = layout_example(prompt_ids, answer_ids, vocab, mode=config.position_mode,
+                          eos_id=end_id(tokenizer, vocab, config.chat))
+  return fit_layout(layout, config, where)
+
+
+def fit_layout(layout: Layout, config: EncodeConfig, where: str) -> Layout:
+  seq_len = layout.length if config.seq_len is None else config.seq_len
+  num_threads = layout.num_threads if config.num_threads is None else config.num_threads
+  if layout.length > seq_len or layout.num_threads > num_threads:
+    raise ExampleTooLong(f"record {where!r} needs {layout.length} tokens x {layout.num_threads} "
+                         f"threads; the configured shape is {seq_len} x {num_threads}")
+  return pad_layout(layout, seq_len, num_threads)

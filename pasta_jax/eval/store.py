@@ -9,18 +9,14 @@ Methods and --limit may change between reruns: finished decodes are keyed by (me
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-from pasta_jax.errors import PastaError
+from pasta_jax import runfiles
 from pasta_jax.eval.methods import MethodOutput
+from pasta_jax.runfiles import RunDirError  # noqa: F401  (re-exported: callers catch it from here)
 
 RUN_FILE = "run.json"
 PARTIAL_FILE = "partial.jsonl"
-
-
-class RunDirError(PastaError):
-  """--out holds a different run, or files that cannot be read."""
 
 
 class RunStore:
@@ -30,43 +26,17 @@ class RunStore:
 
   def claim(self, identity: dict) -> None:
     """Creates the folder for this run, or checks that the run already in it is the same one."""
-    try:
-      self.dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-      raise RunDirError(f"cannot create --out folder {self.dir}: {err.strerror}") from None
-    run_file = self.dir / RUN_FILE
-    if run_file.exists():
-      try:
-        previous = json.loads(run_file.read_text())
-      except (OSError, json.JSONDecodeError) as err:
-        raise RunDirError(f"cannot read {run_file} ({err}); use another --out") from None
-      changed = sorted(k for k in set(previous) | set(identity) if previous.get(k) != identity.get(k))
-      if changed:
-        diffs = "; ".join(f"{k}: {previous.get(k)!r} then, {identity.get(k)!r} now" for k in changed)
-        raise RunDirError(f"{self.dir} holds a run with other settings ({diffs}); use another --out or the same "
-                          "settings")
-    else:
-      run_file.write_text(json.dumps(identity, indent=2) + "\n")
+    runfiles.claim(self.dir, identity, RUN_FILE)
 
   def finished(self) -> dict[tuple[str, str], MethodOutput]:
     """Finished decodes by (method label, prompt id); a line cut off by an interruption is skipped."""
     done: dict[tuple[str, str], MethodOutput] = {}
-    if not self.partial.exists():
-      return done
-    text = self.partial.read_text()
-    if text and not text.endswith("\n"):  # end the half-written line, so the next append starts clean
-      with open(self.partial, "a") as f:
-        f.write("\n")
-    for line in text.splitlines():
+    for row in runfiles.read_rows(self.partial):
       try:
-        row = json.loads(line)
         done[(row["method"], row["id"])] = MethodOutput(**row["output"])
-      except (json.JSONDecodeError, KeyError, TypeError):
-        continue  # the last line of a killed run, half written
+      except (KeyError, TypeError):
+        continue
     return done
 
   def append(self, method: str, prompt_id: str, output: MethodOutput) -> None:
-    line = json.dumps(dict(method=method, id=prompt_id, output=dataclasses.asdict(output)))
-    with open(self.partial, "a") as f:
-      f.write(line + "\n")
-      f.flush()
+    runfiles.append_row(self.partial, dict(method=method, id=prompt_id, output=dataclasses.asdict(output)))

@@ -1,0 +1,153 @@
+"""The resumable preference pipeline: sample -> baseline -> judge -> pairs.
+
+  <out>/run.json        the settings (a rerun with other settings into the same folder is refused)
+  <out>/samples.jsonl   per prompt: its N samples (exact ids) and the baseline's greedy answer
+  <out>/verdicts.jsonl  every judgement (`CachedJudge`): a resumed run never judges a pair twice
+  <out>/scores.jsonl    per prompt: every sample's speedup, quality and score, and the pair chosen
+                        (or why there is none)
+  <out>/pairs.jsonl     the pairs: prompt, chosen and rejected answers with their scores; the
+                        reference log-probs are added by `reference.add_reference_logprobs`
+Every file is appended one prompt at a time, so a killed run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from pasta_jax import runfiles
+from pasta_jax.data.encode import record_prompt
+from pasta_jax.errors import PastaError
+from pasta_jax.judges.base import Judge
+from pasta_jax.preference import scoring
+from pasta_jax.preference.config import PreferenceConfig
+from pasta_jax.preference.sampling import Sample, greedy_answers, sample_answers
+
+SAMPLES, SCORES, PAIRS, VERDICTS = "samples.jsonl", "scores.jsonl", "pairs.jsonl", "verdicts.jsonl"
+NO_VALID_PAIR, ALL_TIED = "fewer than 2 well-formed samples", "every sample scored the same"
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildSummary:
+  prompts: int
+  pairs: int
+  dropped: dict[str, int]  # reason -> prompts
+  well_formed_share: float  # of all samples
+  chosen_speedup: float  # means over pairs
+  rejected_speedup: float
+  chosen_quality: float
+  rejected_quality: float
+
+  def line(self) -> str:
+    dropped = ", ".join(f"{n} {reason}" for reason, n in self.dropped.items()) or "none"
+    return (f"{self.pairs} pairs from {self.prompts} prompts (dropped: {dropped}); well-formed samples "
+            f"{self.well_formed_share:.0%}; speedup chosen {self.chosen_speedup:.2f} vs rejected "
+            f"{self.rejected_speedup:.2f}; quality chosen {self.chosen_quality:.2f} vs rejected {self.rejected_quality:.2f}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Samplers:
+  """How answers are drawn: the batched interpreter by default; tests substitute forced replays."""
+
+  sample: Callable = sample_answers  # (model, prompts, cfg, *, seed) -> [P][N] Samples
+  greedy: Callable = greedy_answers  # (model, prompts, cfg) -> [P] Samples
+
+
+def build_pairs(policy, baseline, records: Sequence[Mapping[str, Any]], judge: Judge | None, cfg: PreferenceConfig,
+                out_dir: str | Path, *, identity: dict | None = None, samplers: Samplers = Samplers(),
+                progress: bool = True) -> BuildSummary:
+  """Samples the policy, scores against the baseline (and each record's `output`), writes the pairs.
+
+  judge may be None only when quality_weight is 0 (speed alone decides).
+  """
+  if judge is None and cfg.quality_weight != 0:
+    raise PastaError(f"scoring with quality_weight={cfg.quality_weight} needs a judge: set PASTA_JUDGE_BASE_URL "
+                     "or pass --judge local:MODEL (or --quality-weight 0 to rank by speedup alone)")
+  out = runfiles.claim(out_dir, {**dataclasses.asdict(cfg), "quality_weight": str(cfg.quality_weight),
+                                 **(identity or {})})
+  records = list(records)
+  _sample_pending(policy, baseline, records, cfg, out, samplers, progress)
+  sampled = {row["id"]: row for row in runfiles.read_rows(out / SAMPLES)}
+  scored = {row["id"] for row in runfiles.read_rows(out / SCORES)}
+  pending = [sampled[str(r["id"])] for r in records if str(r["id"]) not in scored]
+  for row in tqdm(pending, desc="judging", unit="prompt", disable=not progress):
+    _score_prompt(row, judge, cfg, out)
+  return summarize(out, {str(r["id"]) for r in records})
+
+
+def _sample_pending(policy, baseline, records, cfg: PreferenceConfig, out: Path, samplers: Samplers,
+                    progress: bool) -> None:
+  done = {row["id"] for row in runfiles.read_rows(out / SAMPLES)}
+  todo = [(i, r) for i, r in enumerate(records) if str(r["id"]) not in done]
+  chunk = cfg.prompts_per_run
+  bar = tqdm(total=len(todo), desc="sampling", unit="prompt", disable=not progress)
+  for start in range(0, len(todo), chunk):
+    part = todo[start:start + chunk]
+    prompts = [record_prompt(r) for _, r in part]
+    seed = cfg.seed * 1_000_003 + part[0][0]  # a pure function of the first prompt's index
+    samples = samplers.sample(policy, prompts, cfg, seed=seed)
+    base = samplers.greedy(baseline, prompts, cfg)
+    for (_, record), prompt, answers, base_answer in zip(part, prompts, samples, base):
+      runfiles.append_row(out / SAMPLES, {
+          "id": str(record["id"]), "prompt": prompt, "reference": record.get("output") or None,
+          "baseline": base_answer.to_json(), "samples": [a.to_json() for a in answers]})
+    bar.update(len(part))
+  bar.close()
+
+
+def _score_prompt(row: dict, judge: Judge | None, cfg: PreferenceConfig, out: Path) -> None:
+  baseline = Sample.from_json(row["baseline"])
+  samples = [Sample.from_json(s) for s in row["samples"]]
+  opponents = {"baseline": baseline.text}
+  if row.get("reference"):
+    opponents["reference"] = row["reference"]
+  candidates = []
+  for index, sample in enumerate(samples):
+    if not sample.well_formed:
+      candidates.append({"index": index, "well_formed": False})
+      continue
+    judgements = [] if judge is None else scoring.judge_against(judge, row["prompt"], sample.text, opponents)
+    speedup = baseline.content_tokens / max(sample.critical_path, 1)
+    quality = scoring.quality(judgements, cfg.loss_floor) if judgements else 0.0
+    key = scoring.score(speedup, quality, cfg.quality_weight)
+    candidates.append({"index": index, "well_formed": True, "speedup": speedup, "quality": quality,
+                       "score": key[0], "key": list(key), "wins_losses": scoring.wins_and_losses(judgements),
+                       "judged": bool(judgements)})
+  valid = [c for c in candidates if c["well_formed"]]
+  picked = scoring.best_and_worst([tuple(c["key"]) for c in valid])
+  reason = NO_VALID_PAIR if len(valid) < 2 else ALL_TIED if picked is None else None
+  result = {"id": row["id"], "candidates": candidates, "reason": reason}
+  if picked is not None:
+    chosen, rejected = (valid[k] for k in picked)
+    result.update(chosen=chosen["index"], rejected=rejected["index"])
+    runfiles.append_row(out / PAIRS, {
+        "id": row["id"], "prompt": row["prompt"],
+        "chosen": {**samples[chosen["index"]].to_json(), **_metrics(chosen)},
+        "rejected": {**samples[rejected["index"]].to_json(), **_metrics(rejected)},
+        "baseline_tokens": baseline.content_tokens})
+  runfiles.append_row(out / SCORES, result)
+
+
+def _metrics(candidate: dict) -> dict:
+  return {k: candidate[k] for k in ("speedup", "quality", "score")}
+
+
+def summarize(out: Path, ids: set[str]) -> BuildSummary:
+  scores = [r for r in runfiles.read_rows(out / SCORES) if r["id"] in ids]
+  pairs = [r for r in runfiles.read_rows(out / PAIRS) if r["id"] in ids]
+  flags = [c["well_formed"] for r in scores for c in r["candidates"]]
+
+  def mean(side: str, field: str) -> float:
+    return sum(p[side][field] for p in pairs) / len(pairs) if pairs else math.nan
+
+  return BuildSummary(
+      prompts=len(scores), pairs=len(pairs), dropped=dict(Counter(r["reason"] for r in scores if r["reason"])),
+      well_formed_share=sum(flags) / len(flags) if flags else 0.0,
+      chosen_speedup=mean("chosen", "speedup"), rejected_speedup=mean("rejected", "speedup"),
+      chosen_quality=mean("chosen", "quality"), rejected_quality=mean("rejected", "quality"))

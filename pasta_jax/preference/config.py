@@ -1,0 +1,40 @@
+"""Settings of the preference pipeline (paper defaults: N = 10 samples at T = 1.0)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from pasta_jax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+  num_samples: int = 10  # N answers per prompt
+  temperature: float = 1.0  # T
+  quality_weight: float = 1.0  # lambda; math.inf scores by quality alone (the paper's Pasta-BoN-inf)
+  max_new_tokens: int = 256
+  lanes: int = 8
+  requests_per_run: int = 20  # interpreter batch: prompts x samples decoded together
+  loss_floor: float = 0.25  # quality = wins / max(losses, floor): an unbeaten answer scores finite
+  chat: bool = True
+  seed: int = 0
+
+  def __post_init__(self):
+    problems = []
+    if self.num_samples < 2:
+      problems.append(f"num_samples={self.num_samples}: a pair needs at least 2 samples")
+    if self.temperature <= 0:
+      problems.append(f"temperature={self.temperature}: sampling needs T > 0 (T = 0 gives N identical answers)")
+    if not (self.quality_weight >= 0 or math.isinf(self.quality_weight)):
+      problems.append(f"quality_weight={self.quality_weight}: use lambda >= 0 or inf")
+    if self.max_new_tokens < 1 or self.lanes < 1 or self.requests_per_run < 1:
+      problems.append("max_new_tokens, lanes and requests_per_run must be >= 1")
+    if self.loss_floor <= 0:
+      problems.append(f"loss_floor={self.loss_floor}: must be > 0")
+    if problems:
+      raise ConfigError("invalid preference config: " + "; ".join(problems))
+
+  @property
+  def prompts_per_run(self) -> int:
+    return max(1, self.requests_per_run // self.num_samples)

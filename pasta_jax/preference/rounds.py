@@ -1,0 +1,86 @@
+"""BoNBoN rounds: sample -> score -> BoNBoN, r times, each round starting from the last model.
+
+  <out>/round_<k>/pairs/    build.py's files (samples, verdicts, scores, pairs with reference log-probs)
+  <out>/round_<k>/train/    the trainer's run (checkpoints, metrics, loss.png, the exported model)
+A round whose exported model exists is done and skipped; an interrupted round resumes inside its
+own files (sampling and judging per prompt, training from its last checkpoint). The reference model
+of round k is the model round k starts from, as in the paper's iterated BoNBoN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+
+from pasta_jax.data.encode import EncodeConfig
+from pasta_jax.model.load import load_model
+from pasta_jax.preference.build import PAIRS, BuildSummary, Samplers, build_pairs
+from pasta_jax.preference.config import PreferenceConfig
+from pasta_jax.preference.dataset import pair_dataset
+from pasta_jax.preference.reference import add_reference_logprobs
+from pasta_jax.training.config import TrainConfig
+from pasta_jax.training.trainer import Trainer, TrainResult
+
+BONBON_LEARNING_RATE = 5e-7  # the later paper's BoNBoN learning rate
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundResult:
+  index: int
+  start_model: str
+  model_dir: str | None  # None when training stopped early (--stop-after)
+  summary: BuildSummary | None  # None when the round was already done
+  losses: tuple[float, ...]
+
+
+def encode_config(config: TrainConfig) -> EncodeConfig:
+  return EncodeConfig(seq_len=config.seq_len, num_threads=config.num_threads, position_mode=config.position_mode)
+
+
+def train_bonbon(pairs: Sequence[dict], model, config: TrainConfig, out_dir, *, stop_after: int | None = None,
+                 progress: bool = True) -> TrainResult:
+  """BoNBoN on pairs that carry reference log-probs; the policy starts from `model`."""
+  config = config.replace(objective="bonbon")
+  dataset = pair_dataset(pairs, model.tokenizer, model.tokenizer.tag_vocab(), encode_config(config),
+                         batch_size=config.batch_size, seed=config.seed, epochs=config.epochs,
+                         shard_index=jax.process_index(), shard_count=jax.process_count())
+  if progress:
+    print(f"pairs: {dataset.report.summary()}; {len(dataset)} steps")
+  return Trainer(config, model, dataset, out_dir, progress=progress).run(stop_after)
+
+
+def run_round(index: int, start_model: str, baseline, records, judge_for: Callable, pref: PreferenceConfig,
+              train: TrainConfig, out_dir, *, load: Callable = load_model, samplers: Samplers = Samplers(),
+              stop_after: int | None = None, progress: bool = True) -> RoundResult:
+  """One round from `start_model` (a path). `judge_for(folder)` gives the (cached) judge of the round."""
+  round_dir = Path(out_dir) / f"round_{index}"
+  exported = round_dir / "train" / "model"
+  if exported.exists():
+    return RoundResult(index, start_model, str(exported), None, ())
+  policy = load(start_model)
+  pairs_dir = round_dir / "pairs"
+  summary = build_pairs(policy, baseline, records, judge_for(pairs_dir), dataclasses.replace(pref, seed=pref.seed + index),
+                        pairs_dir, identity={"start_model": start_model, "round": index}, samplers=samplers,
+                        progress=progress)
+  if progress:
+    print(f"round {index}: {summary.line()}")
+  pairs = add_reference_logprobs(pairs_dir / PAIRS, policy, encode_config(train), progress=progress)
+  result = train_bonbon(pairs, policy, train, round_dir / "train", stop_after=stop_after, progress=progress)
+  model_dir = str(result.model_dir) if result.model_dir is not None else None
+  return RoundResult(index, start_model, model_dir, summary, tuple(result.losses))
+
+
+def run_rounds(rounds: int, start_model: str, baseline, records, judge_for: Callable, pref: PreferenceConfig,
+               train: TrainConfig, out_dir, **kwargs) -> list[RoundResult]:
+  """r rounds; round k+1 starts from round k's exported model. Stops early if a round is cut short."""
+  results, model = [], start_model
+  for index in range(1, rounds + 1):
+    result = run_round(index, model, baseline, records, judge_for, pref, train, out_dir, **kwargs)
+    results.append(result)
+    if result.model_dir is None:
+      break
+    model = result.model_dir
+  return results

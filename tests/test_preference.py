@@ -1,0 +1,244 @@
+"""Preference data: scoring (against an independent NumPy reading of the paper), sampling through the
+batched interpreter, the resumable pipeline, and the stored reference log-probs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pasta_jax.decode import api
+from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.errors import ConfigError, PastaError
+from pasta_jax.judges.base import Verdict
+from pasta_jax.lang import metrics
+from pasta_jax.model.gemma import Gemma
+from pasta_jax.preference import scoring
+from pasta_jax.preference.build import PAIRS, SAMPLES, SCORES, Samplers, build_pairs
+from pasta_jax.preference.config import PreferenceConfig
+from pasta_jax.preference.dataset import encode_pair, pair_dataset
+from pasta_jax.preference.reference import add_reference_logprobs
+from pasta_jax.preference.sampling import sample_answers, to_sample
+from pasta_jax.runfiles import read_rows
+from pasta_jax.training.losses import sequence_logprob
+from tests.tiny import tiny_model
+from tests.training_data import ENCODE
+
+# --- scoring ------------------------------------------------------------------------------------------
+probs = st.floats(0.0, 1.0)
+
+
+def numpy_quality(p_answer, floor):
+  """The paper's ratio read independently: preference = side with p > .5, confidence = its probability."""
+  p = np.asarray(p_answer, np.float64)
+  conf = np.maximum(p, 1 - p)
+  wins = np.sum(np.where(p > 0.5, conf, 0.0)) + 0.5 * np.sum(p == 0.5)
+  losses = np.sum(np.where(p < 0.5, conf, 0.0)) + 0.5 * np.sum(p == 0.5)
+  return wins / max(losses, floor)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(probs, min_size=1, max_size=8), st.sampled_from([0.1, 0.25, 1.0]))
+def test_quality_matches_numpy(ps, floor):
+  judgements = [scoring.Judgement("baseline", k % 2 == 0, p) for k, p in enumerate(ps)]
+  assert scoring.quality(judgements, floor) == pytest.approx(numpy_quality(ps, floor), rel=1e-12)
+
+
+def test_quality_hand_computed():
+  # beats the baseline with .9 and .7, loses to the reference with .8 (p=.2) and ties once
+  judgements = [scoring.Judgement("baseline", True, 0.9), scoring.Judgement("baseline", False, 0.7),
+                scoring.Judgement("reference", True, 0.2), scoring.Judgement("reference", False, 0.5)]
+  assert scoring.wins_and_losses(judgements) == pytest.approx((2.1, 1.3))
+  assert scoring.quality(judgements, 0.25) == pytest.approx(2.1 / 1.3)
+
+
+class OrderedJudge:
+  """P(first better) from a fixed preference table, with a position bias the both-orders read cancels."""
+
+  name = "ordered"
+
+  def __init__(self, better: dict[tuple[str, str], float], bias: float = 0.1):
+    self.better, self.bias, self.calls = better, bias, []
+
+  def compare(self, instruction, first, second):
+    self.calls.append((instruction, first, second))
+    p = self.better.get((first, second), 1 - self.better.get((second, first), 0.5))
+    return Verdict(min(1.0, max(0.0, p + self.bias)))
+
+
+def test_judge_against_uses_both_orders_and_cancels_bias():
+  judge = OrderedJudge({("a", "b"): 0.8})
+  got = scoring.judge_against(judge, "q", "a", {"baseline": "b"})
+  assert [(j.answer_first, round(j.p_answer, 6)) for j in got] == [(True, 0.9), (False, 0.7)]
+  assert [c[1:] for c in judge.calls] == [("a", "b"), ("b", "a")]
+
+
+def test_score_and_pair_selection():
+  assert scoring.score(1.5, 2.0, 4.0) == (9.5, 0.0)
+  assert scoring.score(1.5, 2.0, math.inf) == (2.0, 1.5)  # quality only, speedup breaks ties
+  assert scoring.best_and_worst([(1.0, 0.0), (3.0, 0.0), (0.5, 0.0)]) == (1, 2)
+  assert scoring.best_and_worst([(2.0, 1.0), (2.0, 3.0)]) == (1, 0)
+  assert scoring.best_and_worst([(1.0, 0.0), (1.0, 0.0)]) is None
+  with pytest.raises(ConfigError, match="num_samples"):
+    PreferenceConfig(num_samples=1)
+  with pytest.raises(ConfigError, match="temperature"):
+    PreferenceConfig(temperature=0.0)
+
+
+# --- sampling through the interpreter -----------------------------------------------------------------
+def test_samples_are_independent_rows_of_one_batch():
+  model = tiny_model()
+  # the random tiny model's logits span ~80 nats: T = 1 would be greedy in effect
+  cfg = PreferenceConfig(num_samples=4, max_new_tokens=12, lanes=2, temperature=40.0)
+  got = sample_answers(model, ["ab", "cd"], cfg, seed=3)
+  assert [len(s) for s in got] == [4, 4]
+  assert len({s.ids for s in got[0]}) > 1  # T = 1: the N rows differ
+  again = sample_answers(model, ["ab", "cd"], cfg, seed=3)
+  assert [[s.ids for s in row] for row in got] == [[s.ids for s in row] for row in again]
+  assert not any(s.well_formed for row in got for s in row)  # 12 random tokens never finish
+
+
+ANSWERS = [
+    'Two:<promise topic="a" tokens="10"/><async>one fish</async><promise topic="b" tokens="10"/>'
+    '<async>two fish</async><sync/>done',
+    "one fish, two fish, red fish. done",
+    'Fish:<promise topic="r" tokens="10"/><async>red</async><sync/>blue fish',
+]
+
+
+def forced_sample(model, prompts, cfg, *, seed):
+  """The real interpreter path, with scripted answers: prompt i's sample j replays ANSWERS[(i+j+seed) % 3]."""
+  repeated = [p for p in prompts for _ in range(cfg.num_samples)]
+  forced = [ANSWERS[(i // cfg.num_samples + i % cfg.num_samples + seed) % 3] for i in range(len(repeated))]
+  ids = api.prompt_ids(model.tokenizer, repeated, cfg.chat)
+  results = api.generate_ids(model, ids, forced_answers=forced, max_new_tokens=cfg.max_new_tokens, lanes=cfg.lanes,
+                             sampling=SamplingConfig(temperature=cfg.temperature, seed=seed))
+  flat = [to_sample(r, model.tokenizer.tag_vocab()) for r in results]
+  n = cfg.num_samples
+  return [flat[k * n:(k + 1) * n] for k in range(len(prompts))]
+
+
+def forced_greedy(model, prompts, cfg):
+  ids = api.prompt_ids(model.tokenizer, list(prompts), cfg.chat)
+  results = api.generate_ids(model, ids, forced_answers=["one fish two fish red fish blue fish"] * len(prompts),
+                             max_new_tokens=cfg.max_new_tokens, lanes=cfg.lanes)
+  return [to_sample(r, model.tokenizer.tag_vocab()) for r in results]
+
+
+class CountingSamplers(Samplers):
+  pass
+
+
+def records(n=3):
+  return [{"id": f"r{i}", "instruction": f"Fish {i}", "output": "a reference answer"} for i in range(n)]
+
+
+class LongerIsBetter:
+  """Prefers the longer answer, confidence growing with the length gap; can be told to fail."""
+
+  name = "longer"
+
+  def __init__(self, fail_after: int | None = None):
+    self.calls, self.fail_after = [], fail_after
+
+  def compare(self, instruction, first, second):
+    if self.fail_after is not None and len(self.calls) >= self.fail_after:
+      raise KeyboardInterrupt("judge stopped")
+    self.calls.append((instruction, first, second))
+    return Verdict(1 / (1 + math.exp(-(len(first) - len(second)) / 5)))
+
+
+CFG = PreferenceConfig(num_samples=3, max_new_tokens=64, lanes=4, quality_weight=1.0)
+
+
+def test_pipeline_pairs_are_best_and_worst_by_the_paper_score(tmp_path):
+  model = tiny_model()
+  samplers = Samplers(sample=forced_sample, greedy=forced_greedy)
+  summary = build_pairs(model, model, records(), LongerIsBetter(), CFG, tmp_path, samplers=samplers, progress=False)
+  assert summary.prompts == 3 and summary.pairs == 3 and summary.well_formed_share == 1.0
+  vocab = model.tokenizer.tag_vocab()
+  sampled = {r["id"]: r for r in read_rows(tmp_path / SAMPLES)}
+  for pair in read_rows(tmp_path / PAIRS):
+    row = sampled[pair["id"]]
+    base_tokens = row["baseline"]["content_tokens"]
+    keys = []
+    for s in row["samples"]:
+      speedup = base_tokens / metrics.critical_path(s["ids"], vocab)
+      ps = []
+      for other in (row["baseline"]["text"], row["reference"]):
+        ps += [1 / (1 + math.exp(-(len(s["text"]) - len(other)) / 5)),
+               1 - 1 / (1 + math.exp(-(len(other) - len(s["text"])) / 5))]
+      keys.append(speedup + numpy_quality(ps, CFG.loss_floor))
+    assert pair["chosen"]["score"] == pytest.approx(max(keys)) and pair["rejected"]["score"] == pytest.approx(min(keys))
+    assert pair["chosen"]["ids"] == row["samples"][int(np.argmax(keys))]["ids"]
+
+
+def test_pipeline_resumes_without_resampling_or_rejudging(tmp_path):
+  from pasta_jax.judges import CachedJudge
+
+  model = tiny_model()
+  sample_calls = []
+
+  def counted_sample(*args, **kw):
+    sample_calls.append(1)
+    return forced_sample(*args, **kw)
+
+  samplers = Samplers(sample=counted_sample, greedy=forced_greedy)
+  cfg = PreferenceConfig(num_samples=3, max_new_tokens=64, lanes=4, requests_per_run=3)  # one prompt per run
+  first = LongerIsBetter(fail_after=14)  # 12 judgements per prompt: dies inside prompt 2
+  with pytest.raises(KeyboardInterrupt):
+    build_pairs(model, model, records(), CachedJudge(first, tmp_path / "verdicts.jsonl"), cfg, tmp_path,
+                samplers=samplers, progress=False)
+  assert len(sample_calls) == 3 and len(list(read_rows(tmp_path / SCORES))) == 1
+  second = LongerIsBetter()
+  summary = build_pairs(model, model, records(), CachedJudge(second, tmp_path / "verdicts.jsonl"), cfg, tmp_path,
+                        samplers=samplers, progress=False)
+  assert len(sample_calls) == 3  # nothing re-sampled
+  ordered = first.calls + second.calls
+  assert len(ordered) == len(set(ordered))  # no ordered pair judged twice
+  assert summary.pairs == 3
+
+
+def test_speed_only_needs_no_judge_and_quality_needs_one(tmp_path):
+  model = tiny_model()
+  samplers = Samplers(sample=forced_sample, greedy=forced_greedy)
+  with pytest.raises(PastaError, match="needs a judge"):
+    build_pairs(model, model, records(1), None, CFG, tmp_path / "a", samplers=samplers, progress=False)
+  import dataclasses
+  speed = dataclasses.replace(CFG, quality_weight=0.0)
+  build_pairs(model, model, records(2), None, speed, tmp_path / "b", samplers=samplers, progress=False)
+  for pair in read_rows(tmp_path / "b" / PAIRS):
+    assert pair["chosen"]["speedup"] > pair["rejected"]["speedup"]
+
+
+def test_reference_logprobs_are_the_training_layouts_logprobs(tmp_path):
+  model = tiny_model()
+  samplers = Samplers(sample=forced_sample, greedy=forced_greedy)
+  build_pairs(model, model, records(), LongerIsBetter(), CFG, tmp_path, samplers=samplers, progress=False)
+  pairs = add_reference_logprobs(tmp_path / PAIRS, model, ENCODE, batch_size=2, progress=False)
+  stored = list(read_rows(tmp_path / PAIRS))
+  assert stored == json.loads(json.dumps(pairs))
+  apply_fn = Gemma(model.config).apply
+  vocab = model.tokenizer.tag_vocab()
+  for pair in stored:
+    chosen, rejected = encode_pair(pair, model.tokenizer, vocab, ENCODE)  # padded as training pads
+    for layout, side in ((chosen, "chosen"), (rejected, "rejected")):
+      want = float(sequence_logprob(apply_fn, model.params, jax_batch(layout))[0])
+      assert pair[side]["ref_logp"] == pytest.approx(want, rel=1e-5)
+  # a second call computes nothing new; another model's values are refused
+  assert add_reference_logprobs(tmp_path / PAIRS, model, ENCODE, progress=False) == pairs
+  other = tiny_model(seed=1)._replace(source="another")
+  with pytest.raises(PastaError, match="reference log-probs were computed with"):
+    add_reference_logprobs(tmp_path / PAIRS, other, ENCODE, progress=False)
+  ds = pair_dataset(stored, model.tokenizer, vocab, ENCODE, batch_size=2, seed=0, epochs=2)
+  assert len(ds) == 2 and ds[0].chosen.tokens.shape == (2, ENCODE.seq_len) and ds[1].ref_chosen.shape == (2,)
+
+
+def jax_batch(layout):
+  import jax
+  return jax.tree.map(lambda x: jnp.asarray(x)[None], layout)
