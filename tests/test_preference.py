@@ -242,3 +242,43 @@ def test_reference_logprobs_are_the_training_layouts_logprobs(tmp_path):
 def jax_batch(layout):
   import jax
   return jax.tree.map(lambda x: jnp.asarray(x)[None], layout)
+
+
+# --- rounds: sample -> score -> BoNBoN, each round from the last model ---------------------------------
+def test_two_rounds_chain_models_and_raise_the_margin(tmp_path):
+  from pasta_jax.model.checkpoint import restore_checkpoint
+  from pasta_jax.model.load import LoadedModel
+  from pasta_jax.preference.rounds import run_rounds
+  from pasta_jax.training.config import TrainConfig
+  from pasta_jax.training.metrics_log import read_metrics
+
+  start = tiny_model()
+  loads = []
+
+  def load(path):  # the tiny model's char tokenizer is not saved with checkpoints: reattach it
+    loads.append(path)
+    if path == "start":
+      return start
+    config, params = restore_checkpoint(path)
+    return LoadedModel(config, params, start.tokenizer, str(path))
+
+  samplers = Samplers(sample=forced_sample, greedy=forced_greedy)
+  train = TrainConfig(model="tiny", batch_size=2, seq_len=ENCODE.seq_len, num_threads=ENCODE.num_threads,
+                      learning_rate=1e-3, epochs=3, bonbon_beta=1.0, save_every=100)
+  results = run_rounds(2, "start", start, records(4), lambda folder: LongerIsBetter(), CFG, train, tmp_path,
+                       load=load, samplers=samplers, progress=False)
+  assert [r.index for r in results] == [1, 2] and all(r.model_dir for r in results)
+  assert loads == ["start", results[0].model_dir]  # round 2 starts from round 1's exported model
+  assert results[1].start_model == results[0].model_dir
+  for r in results:
+    rows = read_metrics(tmp_path / f"round_{r.index}" / "train")
+    margins = [row["margin"] for row in rows]
+    assert all(math.isfinite(row["loss"]) for row in rows) and margins[-1] > margins[0]
+  # round 2's reference log-probs come from round 1's model, so they differ from round 1's
+  ref1 = [p["chosen"]["ref_logp"] for p in read_rows(tmp_path / "round_1" / "pairs" / PAIRS)]
+  ref2 = [p["chosen"]["ref_logp"] for p in read_rows(tmp_path / "round_2" / "pairs" / PAIRS)]
+  assert ref1 != ref2
+  # a finished round is skipped on a rerun
+  again = run_rounds(2, "start", start, records(4), lambda folder: LongerIsBetter(), CFG, train, tmp_path,
+                     load=load, samplers=samplers, progress=False)
+  assert [r.summary for r in again] == [None, None] and len(loads) == 2
