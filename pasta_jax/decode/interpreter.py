@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pasta_jax.decode import threads
+from pasta_jax.decode import apar, threads
 from pasta_jax.decode.constraints import AllowedTokens, constrain
 from pasta_jax.decode.plain import ModelFn, bucket
 from pasta_jax.decode.sampling import lane_key, sample_rows
@@ -48,6 +48,7 @@ def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Arr
       slot_pos=jnp.broadcast_to(slot_idx, (batch, cfg.pool_slots)).astype(jnp.int32),
       slot_valid=slot_idx[None, :] < lengths[:, None],
       next_slot=lengths.astype(jnp.int32),
+      peak_live=lengths.astype(jnp.int32),
       status=jnp.broadcast_to(jnp.where(lane0, RUNNING, FREE), b_t).astype(jnp.int32),
       thread=jnp.zeros(b_t, jnp.int32),
       token=jnp.where(lane0, first[:, None], 0).astype(jnp.int32),
@@ -55,6 +56,8 @@ def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Arr
       horizon=horizon,
       in_promise=first == cfg.vocab.promise,
       next_thread=jnp.ones((batch,), jnp.int32),
+      depth=jnp.zeros(b_t, jnp.int32),
+      parent=jnp.full((batch, cfg.max_threads), -1, jnp.int32),
       script=script, script_len=script_len, script_ptr=script_ptr,
       finished=jnp.zeros((batch,), bool), truncated=jnp.zeros((batch,), bool),
       stalls=jnp.zeros((batch,), jnp.int32), last_fed_step=jnp.zeros((batch,), jnp.int32),
@@ -72,13 +75,19 @@ def choose_tokens(logits, rows_lane, state: InterpState, cfg: InterpreterConfig,
     ptr = state.script_ptr[b, thread]
     scripted = jnp.take_along_axis(state.script[b, thread], jnp.minimum(ptr, state.script.shape[-1] - 1)[..., None],
                                    axis=-1)[..., 0]
-    fallback = jnp.where(rows_lane == 0, cfg.vocab.eos_ids[0], cfg.vocab.async_close)
+    fallback = jnp.where((rows_lane == 0) | (cfg.mode == "apar"), cfg.vocab.eos_ids[0], cfg.vocab.async_close)
     forced_token = jnp.where(ptr < state.script_len[b, thread], scripted, fallback)
     # The model still runs: without a use of the logits XLA would drop the output head, and forced
     # replays (the benchmarks' workload) would time a model without its most expensive matmul.
     model_choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jnp.where(model_choice < 0, model_choice, forced_token)
-  allowed = AllowedTokens.build(cfg.vocab, logits.shape[-1]).for_rows(rows_lane == 0, state.in_promise[:, None])
+  tables = AllowedTokens.build(cfg.vocab, logits.shape[-1])
+  if cfg.mode == "apar":
+    fed = state.token[b, rows_lane]
+    no_fork = (fed == cfg.vocab.apar_fork) | (fed == cfg.vocab.apar_child) | (state.depth[b, rows_lane] >= cfg.max_depth)
+    allowed = tables.for_apar_rows(no_fork)
+  else:
+    allowed = tables.for_rows(rows_lane == 0, state.in_promise[:, None])
   keys = jax.vmap(lambda bi, lanes: jax.vmap(lambda lane: lane_key(state.key, bi, state.step, lane))(lanes))(
       jnp.arange(batch), rows_lane)
   flat = sample_rows(constrain(logits, allowed).reshape(batch * num_q, -1), keys.reshape(-1), cfg.sampling)
@@ -117,28 +126,31 @@ def model_on_feeders(model_fn, params, state, feed, slots, cfg: InterpreterConfi
   return jax.lax.switch(jnp.minimum(index, len(sizes) - 1), branches, state, feed, slots)
 
 
-def spawn_record(state: InterpState, plan: threads.FeedPlan) -> jax.Array:
-  """[B, 5] record of the `<async>` the interpreter inserts on the spawn lane."""
+def spawn_record(state: InterpState, plan: threads.FeedPlan) -> tuple[jax.Array, jax.Array]:
+  """[B, 1, 5] record of the `<async>` the interpreter inserts on the spawn lane, and [B, 1] keep."""
   b = jnp.arange(state.token.shape[0])
   lane = plan.spawn_lane
-  return jnp.stack([jnp.full_like(lane, state.step), lane, state.thread[b, lane], state.token[b, lane],
-                    state.position[b, lane]], axis=1)
+  row = jnp.stack([jnp.full_like(lane, state.step), lane, state.thread[b, lane], state.token[b, lane],
+                   state.position[b, lane]], axis=1)
+  return row[:, None], plan.spawn[:, None]
 
 
-def append_records(state: InterpState, spawn_plan, spawn_row, recorded, lane_logits, cfg) -> InterpState:
-  """Appends this step's records: the inserted `<async>` (if a fork spawned), then lanes in order."""
+def append_records(state: InterpState, inserted, recorded, lane_logits, cfg) -> InterpState:
+  """Appends this step's records: the inserted tokens (`<async>` / APAR_CHILD of spawns, in lane
+  order), then the lanes' new pending tokens in lane order. inserted: ([B, K, 5] rows, [B, K] keep)."""
   batch = recorded.shape[0]
   b = jnp.arange(batch)
   lanes = jnp.broadcast_to(jnp.arange(cfg.lanes), (batch, cfg.lanes))
   lane_rows = jnp.stack([jnp.full((batch, cfg.lanes), state.step), lanes, state.thread, state.token,
                          state.position], axis=2)
-  rows = jnp.concatenate([spawn_row[:, None], lane_rows], axis=1)  # [B, 1 + T, 5]
-  keep = jnp.concatenate([spawn_plan.spawn[:, None], recorded], axis=1)
+  spawn_rows, spawn_keep = inserted
+  rows = jnp.concatenate([spawn_rows, lane_rows], axis=1)  # [B, K + T, 5]
+  keep = jnp.concatenate([spawn_keep, recorded], axis=1)
   index = jnp.where(keep, state.num_records[:, None] + jnp.cumsum(keep, axis=1) - 1, cfg.max_records)
   records = state.records.at[b[:, None], index].set(rows, mode="drop")
   rec_logits = state.record_logits
   if cfg.record_logits:
-    rec_logits = rec_logits.at[b[:, None], index[:, 1:]].set(lane_logits, mode="drop")
+    rec_logits = rec_logits.at[b[:, None], index[:, spawn_keep.shape[1]:]].set(lane_logits, mode="drop")
   return dataclasses.replace(state, records=records, num_records=state.num_records + keep.sum(axis=1),
                              record_logits=rec_logits)
 
@@ -146,18 +158,34 @@ def append_records(state: InterpState, spawn_plan, spawn_row, recorded, lane_log
 def interpreter_step(model_fn, params, state: InterpState, cfg: InterpreterConfig, length_table,
                      forced: bool) -> InterpState:
   state = dataclasses.replace(state, step=state.step + 1)
+  if cfg.mode == "apar":
+    return apar_step(model_fn, params, state, cfg, forced)
   plan = threads.plan_feeds(state, cfg, length_table)
   spawned_thread = state.next_thread
   state = threads.apply_spawn(state, plan, cfg)
   state = threads.release_sync(state, plan)
-  spawn_row = spawn_record(state, plan)
+  inserted = spawn_record(state, plan)
   state, slots = threads.assign_slots(state, plan, cfg)
   sampled, lane_logits, pool = model_on_feeders(model_fn, params, state, plan.feed, slots, cfg, forced)
   state = dataclasses.replace(state, pool=pool)
   if forced:
     state = threads.advance_scripts(state, plan, cfg)
   state, recorded = threads.apply_samples(state, plan, sampled, cfg, length_table, spawned_thread)
-  return append_records(state, plan, spawn_row, recorded, lane_logits, cfg)
+  return append_records(state, inserted, recorded, lane_logits, cfg)
+
+
+def apar_step(model_fn, params, state: InterpState, cfg: InterpreterConfig, forced: bool) -> InterpState:
+  """One APAR step: the same model step and records, with APAR's transitions (decode/apar.py)."""
+  plan = apar.plan_apar(state, cfg)
+  state = apar.apply_spawn(state, plan, cfg)
+  inserted = apar.spawn_records(state, plan)
+  state = apar.assign_slots(state, plan)
+  sampled, lane_logits, pool = model_on_feeders(model_fn, params, state, plan.feed, plan.slots, cfg, forced)
+  state = dataclasses.replace(state, pool=pool)
+  if forced:
+    state = threads.advance_scripts(state, plan, cfg)
+  state, recorded = apar.apply_samples(state, plan, sampled, cfg)
+  return append_records(state, inserted, recorded, lane_logits, cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "forced", "vocab_size", "pool_spec"))
@@ -206,6 +234,9 @@ class RunOutput:
   stalls: int
   finished: bool
   truncated: bool
+  peak_live_slots: int = 0  # most pool slots valid at once (the prompt included)
+  parents: np.ndarray | None = None  # [U] the thread that spawned each thread (-1: main / never spawned)
+  slot_table: np.ndarray | None = None  # [S, 4] final (owner, write order, position, valid) per pool slot
 
 
 def pad_scripts(scripts: Sequence[Sequence[Sequence[int]]] | None, batch: int, max_threads: int):
@@ -267,5 +298,8 @@ def unpack(final: InterpState, cfg: InterpreterConfig) -> list[RunOutput]:
         records=np.asarray(final.records[b, :n]),
         logits=np.asarray(final.record_logits[b, :n]) if cfg.record_logits else None,
         steps=int(final.last_fed_step[b]), stalls=int(final.stalls[b]),
-        finished=bool(final.finished[b]), truncated=bool(final.truncated[b])))
+        finished=bool(final.finished[b]), truncated=bool(final.truncated[b]),
+        peak_live_slots=int(final.peak_live[b]), parents=np.asarray(final.parent[b]),
+        slot_table=np.stack([np.asarray(final.slot_owner[b]), np.asarray(final.slot_order[b]),
+                             np.asarray(final.slot_pos[b]), np.asarray(final.slot_valid[b], np.int32)], axis=1)))
   return outputs

@@ -192,7 +192,7 @@ def naive_step(model_fn, params, state: NaiveState, cfg: InterpreterConfig, leng
   state = dataclasses.replace(state, pool=pool)
   table = threads.advance_scripts(state.table, plan, cfg) if forced else state.table
   table, recorded = threads.apply_samples(table, plan, sampled, cfg, length_table, spawned_thread)
-  table = interpreter.append_records(table, plan, spawn_row, recorded, lane_logits, cfg)
+  table = interpreter.append_records(table, spawn_row, recorded, lane_logits, cfg)
   state = copy_prefix_to_forks(state, plan)  # before the closes: a new fork must not get their slots
   return dataclasses.replace(copy_forks_to_main(state, closing), table=table)
 

@@ -202,6 +202,8 @@ class _Settings:
   sampling: SamplingConfig
   position_mode: str
   bucket: bool
+  mode: str = "pasta"
+  max_depth: int = 3
 
 
 class _Request:
@@ -413,7 +415,8 @@ def _bucket(n: int) -> int:
 def run_reference(model_fn: Callable, params, prompts: list[list[int]], vocab: TagVocab, *, lanes: int,
                   max_threads: int, pool_slots: int, max_steps: int, sampling: SamplingConfig,
                   script: list[list[list[int]]] | None = None,
-                  position_mode: str = "pred", bucket: bool = True) -> list[ReferenceResult]:
+                  position_mode: str = "pred", bucket: bool = True, mode: str = "pasta",
+                  max_depth: int = 3) -> list[ReferenceResult]:
   """Run each request alone, exactly as docs/interpreter.md says; B prompts -> B results.
 
   model_fn: the signature of `Gemma(cfg).apply` / `toy_model.toy_apply`, called without a pool.
@@ -422,7 +425,8 @@ def run_reference(model_fn: Callable, params, prompts: list[list[int]], vocab: T
   script: forced replay: script[b][u] is thread u's tokens (main's ending with an end id; a fork's
   content ending with ASYNC_END, without the inserted ASYNC). The model still runs and its logits
   are recorded. position_mode: 'pred' (R from LENGTH), 'fixed' (R = 42), 'oracle' (R = true
-  block length + 2; forced mode only). bucket: pad each model call to a power-of-two length
+  block length + 2; forced mode only). mode: "pasta", or "apar" (`reference_apar`; max_depth is
+  its fork depth limit). bucket: pad each model call to a power-of-two length
   (fewer shapes to compile) with pad rows masked out both ways, which leaves the query's row
   unchanged up to float summation order; False makes the literal unpadded call.
   """
@@ -435,8 +439,10 @@ def run_reference(model_fn: Callable, params, prompts: list[list[int]], vocab: T
   if lanes < 1 or max_threads < 1 or max_steps < 0:
     raise ValueError(f"need lanes >= 1, max_threads >= 1, max_steps >= 0 (got {lanes}, {max_threads}, "
                      f"{max_steps})")
+  if mode not in ("pasta", "apar"):
+    raise ValueError(f"mode must be pasta or apar, got {mode!r}")
   cfg = _Settings(model_fn, params, vocab, lanes, max_threads, pool_slots, max_steps, sampling,
-                  position_mode, bucket)
+                  position_mode, bucket, mode, max_depth)
   return [_run_one(cfg, b, list(prompt), None if script is None else script[b])
           for b, prompt in enumerate(prompts)]
 
@@ -445,7 +451,11 @@ def _run_one(cfg: _Settings, index: int, prompt: list[int], script) -> Reference
   """Start, then steps 1 ... max_steps until finished or truncated (docs/interpreter.md, Stop)."""
   if not 0 < len(prompt) <= cfg.pool_slots:
     raise ValueError(f"request {index}: prompt of {len(prompt)} tokens does not fit {cfg.pool_slots} slots")
-  request = _Request(cfg, index, prompt, script)
+  if cfg.mode == "apar":
+    from pasta_jax.decode.reference_apar import AparRequest
+    request = AparRequest(cfg, index, prompt, script)
+  else:
+    request = _Request(cfg, index, prompt, script)
   for step in range(1, cfg.max_steps + 1):
     request.step(step)
     if request.finished or request.truncated:

@@ -16,6 +16,7 @@ FREE, RUNNING, CLOSING, DONE = 0, 1, 2, 3
 # Record columns: one row per token that becomes pending (docs/interpreter.md, What is recorded).
 STEP, LANE, THREAD, TOKEN, POSITION = range(5)
 PositionMode = Literal["pred", "fixed", "oracle"]
+Mode = Literal["pasta", "apar"]
 FIXED_BLOCK_LENGTH = 40
 
 
@@ -32,17 +33,26 @@ class InterpreterConfig:
   position_mode: PositionMode = "pred"
   record_logits: bool = False  # keep each record's logits (tests: training forward == replay)
   lane_buckets: bool = True  # compute only as many query rows as lanes feed (1, 2, 4, ...)
+  mode: Mode = "pasta"  # "apar": APAR's fork/child tokens, no sync, finished children released
+  max_depth: int = 3  # APAR: a thread at this depth (main = 0) may not fork
 
   def __post_init__(self):
     if self.lanes < 1 or self.max_threads < 1 or self.pool_slots < 1:
       raise ValueError(f"lanes, max_threads and pool_slots must be positive: {self}")
+    if self.mode not in ("pasta", "apar"):
+      raise ValueError(f"unknown interpreter mode {self.mode!r}; use pasta or apar")
+    if self.max_depth < 0:
+      raise ValueError(f"max_depth must be >= 0, got {self.max_depth}")
     if self.position_mode not in ("pred", "fixed", "oracle"):
       raise ValueError(f"unknown position mode {self.position_mode!r}; use pred, fixed or oracle")
 
   @property
   def max_records(self) -> int:
-    # Every record becomes a pool write except main's final end token and the lanes' last pending
-    # tokens at a stop; one step records at most one token per lane.
+    # PASTA: every record becomes a pool write except main's final end token and the lanes' last
+    # pending tokens at a stop; one step records at most one token per lane. APAR reuses released
+    # slots: each step records one sampled token per feeding lane, plus one inserted child per spawn.
+    if self.mode == "apar":
+      return self.max_steps * self.lanes + self.max_threads + 1
     return self.pool_slots + self.lanes + 1
 
 
@@ -55,7 +65,8 @@ class InterpState:
   slot_order: jax.Array  # [B, S] int32 write order
   slot_pos: jax.Array  # [B, S] int32 position
   slot_valid: jax.Array  # [B, S] bool
-  next_slot: jax.Array  # [B] int32 append pointer (= next write order)
+  next_slot: jax.Array  # [B] int32 next write order (= the append pointer while no slot is ever freed)
+  peak_live: jax.Array  # [B] int32 most valid slots at once (APAR's memory metric)
   # Lanes: the thread table.
   status: jax.Array  # [B, T] int32 FREE / RUNNING / CLOSING / DONE
   thread: jax.Array  # [B, T] int32 thread id on the lane
@@ -64,6 +75,8 @@ class InterpState:
   horizon: jax.Array  # [B, T, U] int32 (pasta_jax.visibility)
   in_promise: jax.Array  # [B] bool main is between PROMISE and LENGTH
   next_thread: jax.Array  # [B] int32
+  depth: jax.Array  # [B, T] int32 nesting depth of the lane's thread (main = 0)
+  parent: jax.Array  # [B, U] int32 the thread that spawned each thread (-1: main / none)
   # Forced replay: per-thread scripts and read pointers.
   script: jax.Array  # [B, U, L] int32 (L = 1 and unused when not forcing)
   script_len: jax.Array  # [B, U] int32

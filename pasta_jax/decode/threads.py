@@ -96,6 +96,8 @@ def apply_spawn(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig) -> I
       token=put(state.token, cfg.vocab.async_open),
       position=put(state.position, state.position[:, 0] + 1),
       horizon=state.horizon.at[b, lane].set(jnp.where(plan.spawn[:, None], row, state.horizon[b, lane])),
+      depth=put(state.depth, 1),
+      parent=state.parent.at[b, jnp.where(plan.spawn, new_thread, cfg.max_threads)].set(0, mode="drop"),
       next_thread=state.next_thread + plan.spawn,
   )
 
@@ -123,6 +125,7 @@ def assign_slots(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig) -> 
       slot_pos=put(state.slot_pos, state.position),
       slot_valid=put(state.slot_valid, True),
       next_slot=state.next_slot + plan.feed.sum(axis=1),
+      peak_live=jnp.maximum(state.peak_live, state.next_slot + plan.feed.sum(axis=1)),
   )
   return state, slots
 

@@ -1,0 +1,182 @@
+"""The reference interpreter's APAR mode: the oracle for `decode/apar.py`, with explicit visible sets.
+
+APAR (the APAR paper, Algorithm 1) one request and one token at a time:
+- Any running lane whose pending token is APAR_FORK forks when it feeds it: the k-th forking lane
+  (lane order) takes the k-th free lane and the next thread id; a forking lane with no free lane or
+  thread id left does not feed this step (a stall). The child's inserted APAR_CHILD is pending at
+  the fork's position + 1 and feeds in the same step; the parent's next token also takes p + 1.
+- All feeders write first (each the lowest free slot, in lane order), then attend. A child's set
+  is a copy of its parent's (which holds the fork written this step) plus its own writes. Nobody
+  ever gains a view of a child: there is no sync.
+- An end id finishes its thread at once (recorded, never fed). The request finishes when no lane
+  runs. After each step every slot no running thread sees is released, and later writes reuse it.
+- Constraints: no PASTA tag and no APAR_CHILD ever; no APAR_FORK right after APAR_FORK or
+  APAR_CHILD, nor in a thread at the depth limit (main = depth 0). Forced tokens bypass them; an
+  exhausted script gives an end id in every thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from pasta_jax.decode.reference import DONE, FREE, RUNNING, ReferenceResult, _Lane, _Request, constrain_logits
+from pasta_jax.decode.sampling import lane_key, sample
+from pasta_jax.lang.tags import TagVocab
+
+
+def apar_constraint_mask(vocab: TagVocab, vocab_size: int, may_fork: bool) -> np.ndarray:
+  allowed = np.ones((vocab_size,), bool)
+  banned = {vocab.promise, vocab.async_open, vocab.async_close, vocab.sync, vocab.apar_child, *vocab.lengths}
+  if not may_fork:
+    banned.add(vocab.apar_fork)
+  allowed[[t for t in banned if 0 <= t < vocab_size]] = False
+  return allowed
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AparReferenceResult(ReferenceResult):
+  peak_live: int = 0
+  parents: dict[int, int] = dataclasses.field(default_factory=dict)  # thread -> parent thread
+  slot_table: dict[int, tuple[int, int, int, bool]] = dataclasses.field(default_factory=dict)
+  # slot -> (owner, write order, position, valid) as the pool holds it at the end
+
+  def annotated_tokens(self) -> list[int]:
+    """Tree order (APAR's RESTORE): each child's tokens spliced right after its parent's fork."""
+    children: dict[int, list[int]] = {}
+    for thread, parent in sorted(self.parents.items()):
+      children.setdefault(parent, []).append(thread)
+
+    def walk(thread: int) -> list[int]:
+      out, kids = [], iter(children.get(thread, []))
+      for token in self.thread_tokens(thread):
+        out.append(token)
+        if token == self.vocab.apar_fork:
+          kid = next(kids, None)
+          if kid is not None:
+            out.extend(walk(kid))
+      return out
+
+    return walk(0)
+
+
+class AparRequest(_Request):
+  """One request in APAR mode (module doc)."""
+
+  def __init__(self, cfg, index, prompt, script):
+    self.depth, self.parents = {0: 0}, {}
+    self.order: dict[int, int] = {}  # slot -> write order
+    self.live: set[int] = set()
+    self.fed_token: int | None = None  # the token the choosing lane just fed (None at prefill)
+    super().__init__(cfg, index, prompt, script)
+    self.order = {i: i for i in range(len(prompt))}
+    self.live = set(range(len(prompt)))
+    self.next_order = len(prompt)
+    self.peak_live = len(prompt)
+
+  def step(self, step: int) -> None:
+    feeders, spawns, stalls = self._plan()
+    if self.cfg.pool_slots - len(self.live) < len(feeders):
+      self.truncated = True  # all or nothing, as in PASTA mode
+      return
+    self.stalls += stalls
+    children = [self._spawn_child(step, parent, target) for parent, target in spawns]
+    slots = self._write(feeders, children)
+    if feeders:
+      self.last_fed = step
+    for lane in feeders:
+      self._next(step, lane, slots[lane])
+    self._release()
+    self.finished = not any(lane.state == RUNNING for lane in self.lanes)
+
+  def _plan(self) -> tuple[list[int], list[tuple[int, int]], int]:
+    """(feeding lanes in lane order, (parent lane, target lane) spawns, stalled forks)."""
+    running = [i for i, lane in enumerate(self.lanes) if lane.state == RUNNING]
+    forking = [i for i in running if self.lanes[i].token == self.vocab.apar_fork]
+    free = [i for i in range(1, len(self.lanes)) if self.lanes[i].state == FREE]
+    can = max(0, min(len(forking), len(free), self.cfg.max_threads - self.next_thread))
+    spawns = list(zip(forking[:can], free[:can], strict=True))
+    stalled = set(forking[can:])
+    feeders = sorted([i for i in running if i not in stalled] + [target for _, target in spawns])
+    return feeders, spawns, len(stalled)
+
+  def _spawn_child(self, step: int, parent_lane: int, target: int) -> tuple[int, int]:
+    thread = self.next_thread
+    self.next_thread += 1
+    parent = self.lanes[parent_lane]
+    lane = self.lanes[target]
+    lane.state, lane.thread = RUNNING, thread
+    lane.token, lane.position = self.vocab.apar_child, parent.position + 1
+    self.depth[thread] = self.depth[parent.thread] + 1
+    self.parents[thread] = parent.thread
+    self._record(step, target, thread, lane.token, lane.position, None)
+    return thread, parent.thread
+
+  def _write(self, feeders: list[int], children: list[tuple[int, int]]) -> dict[int, int]:
+    slots = {}
+    for index in feeders:
+      lane = self.lanes[index]
+      slot = min(set(range(self.cfg.pool_slots)) - self.live)
+      token = (lane.token, lane.thread, lane.position)
+      if slot < len(self.entries):
+        self.entries[slot], self.visible[slot] = token, frozenset()
+      else:
+        self.entries.append(token)
+        self.visible.append(frozenset())
+      self.order[slot] = self.next_order
+      self.next_order += 1
+      self.live.add(slot)
+      slots[index] = slot
+      self.seen.setdefault(lane.thread, set()).add(slot)
+    for child, parent in children:  # after every write: the parent's set holds its fork
+      self.seen[child] = set(self.seen[parent]) | self.seen[child]
+    for index, slot in slots.items():
+      self.visible[slot] = frozenset(self.seen[self.lanes[index].thread])
+    self.peak_live = max(self.peak_live, len(self.live))
+    return slots
+
+  def _next(self, step: int, index: int, slot: int) -> None:
+    lane = self.lanes[index]
+    row = self._model_row(slot)
+    self.fed_token = lane.token
+    token = self._choose(row, step, index, lane.thread)
+    position = lane.position + 1
+    self._record(step, index, lane.thread, token, position, row)
+    if token in self.vocab.eos_ids:
+      if index == 0:
+        lane.state = DONE
+      else:
+        self.lanes[index] = _Lane()
+      return
+    lane.token, lane.position = token, position
+
+  def _release(self) -> None:
+    needed = set()
+    for lane in self.lanes:
+      if lane.state == RUNNING:
+        needed |= self.seen[lane.thread]
+    self.live &= needed
+
+  def _choose(self, row: np.ndarray, step: int, lane: int, thread: int) -> int:
+    if self.script is not None:
+      return self._forced(thread)
+    fed = self.fed_token
+    may_fork = fed not in (self.vocab.apar_fork, self.vocab.apar_child) and self.depth[thread] < self.cfg.max_depth
+    allowed = apar_constraint_mask(self.vocab, row.shape[-1], may_fork)
+    key = lane_key(jax.random.key(self.cfg.sampling.seed), self.index, step, lane)
+    return int(sample(constrain_logits(row, allowed), key, self.cfg.sampling))
+
+  def _forced(self, thread: int) -> int:
+    seq = self.script[thread] if thread < len(self.script) else []
+    i = self.cursor.get(thread, 0)
+    self.cursor[thread] = i + 1
+    return int(seq[i]) if i < len(seq) else self.vocab.eos_ids[0]
+
+  def result(self) -> AparReferenceResult:
+    base = super().result()
+    table = {slot: (owner, self.order[slot], position, slot in self.live)
+             for slot, (_, owner, position) in enumerate(self.entries)}
+    return AparReferenceResult(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ReferenceResult)},
+                               peak_live=self.peak_live, parents=dict(self.parents), slot_table=table)
