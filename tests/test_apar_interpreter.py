@@ -133,3 +133,31 @@ def test_exact_path_positions_and_views_by_hand():
   # by no running thread) is released, and the child's `y` reuses that slot with a later write order.
   assert got.peak_live_slots == want.peak_live == 8
   assert [tuple(int(v) for v in row) for row in got.slot_table[6:8]] == [(1, 8, 7, 0), (1, 7, 6, 0)]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fan_out_with_script_prefixes_matches_reference(data):
+  """SoT's stage 2: k threads start together after a shared prompt, each forced through its own
+  prefix (the point to expand), then sampling; with max_depth 0 nobody forks."""
+  k = data.draw(st.integers(2, 4), label="threads")
+  depth = data.draw(st.sampled_from([0, 2]), label="max_depth")
+  seed = data.draw(st.integers(0, 2**16), label="seed")
+  cfg = apar(lanes=4, max_steps=48, pool_slots=160, max_depth=depth, initial_threads=k, sample_after_script=True,
+             sampling=SamplingConfig(temperature=1.0, seed=seed))
+  batch = data.draw(st.integers(1, 2), label="batch")
+  scripts = [[data.draw(st.lists(PLAIN_TOKENS, min_size=1, max_size=5), label=f"prefix{i}.{u}") for u in range(k)]
+             for i in range(batch)]
+  prompt_batch = [data.draw(prompts, label=f"prompt{i}") for i in range(batch)]
+  got = run_interpreter(toy_apply, SAMPLING_PARAMS, prompt_batch, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC,
+                        scripts=scripts)
+  want = run_reference(toy_apply, SAMPLING_PARAMS, prompt_batch, cfg.vocab, lanes=cfg.lanes,
+                       max_threads=cfg.max_threads, pool_slots=cfg.pool_slots, max_steps=cfg.max_steps,
+                       sampling=cfg.sampling, script=scripts, mode="apar", max_depth=depth, initial_threads=k,
+                       sample_after_script=True)
+  assert_same(got, want)
+  for out, script, prompt in zip(got, scripts, prompt_batch):
+    for u in range(k):  # each thread replays its prefix from the prompt's end, then goes on alone
+      rows = [r for r in out.records.tolist() if r[2] == u]
+      assert [r[3] for r in rows[:len(script[u])]] == script[u]
+      assert rows[0][4] == len(prompt)

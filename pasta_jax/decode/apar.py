@@ -7,7 +7,9 @@ differ (docs/interpreter.md, APAR mode):
     and the parent's next token sit at the fork's position + 1 (exact path positions);
   - a child sees its parent's view up to and including the fork; nobody ever sees a child (no sync);
   - several lanes may fork in one step: the k-th forking lane (lane order) takes the k-th free lane;
-    a forking lane with no free lane or thread id left stalls (counted);
+    a forking lane with no free lane or thread id left stalls (counted). Sampling may fork only
+    while a lane is free; a forced script can still make every running lane wait on a fork at once,
+    and that deadlock stops the request as truncated;
   - an end id finishes any thread at once (it is recorded, never fed); the request finishes when no
     lane runs. Then every slot that no running thread can see is released and reused (early release).
 """
@@ -32,7 +34,7 @@ class AparPlan:
   new_thread: jax.Array  # [B, T] int32: for a target lane, the child's thread id
   stalls: jax.Array  # [B] int32: forking lanes that wait for a free lane or thread id
   slots: jax.Array  # [B, T] int32: the pool slot each feeding lane writes (S where none)
-  out_of_room: jax.Array  # [B] bool: fewer free slots than feeding lanes
+  out_of_room: jax.Array  # [B] bool: fewer free slots than feeding lanes, or a deadlock
 
 
 def _kth(mask: jax.Array, k: jax.Array) -> jax.Array:
@@ -55,7 +57,9 @@ def plan_apar(state: InterpState, cfg: InterpreterConfig) -> AparPlan:
   parent_lane = jnp.minimum(_kth(spawns_ok, jnp.where(target, free_rank, 0)), cfg.lanes - 1)
   feed = (running & ~(forking & ~spawns_ok)) | target
   needed = feed.sum(axis=1)
-  room = (~state.slot_valid).sum(axis=1) >= needed
+  # Every running lane waits on a fork that no lane can take: nothing will ever free one. Stop.
+  deadlock = state.live & jnp.any(running, axis=1) & (needed == 0)
+  room = ((~state.slot_valid).sum(axis=1) >= needed) & ~deadlock
   feed = feed & room[:, None]
   target = target & room[:, None]
   offsets = jnp.cumsum(feed, axis=1) - 1
@@ -63,6 +67,11 @@ def plan_apar(state: InterpState, cfg: InterpreterConfig) -> AparPlan:
   stalls = jnp.where(room, (forking & ~spawns_ok).sum(axis=1), 0)
   return AparPlan(feed, target, parent_lane, state.next_thread[:, None] + free_rank, stalls.astype(jnp.int32),
                   slots.astype(jnp.int32), state.live & ~room & jnp.any(running, axis=1))
+
+
+def lane_free(state: InterpState) -> jax.Array:
+  """[B] bool: a fork lane is free now. Sampling may fork only then, so lanes never deadlock."""
+  return jnp.any((state.status == FREE) & (jnp.arange(state.status.shape[1]) > 0), axis=1)
 
 
 def apply_spawn(state: InterpState, plan: AparPlan, cfg: InterpreterConfig) -> InterpState:

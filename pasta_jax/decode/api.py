@@ -181,8 +181,11 @@ def pad_scripts(scripts, batch: int, max_threads: int, length: int):
 
 def prepare(model, ids: Sequence[Sequence[int]], *, params=None, max_new_tokens: int = 256, lanes: int = 8,
             max_threads: int = 64, sampling: SamplingConfig = GREEDY, position_mode: PositionMode = "pred",
-            dtype=jnp.float32, scripts=None) -> Prepared:
-  """Pads prompts (and scripts) and sizes the pool and step budget for `ids` (prompt token ids)."""
+            dtype=jnp.float32, scripts=None, **modes) -> Prepared:
+  """Pads prompts (and scripts) and sizes the pool and step budget for `ids` (prompt token ids).
+
+  modes: further InterpreterConfig fields (mode="apar", max_depth, initial_threads, sample_after_script).
+  """
   if max_new_tokens < 1:
     raise PastaError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
   if lanes < 1:
@@ -195,8 +198,11 @@ def prepare(model, ids: Sequence[Sequence[int]], *, params=None, max_new_tokens:
     raise PastaError("empty prompt: give at least one token of prompt")
   prompt_len = bucket(max(len(p) for p in ids))
   slots = pool_size(prompt_len, new, lanes)
-  cfg = InterpreterConfig(vocab=vocab, lanes=lanes, max_threads=max_threads, pool_slots=slots, max_steps=new,
-                          sampling=sampling, position_mode=position_mode)
+  try:
+    cfg = InterpreterConfig(vocab=vocab, lanes=lanes, max_threads=max_threads, pool_slots=slots, max_steps=new,
+                            sampling=sampling, position_mode=position_mode, **modes)
+  except ValueError as err:
+    raise PastaError(f"bad interpreter settings: {err}") from None
   tokens, lengths = interpreter.pad_prompts(ids, slots)
   script, script_len = pad_scripts(scripts, len(ids), max_threads, slots)
   return Prepared(cfg, model_fn(model.config, jnp.dtype(dtype)),

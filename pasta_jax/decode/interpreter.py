@@ -29,18 +29,33 @@ from pasta_jax.visibility import HIDDEN, UNBOUNDED, visible
 
 def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Array, script, script_len,
                cfg: InterpreterConfig, vocab_size: int, main_script_ptr: int, key: jax.Array) -> InterpState:
-  """State after prefill: prompt b in slots 0..len_b-1, main pending its first token."""
+  """State after prefill: prompt b in slots 0..len_b-1, main pending its first token.
+
+  With `initial_threads` k > 1 (APAR fan-out), threads 1..k-1 also start, on lanes 1..k-1: each
+  sees the prompt and itself, sits at the prompt's end, and has its script's first token pending.
+  """
   batch = lengths.shape[0]
   b_t = (batch, cfg.lanes)
   slot_idx = jnp.arange(cfg.pool_slots)
-  horizon = jnp.full((batch, cfg.lanes, cfg.max_threads), HIDDEN, jnp.int32).at[:, 0, 0].set(UNBOUNDED)
-  lane0 = jnp.arange(cfg.lanes)[None, :] == 0
+  lane_idx = jnp.arange(cfg.lanes)[None, :]
+  k = cfg.initial_threads
+  started = lane_idx < k
+  threads = jnp.arange(cfg.max_threads)
+  own = threads[None, None, :] == jnp.arange(cfg.lanes)[None, :, None]  # [1, T, U]
+  prompt_view = jnp.where(threads == 0, (lengths - 1)[:, None, None], HIDDEN)  # [B, 1, U]
+  horizon = jnp.where(own & started[..., None], UNBOUNDED,
+                      jnp.where(started[..., None], prompt_view, HIDDEN)).astype(jnp.int32)
+  fan_first = script[:, jnp.minimum(jnp.arange(cfg.lanes), cfg.max_threads - 1), 0]  # [B, T]
+  token = jnp.where(lane_idx == 0, first[:, None], jnp.where(started, fan_first, 0)).astype(jnp.int32)
   num_rec = cfg.max_records
   records = jnp.zeros((batch, num_rec, 5), jnp.int32)
-  records = records.at[:, 0].set(jnp.stack([jnp.zeros_like(first), jnp.zeros_like(first), jnp.zeros_like(first),
-                                            first, lengths], axis=1))
+  lanes = jnp.broadcast_to(jnp.arange(k), (batch, k))
+  first_rows = jnp.stack([jnp.zeros_like(lanes), lanes, lanes, token[:, :k],
+                          jnp.broadcast_to(lengths[:, None], (batch, k))], axis=2)
+  records = records.at[:, :k].set(first_rows)
   rec_logits = jnp.zeros((batch, num_rec if cfg.record_logits else 1, vocab_size if cfg.record_logits else 1))
   script_ptr = jnp.zeros((batch, cfg.max_threads), jnp.int32).at[:, 0].set(main_script_ptr)
+  script_ptr = script_ptr.at[:, 1:k].set(1)
   return InterpState(
       pool=pool,
       slot_owner=jnp.zeros((batch, cfg.pool_slots), jnp.int32),
@@ -49,19 +64,19 @@ def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Arr
       slot_valid=slot_idx[None, :] < lengths[:, None],
       next_slot=lengths.astype(jnp.int32),
       peak_live=lengths.astype(jnp.int32),
-      status=jnp.broadcast_to(jnp.where(lane0, RUNNING, FREE), b_t).astype(jnp.int32),
-      thread=jnp.zeros(b_t, jnp.int32),
-      token=jnp.where(lane0, first[:, None], 0).astype(jnp.int32),
-      position=jnp.where(lane0, lengths[:, None], 0).astype(jnp.int32),
+      status=jnp.broadcast_to(jnp.where(started, RUNNING, FREE), b_t).astype(jnp.int32),
+      thread=jnp.broadcast_to(jnp.where(started, lane_idx, 0), b_t).astype(jnp.int32),
+      token=token,
+      position=jnp.where(started, lengths[:, None], 0).astype(jnp.int32),
       horizon=horizon,
       in_promise=first == cfg.vocab.promise,
-      next_thread=jnp.ones((batch,), jnp.int32),
-      depth=jnp.zeros(b_t, jnp.int32),
-      parent=jnp.full((batch, cfg.max_threads), -1, jnp.int32),
+      next_thread=jnp.full((batch,), k, jnp.int32),
+      depth=jnp.broadcast_to(jnp.where(started & (lane_idx > 0), 1, 0), b_t).astype(jnp.int32),
+      parent=jnp.full((batch, cfg.max_threads), -1, jnp.int32).at[:, 1:k].set(0),
       script=script, script_len=script_len, script_ptr=script_ptr,
       finished=jnp.zeros((batch,), bool), truncated=jnp.zeros((batch,), bool),
       stalls=jnp.zeros((batch,), jnp.int32), last_fed_step=jnp.zeros((batch,), jnp.int32),
-      step=jnp.int32(0), records=records, num_records=jnp.ones((batch,), jnp.int32),
+      step=jnp.int32(0), records=records, num_records=jnp.full((batch,), k, jnp.int32),
       record_logits=rec_logits, key=key,
   )
 
@@ -80,11 +95,21 @@ def choose_tokens(logits, rows_lane, state: InterpState, cfg: InterpreterConfig,
     # The model still runs: without a use of the logits XLA would drop the output head, and forced
     # replays (the benchmarks' workload) would time a model without its most expensive matmul.
     model_choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jnp.where(model_choice < 0, model_choice, forced_token)
+    if not cfg.sample_after_script:
+      return jnp.where(model_choice < 0, model_choice, forced_token)
+    return jnp.where(ptr < state.script_len[b, thread], scripted, sample_constrained(logits, rows_lane, state, cfg))
+  return sample_constrained(logits, rows_lane, state, cfg)
+
+
+def sample_constrained(logits, rows_lane, state: InterpState, cfg: InterpreterConfig):
+  """Sampled tokens [B, Q] under the tag constraints of each row's thread."""
+  batch, num_q, _ = logits.shape
+  b = jnp.arange(batch)[:, None]
   tables = AllowedTokens.build(cfg.vocab, logits.shape[-1])
   if cfg.mode == "apar":
     fed = state.token[b, rows_lane]
-    no_fork = (fed == cfg.vocab.apar_fork) | (fed == cfg.vocab.apar_child) | (state.depth[b, rows_lane] >= cfg.max_depth)
+    no_fork = (fed == cfg.vocab.apar_fork) | (fed == cfg.vocab.apar_child) | \
+        (state.depth[b, rows_lane] >= cfg.max_depth) | ~apar.lane_free(state)[:, None]
     allowed = tables.for_apar_rows(no_fork)
   else:
     allowed = tables.for_rows(rows_lane == 0, state.in_promise[:, None])

@@ -204,6 +204,8 @@ class _Settings:
   bucket: bool
   mode: str = "pasta"
   max_depth: int = 3
+  initial_threads: int = 1
+  sample_after_script: bool = False
 
 
 class _Request:
@@ -416,7 +418,8 @@ def run_reference(model_fn: Callable, params, prompts: list[list[int]], vocab: T
                   max_threads: int, pool_slots: int, max_steps: int, sampling: SamplingConfig,
                   script: list[list[list[int]]] | None = None,
                   position_mode: str = "pred", bucket: bool = True, mode: str = "pasta",
-                  max_depth: int = 3) -> list[ReferenceResult]:
+                  max_depth: int = 3, initial_threads: int = 1,
+                  sample_after_script: bool = False) -> list[ReferenceResult]:
   """Run each request alone, exactly as docs/interpreter.md says; B prompts -> B results.
 
   model_fn: the signature of `Gemma(cfg).apply` / `toy_model.toy_apply`, called without a pool.
@@ -426,7 +429,8 @@ def run_reference(model_fn: Callable, params, prompts: list[list[int]], vocab: T
   content ending with ASYNC_END, without the inserted ASYNC). The model still runs and its logits
   are recorded. position_mode: 'pred' (R from LENGTH), 'fixed' (R = 42), 'oracle' (R = true
   block length + 2; forced mode only). mode: "pasta", or "apar" (`reference_apar`; max_depth is
-  its fork depth limit). bucket: pad each model call to a power-of-two length
+  its fork depth limit, initial_threads its fan-out, sample_after_script makes scripts prefixes
+  that sampling continues). bucket: pad each model call to a power-of-two length
   (fewer shapes to compile) with pad rows masked out both ways, which leaves the query's row
   unchanged up to float summation order; False makes the literal unpadded call.
   """
@@ -442,7 +446,7 @@ def run_reference(model_fn: Callable, params, prompts: list[list[int]], vocab: T
   if mode not in ("pasta", "apar"):
     raise ValueError(f"mode must be pasta or apar, got {mode!r}")
   cfg = _Settings(model_fn, params, vocab, lanes, max_threads, pool_slots, max_steps, sampling,
-                  position_mode, bucket, mode, max_depth)
+                  position_mode, bucket, mode, max_depth, initial_threads, sample_after_script)
   return [_run_one(cfg, b, list(prompt), None if script is None else script[b])
           for b, prompt in enumerate(prompts)]
 

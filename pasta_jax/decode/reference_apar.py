@@ -11,7 +11,9 @@ APAR (the APAR paper, Algorithm 1) one request and one token at a time:
 - An end id finishes its thread at once (recorded, never fed). The request finishes when no lane
   runs. After each step every slot no running thread sees is released, and later writes reuse it.
 - Constraints: no PASTA tag and no APAR_CHILD ever; no APAR_FORK right after APAR_FORK or
-  APAR_CHILD, nor in a thread at the depth limit (main = depth 0). Forced tokens bypass them; an
+  APAR_CHILD, nor in a thread at the depth limit (main = depth 0), nor while no fork lane is free
+  (as the lanes stand before this step's samples), so sampled runs never deadlock. A step where
+  every running lane waits on a fork (forced scripts only) stops the request as truncated. Forced tokens bypass them; an
   exhausted script gives an end id in every thread.
 """
 
@@ -70,22 +72,39 @@ class AparRequest(_Request):
     self.order: dict[int, int] = {}  # slot -> write order
     self.live: set[int] = set()
     self.fed_token: int | None = None  # the token the choosing lane just fed (None at prefill)
+    self.has_free = cfg.lanes > cfg.initial_threads  # a fork lane is free: sampling may fork
     super().__init__(cfg, index, prompt, script)
     self.order = {i: i for i in range(len(prompt))}
     self.live = set(range(len(prompt)))
     self.next_order = len(prompt)
     self.peak_live = len(prompt)
+    self._fan_out(len(prompt))
+
+  def _fan_out(self, prompt_len: int) -> None:
+    """Threads 1..k-1 start beside main: each sees the prompt, its script's first token pending."""
+    for thread in range(1, self.cfg.initial_threads):
+      lane = self.lanes[thread]
+      lane.state, lane.thread, lane.position = RUNNING, thread, prompt_len
+      lane.token = int(self.script[thread][0])
+      self.cursor[thread] = 1
+      self.seen[thread] = set(range(prompt_len))
+      self.depth[thread], self.parents[thread] = 1, 0
+      self._record(0, thread, thread, lane.token, prompt_len, None)
+    self.next_thread = self.cfg.initial_threads
 
   def step(self, step: int) -> None:
     feeders, spawns, stalls = self._plan()
-    if self.cfg.pool_slots - len(self.live) < len(feeders):
-      self.truncated = True  # all or nothing, as in PASTA mode
+    if self.cfg.pool_slots - len(self.live) < len(feeders) or not feeders:
+      # All or nothing, as in PASTA mode. No feeder while a lane runs: every running lane waits on a
+      # fork no lane can take (a deadlock only forced scripts can make): stop.
+      self.truncated = True
       return
     self.stalls += stalls
     children = [self._spawn_child(step, parent, target) for parent, target in spawns]
     slots = self._write(feeders, children)
     if feeders:
       self.last_fed = step
+    self.has_free = any(lane.state == FREE for lane in self.lanes[1:])  # as the lanes stood before sampling
     for lane in feeders:
       self._next(step, lane, slots[lane])
     self._release()
@@ -160,16 +179,22 @@ class AparRequest(_Request):
     self.live &= needed
 
   def _choose(self, row: np.ndarray, step: int, lane: int, thread: int) -> int:
-    if self.script is not None:
+    scripted = self.script is not None and (
+        not self.cfg.sample_after_script or self.cursor.get(thread, 0) < len(self._script_of(thread)))
+    if scripted:
       return self._forced(thread)
     fed = self.fed_token
-    may_fork = fed not in (self.vocab.apar_fork, self.vocab.apar_child) and self.depth[thread] < self.cfg.max_depth
+    may_fork = (fed not in (self.vocab.apar_fork, self.vocab.apar_child) and self.depth[thread] < self.cfg.max_depth
+                and self.has_free)
     allowed = apar_constraint_mask(self.vocab, row.shape[-1], may_fork)
     key = lane_key(jax.random.key(self.cfg.sampling.seed), self.index, step, lane)
     return int(sample(constrain_logits(row, allowed), key, self.cfg.sampling))
 
+  def _script_of(self, thread: int) -> list[int]:
+    return self.script[thread] if thread < len(self.script) else []
+
   def _forced(self, thread: int) -> int:
-    seq = self.script[thread] if thread < len(self.script) else []
+    seq = self._script_of(thread)
     i = self.cursor.get(thread, 0)
     self.cursor[thread] = i + 1
     return int(seq[i]) if i < len(seq) else self.vocab.eos_ids[0]

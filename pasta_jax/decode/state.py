@@ -35,12 +35,18 @@ class InterpreterConfig:
   lane_buckets: bool = True  # compute only as many query rows as lanes feed (1, 2, 4, ...)
   mode: Mode = "pasta"  # "apar": APAR's fork/child tokens, no sync, finished children released
   max_depth: int = 3  # APAR: a thread at this depth (main = 0) may not fork
+  initial_threads: int = 1  # APAR: threads 0..k-1 start together after the prompt (SoT's point fan-out)
+  sample_after_script: bool = False  # forced scripts are prefixes: a thread samples once its script ends
 
   def __post_init__(self):
     if self.lanes < 1 or self.max_threads < 1 or self.pool_slots < 1:
       raise ValueError(f"lanes, max_threads and pool_slots must be positive: {self}")
     if self.mode not in ("pasta", "apar"):
       raise ValueError(f"unknown interpreter mode {self.mode!r}; use pasta or apar")
+    if not 1 <= self.initial_threads <= min(self.lanes, self.max_threads):
+      raise ValueError(f"initial_threads={self.initial_threads} must be in [1, min(lanes, max_threads)]")
+    if self.initial_threads > 1 and self.mode != "apar":
+      raise ValueError("initial_threads > 1 (a fan-out) needs mode='apar': PASTA threads start at promises")
     if self.max_depth < 0:
       raise ValueError(f"max_depth must be >= 0, got {self.max_depth}")
     if self.position_mode not in ("pred", "fixed", "oracle"):
