@@ -14,8 +14,8 @@ overhead over plain decoding (about 7% on CPU, `bench.interpreter`).
   sequential-forced  that twin: the same truncated answer without tags, replayed sequentially
 
 A method's `reference` is what it is measured against: None means the run's baseline. Methods are
-named `name[:model_path]` (no path: the run's default model). APAR and Skeleton-of-Thought belong to
-another issue: they plug in with `register_method` (see PLANNED).
+named `name[:model_path]` (no path: the run's default model). The baselines (apar, apar-forced, sot,
+sot-router) live in pasta_jax/baselines/methods.py and plug in with `register_method`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from pasta_jax.errors import PastaError, TagError
 from pasta_jax.lang import metrics
 from pasta_jax.lang.text import strip_tags
 
-PLANNED = ("apar", "sot", "sot-router")  # baselines of the paper's section 5, added by another issue
 
 
 class MethodError(PastaError):
@@ -209,13 +208,16 @@ def register_method(name: str, factory: MethodFactory) -> None:
   METHODS[name] = factory
 
 
+def _register_baselines() -> None:
+  import pasta_jax.baselines.methods  # noqa: F401  (registers apar, apar-forced, sot, sot-router)
+
+
 def parse_spec(text: str) -> MethodSpec:
   """'name' or 'name:model_path' -> MethodSpec; unknown names raise MethodError listing the known ones."""
+  _register_baselines()
   name, colon, path = text.strip().partition(":")
   if name not in METHODS:
     known = ", ".join(METHODS)
-    if name in PLANNED:
-      raise MethodError(f"method {name!r} is planned but not implemented yet; known methods: {known}")
     raise MethodError(f"unknown method {name!r}; known methods: {known} (write name or name:model_path)")
   if colon and not path:
     raise MethodError(f"method spec {text!r} has an empty model path after ':'")

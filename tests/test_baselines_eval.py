@@ -1,0 +1,36 @@
+"""`pasta eval` runs the baselines (apar, apar-forced, sot, sot-router) beside pasta on one report."""
+
+from __future__ import annotations
+
+import json
+
+from pasta_jax.commands.eval import run_eval
+from pasta_jax.data.apar_format import strip_apar
+from pasta_jax.eval import methods as M
+from tests.test_eval_command import parse, write_prompts
+from tests.tiny import tiny_model
+
+LIST = ("Tips:\n1. Sleep well: go to bed on time.\n2. Eat well: light meals at night.\n"
+        "3. Move daily: walk for half an hour.\n")
+RECORDS = [dict(id="tips", instruction="Give tips.", output=LIST),
+           dict(id="prose", instruction="Say hi.", output="Hello there. Nice to meet you.")]
+
+
+def test_baselines_on_one_report(tmp_path, monkeypatch):
+  model = tiny_model()
+  monkeypatch.setattr(M, "cached_model", lambda path: model)
+  monkeypatch.delenv("PASTA_JUDGE_BASE_URL", raising=False)
+  out = tmp_path / "run"
+  args = parse("--prompts", write_prompts(tmp_path, RECORDS), "--methods", "pasta-forced", "apar-forced", "apar", "sot", "sot-router",
+               "--out", str(out), "--max-new-tokens", "160", "--lanes", "4", "--no-progress")
+  assert run_eval(args) == 0
+  results = json.loads((out / "results.json").read_text())
+  names = [m["name"] for m in results["methods"]]
+  assert {"pasta-forced", "apar-forced", "apar", "sot", "sot-router", "sequential-forced"} <= set(names)
+  runs = results["prompts"][0]["runs"]
+  assert runs["apar-forced"]["text"] == runs["sequential-forced"]["text"] == LIST
+  assert runs["apar-forced"]["threads"] == 4 and runs["apar-forced"]["annotated"].count("<fork/>") == 3
+  assert strip_apar(runs["apar-forced"]["annotated"]) == LIST
+  assert "rule router" in runs["sot-router"]["note"]  # the char tokenizer has no single yes/no token
+  report = (out / "report.md").read_text()
+  assert "`apar-forced`" in report and "`sot`" in report
