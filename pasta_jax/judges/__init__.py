@@ -1,0 +1,11 @@
+"""Pairwise judges: the interface (base), an OpenAI-compatible HTTP judge, a local-model judge, and a
+resumable cache. Preference scoring (training) and `pasta eval` (quality) share them."""
+
+from pasta_jax.endpoint import EndpointConfig, EndpointError
+from pasta_jax.judges.base import Judge, Verdict, judge_both_orders
+from pasta_jax.judges.cache import CachedJudge
+from pasta_jax.judges.http import HttpJudge
+from pasta_jax.judges.local import LocalJudge
+
+__all__ = ["CachedJudge", "EndpointConfig", "EndpointError", "HttpJudge", "Judge", "LocalJudge", "Verdict",
+           "judge_both_orders"]
