@@ -33,7 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="train.sft", description=__doc__.split("\n\n")[0])
   parser.add_argument("--data", required=True, help="lima, alpaca_gpt4_1k, alpaca_5k or a JSONL path")
   parser.add_argument("--data-dir", default=None, help="TFDS data dir (default: ~/tensorflow_datasets)")
-  parser.add_argument("--objective", choices=["sft", "baseline_sft"], default="sft")
+  parser.add_argument("--objective", choices=["sft", "baseline_sft", "apar_sft"], default="sft",
+                      help="sft (PASTA), baseline_sft (tags stripped) or apar_sft (APAR-format data, APAR's mask)")
   parser.add_argument("--annotate", choices=["structural", "none"], default="structural")
   parser.add_argument("--limit", type=int, help="use the first N training records")
   parser.add_argument("--only-annotated", action="store_true",
@@ -56,21 +57,31 @@ def training_records(args, tokenizer) -> tuple[list[dict], list[dict]]:
     todo = [i for i, r in enumerate(train) if not r.get("annotated")]
     for i, record in zip(todo, annotate_records([train[i] for i in todo], tokenizer, progress=True)):
       train[i] = record
+  if args.objective == "apar_sft":
+    from pasta_jax.data.apar_format import apar_records
+    train, kinds = apar_records(train)
+    print(f"APAR format: {dict(kinds)}")
   if args.only_annotated:
-    train = [r for r in train if r.get("annotated")]
+    field = "apar" if args.objective == "apar_sft" else "annotated"
+    train = [r for r in train if r.get(field)]
   return train, held_out
 
 
-def sample_held_out(model_dir, prompts: list[str], out_dir, tokens: int) -> str:
-  from pasta_jax.decode import api
+def sample_held_out(model_dir, prompts: list[str], out_dir, tokens: int, apar: bool = False) -> str:
+  """Decodes held-out prompts with the trained model (PASTA or, for apar_sft, APAR mode)."""
+  from pasta_jax.decode import api, tree_api
   model = load_model(model_dir)
-  results = api.generate(model, prompts, max_new_tokens=tokens, chat=True)
+  if apar:
+    results = tree_api.generate_apar(model, prompts, max_new_tokens=tokens, chat=True)
+  else:
+    results = api.generate(model, prompts, max_new_tokens=tokens, chat=True)
   lines, well_formed = [], 0
   for prompt, result in zip(prompts, results):
-    tagged = len(result.threads) > 1
+    threads = len(result.thread_texts) if apar else len(result.threads)
+    tagged = threads > 1
     ok = tagged and not math.isnan(result.theoretical_speedup)
     well_formed += ok
-    lines += [f"## {prompt}", "", f"threads: {len(result.threads) - 1} forks, steps {result.steps}, "
+    lines += [f"## {prompt}", "", f"threads: {threads - 1} forks, steps {result.steps}, "
               f"theoretical speedup {result.theoretical_speedup:.2f}, well-formed tags: {ok}", "", "```",
               result.annotated, "```", ""]
   summary = f"{well_formed}/{len(prompts)} held-out answers forked with well-formed tags"
@@ -89,7 +100,7 @@ def main(argv=None) -> int:
                         objective=config.objective)
   dataset = layout_dataset(train, model.tokenizer, vocab, encode, batch_size=config.batch_size, seed=config.seed,
                            epochs=config.epochs, shard_index=jax.process_index(), shard_count=jax.process_count())
-  annotated = sum(bool(r.get("annotated")) for r in train)
+  annotated = sum(bool(r.get("apar" if args.objective == "apar_sft" else "annotated")) for r in train)
   print(f"data: {len(train)} records ({annotated} annotated); {dataset.report.summary()}; {len(dataset)} steps")
   out = run_path(args.out)
   result = Trainer(config, model, dataset, out).run(args.stop_after)
@@ -105,7 +116,7 @@ def main(argv=None) -> int:
   elif args.sample and held_out:
     from pasta_jax.data.encode import record_prompt
     print(sample_held_out(result.model_dir, [record_prompt(r) for r in held_out[:args.sample]], out,
-                          args.sample_tokens))
+                          args.sample_tokens, apar=args.objective == "apar_sft"))
   return 0
 
 

@@ -25,8 +25,8 @@ def build_eval_parser(subparsers) -> argparse.ArgumentParser:
                       help="alpaca_eval_805 (default), mt_bench (first turns), or any instruction JSONL")
   parser.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts only")
   parser.add_argument("--methods", nargs="+", default=["pasta-forced"], metavar="NAME[:MODEL]",
-                      help="methods to compare: sequential, pasta, pasta-forced, sequential-forced "
-                           "(default: pasta-forced)")
+                      help="methods to compare: sequential, pasta, pasta-forced, sequential-forced, apar, "
+                           "apar-forced, sot, sot-router (default: pasta-forced)")
   parser.add_argument("--baseline", default="sequential", metavar="NAME[:MODEL]",
                       help="what methods without their own reference are measured against (default: sequential)")
   parser.add_argument("--model", default=None,

@@ -3,7 +3,10 @@
 Records are dicts with `instruction`, optional `input`, and the answer: `annotated` (promise-form
 PASTA-LANG text, the Pasta-SFT field) or `output` (the source answer). Objectives:
   sft           the annotated answer laid out with the PASTA mask and positions;
-  baseline_sft  the same answer with every tag stripped, re-tokenized as plain text, causal.
+  baseline_sft  the same answer with every tag stripped, re-tokenized as plain text, causal;
+  apar_sft      the record's `apar` answer (APAR text form, data/apar_format.py) laid out with APAR's
+                mask and exact path positions (lang/apar_layout.py); without one, `output` as a
+                single node (APAR's negative examples).
 Prompts use Gemma's chat turns; the answer ends with `<end_of_turn>` (the chat end id).
 """
 
@@ -30,7 +33,7 @@ class EncodeConfig:
   seq_len: int | None = 1024  # None: the example's own length, unpadded (reference log-probs)
   num_threads: int | None = 16  # None: the example's own thread count
   position_mode: PositionMode = "pred"
-  objective: str = "sft"  # "sft" | "baseline_sft"
+  objective: str = "sft"  # "sft" | "baseline_sft" | "apar_sft"
   chat: bool = True
 
 
@@ -66,9 +69,15 @@ def prompt_token_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
 def encode_example(record: Mapping[str, Any], tokenizer, vocab: TagVocab, config: EncodeConfig) -> Layout:
   """The padded [seq_len] layout of one record. Raises TagError (bad tags) or ExampleTooLong."""
   prompt = prompt_token_ids(tokenizer, record_prompt(record), config.chat)
-  answer_text = record_answer(record, config.objective)
   lang = LangTokenizer(tokenizer)
   end = end_id(tokenizer, vocab, config.chat)
+  if config.objective == "apar_sft":
+    from pasta_jax.decode.tree_api import encode_apar_text
+    from pasta_jax.lang.apar_layout import apar_layout
+    text = record.get("apar") or record.get("output") or ""
+    tree_ids = encode_apar_text(text, lang, vocab, f"record {record.get('id', '?')!r}: ", end_id=end)
+    return fit_layout(apar_layout(prompt, tree_ids, vocab, eos_id=end), config, str(record.get("id", "?")))
+  answer_text = record_answer(record, config.objective)
   if config.objective == "baseline_sft":
     layout = plain_layout(prompt, lang.encode(answer_text), end)
   else:

@@ -45,8 +45,11 @@ class TreeResult:
   theoretical_speedup: float  # content_tokens / critical_path
 
 
-def encode_apar_text(text: str, tokenizer: api.LangTokenizer, vocab: TagVocab, where: str = "") -> list[int]:
-  """APAR text form -> tree-order ids (children end with the end id; main's end id not included)."""
+def encode_apar_text(text: str, tokenizer: api.LangTokenizer, vocab: TagVocab, where: str = "",
+                     end_id: int | None = None) -> list[int]:
+  """APAR text form -> tree-order ids (children end with `end_id`, default the vocab's first end id;
+  main's end id is not included)."""
+  end = vocab.eos_ids[0] if end_id is None else end_id
   ids, depth, last = [], 0, 0
   pieces = list(_APAR_TAGS.finditer(text))
   for k, match in enumerate(pieces):
@@ -66,7 +69,7 @@ def encode_apar_text(text: str, tokenizer: api.LangTokenizer, vocab: TagVocab, w
     else:
       if depth == 0:
         raise TagError(f"{where}character {match.start()}: </child> without an open <child>")
-      ids.append(vocab.eos_ids[0])
+      ids.append(end)
       depth -= 1
     last = match.end()
   if last < len(text):

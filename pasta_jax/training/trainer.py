@@ -55,7 +55,7 @@ class TrainResult:
 
 def make_loss_fn(config: TrainConfig, apply_fn: Callable) -> step_lib.LossFn:
   """The objective as a (numerator, denominator, aux) micro-batch loss."""
-  if config.objective in ("sft", "baseline_sft"):
+  if config.objective in ("sft", "baseline_sft", "apar_sft"):  # the layout carries each one's mask and targets
     return lambda params, batch: (*sft_loss_sum(apply_fn, params, batch), {})
   from pasta_jax.training.bonbon import bonbon_objective
 

@@ -1,0 +1,101 @@
+"""APAR's training layout (the APAR paper, section 2.2) with the same Layout, mask and loss as PASTA.
+
+Tokens are laid out in tree order (write order = index): the prompt, then main's answer with each
+child (its inserted APAR_CHILD, its tokens, its end id) right after the fork that spawns it.
+  - Positions: exact path positions. The child's APAR_CHILD and the parent's next token both take
+    the fork's position + 1; nothing is reserved.
+  - Horizons: every token sees its own thread causally and what its parent saw at the fork, the fork
+    included; nobody sees a child (no sync). Children are numbered in tree order.
+  - Targets follow each thread's own stream: main = prompt, answer, end id; a child = APAR_CHILD,
+    its tokens, its end id. Nothing predicts APAR_CHILD (attended to, never learned, as the paper
+    says), and end ids predict nothing. Loss: every target that is an answer token.
+The interpreter's APAR mode replays such an answer with the same logits (tests/test_apar_layout.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pasta_jax.decode.tree import Node, parse_tree
+from pasta_jax.errors import PastaError
+from pasta_jax.lang.layout import NO_TARGET, Layout
+from pasta_jax.lang.tags import TagVocab
+from pasta_jax.visibility import HIDDEN
+
+
+class _Rows:
+  def __init__(self):
+    self.tokens, self.positions, self.thread, self.view = [], [], [], []
+    self.streams: list[list[int]] = []
+
+  def add(self, token: int, position: int, thread: int, view: dict[int, int]) -> int:
+    index = len(self.tokens)
+    self.tokens.append(int(token))
+    self.positions.append(position)
+    self.thread.append(thread)
+    self.view.append({**view, thread: index})  # causal on its own thread
+    self.streams[thread].append(index)
+    return index
+
+
+def _lay_out(rows: _Rows, node: Node, thread: int, position: int, view: dict[int, int], vocab: TagVocab,
+             end_id: int) -> None:
+  children = iter(node.children)
+  for token in node.tokens:
+    index = rows.add(token, position, thread, view)
+    position += 1
+    if token == vocab.apar_fork:
+      child = next(children, None)
+      if child is not None:
+        child_thread = len(rows.streams)
+        rows.streams.append([])
+        child_view = {**view, thread: index}
+        rows.add(vocab.apar_child, position, child_thread, child_view)
+        _lay_out(rows, child, child_thread, position + 1, child_view, vocab, end_id)
+  rows.add(end_id, position, thread, view)
+
+
+def apar_layout(prompt_ids: Sequence[int], tree_ids: Sequence[int], vocab: TagVocab, *, eos_id: int | None = None,
+                length: int | None = None, num_threads: int | None = None, pad_id: int = 0) -> Layout:
+  """Prompt ids + tree-order answer ids (decode.tree_api.encode_apar_text) -> the APAR layout.
+
+  Children must end with an end id (their `</child>`); main's end id is `eos_id` (default the
+  vocab's first). Raises TagError naming the token for a malformed tree.
+  """
+  if len(prompt_ids) == 0:
+    raise PastaError("empty prompt: a layout needs at least one prompt token to predict the answer's first")
+  end = vocab.eos_ids[0] if eos_id is None else eos_id
+  rows = _Rows()
+  rows.streams.append([])
+  for i, token in enumerate(prompt_ids):
+    rows.add(token, i, 0, {})
+  _lay_out(rows, parse_tree(tree_ids, vocab), 0, len(prompt_ids), {}, vocab, end)
+  return _arrays(rows, len(prompt_ids), length, num_threads, pad_id)
+
+
+def _arrays(rows: _Rows, num_prompt: int, length: int | None, num_threads: int | None, pad_id: int) -> Layout:
+  n, u = len(rows.tokens), len(rows.streams)
+  length = n if length is None else length
+  num_threads = u if num_threads is None else num_threads
+  if n > length or u > num_threads:
+    raise PastaError(f"example needs {n} tokens x {u} threads; the layout allows {length} x {num_threads}")
+  tokens = np.full((length,), pad_id, np.int32)
+  tokens[:n] = rows.tokens
+  positions = np.zeros((length,), np.int32)
+  positions[:n] = rows.positions
+  thread = np.zeros((length,), np.int32)
+  thread[:n] = rows.thread
+  horizon = np.full((length, num_threads), HIDDEN, np.int32)
+  for i, view in enumerate(rows.view):
+    for owner, limit in view.items():
+      horizon[i, owner] = limit
+  targets = np.full((length,), NO_TARGET, np.int32)
+  loss_mask = np.zeros((length,), bool)
+  for stream in rows.streams:
+    for a, b in zip(stream[:-1], stream[1:], strict=True):
+      targets[a] = rows.tokens[b]
+      loss_mask[a] = b >= num_prompt
+  return Layout(tokens=tokens, positions=positions, thread=thread, order=np.arange(length, dtype=np.int32),
+                valid=np.arange(length) < n, horizon=horizon, targets=targets, loss_mask=loss_mask)
