@@ -18,6 +18,7 @@ import json
 
 from tqdm import tqdm
 
+from bench.interpreter import DATA, second_of_two
 from pasta_jax.data.apar_format import apar_annotate
 from pasta_jax.data.structural import annotate
 from pasta_jax.decode import api, tree_api
@@ -25,7 +26,6 @@ from pasta_jax.decode.plain import bucket
 from pasta_jax.errors import TagError
 from pasta_jax.lang.metrics import geometric_mean
 from pasta_jax.model.load import load_model
-from bench.interpreter import DATA, second_of_two
 
 
 def candidates(model, path: str, answer_tokens: int, prompt_bucket: int, limit: int):

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from pasta_jax.decode import api, tree_api
+from pasta_jax.lang.tags import TagVocab, round_length
 from pasta_jax.model.config import get_config
 from pasta_jax.model.gemma import Gemma
 from pasta_jax.model.load import LoadedModel
-from pasta_jax.lang.tags import TagVocab, round_length
 
 TEXT = "abcdefghijklmnopqrstuvwxyz"
 
@@ -79,17 +79,17 @@ def main():
   ratios = []
   for blocks in (1, 2, 4, 8):
     plain, pasta, apar = answers(args.tokens, blocks)
-    seq = second_of_two(lambda: api.generate_ids(model, prompt, forced_answers=[plain], **kw)[0])
-    par = second_of_two(lambda: api.generate_ids(model, prompt, forced_answers=[pasta], **kw)[0])
-    ids = [model.tokenizer.encode("question: " + TEXT)]
-    apar_kw = dict(kw, lanes=max(args.lanes, blocks + 1))
-    tree = second_of_two(lambda: tree_api.run_tree_ids(
-        model, ids, scripts=[_apar_scripts(model, apar, apar_kw["lanes"])], **apar_kw)[0])
+    seq = second_of_two(lambda plain=plain: api.generate_ids(model, prompt, forced_answers=[plain], **kw)[0])
+    par = second_of_two(lambda pasta=pasta: api.generate_ids(model, prompt, forced_answers=[pasta], **kw)[0])
+    apar_lanes = max(args.lanes, blocks + 1)
+    apar_kw = dict(kw, lanes=apar_lanes, scripts=[_apar_scripts(model, apar, apar_lanes)])
+    tree = second_of_two(lambda apar_kw=apar_kw: tree_api.run_tree_ids(model, prompt, **apar_kw)[0])
     assert seq.text == par.text == tree.text, "the three replays must write the same text"
     r_pasta, r_apar = seq.seconds / par.seconds, seq.seconds / tree.seconds
     ratios.append((blocks, r_pasta / par.theoretical_speedup, r_apar / tree.theoretical_speedup))
-    print(f"{blocks:>6} {seq.seconds:>8.3f} {par.seconds:>8.3f} {r_pasta:>7.2f} {par.theoretical_speedup:>7.2f} "
-          f"{tree.seconds:>8.3f} {r_apar:>7.2f} {tree.theoretical_speedup:>7.2f} {1e3 * seq.seconds / seq.steps:>12.2f}")
+    print(f"{blocks:>6} {seq.seconds:>8.3f} {par.seconds:>8.3f} {r_pasta:>7.2f} "
+          f"{par.theoretical_speedup:>7.2f} {tree.seconds:>8.3f} {r_apar:>7.2f} {tree.theoretical_speedup:>7.2f} "
+          f"{1e3 * seq.seconds / seq.steps:>12.2f}")
   pasta_eff = min(r for b, r, _ in ratios if b > 1)
   apar_eff = min(r for b, _, r in ratios if b > 1)
   print(f"RESULT min_pasta_realized_over_theoretical={pasta_eff:.3f} min_apar_realized_over_theoretical={apar_eff:.3f}")

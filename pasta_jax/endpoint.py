@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import random
-import socket
 import threading
 import time
 import urllib.error
@@ -122,7 +121,7 @@ class ChatClient:
       if err.code in RETRY_STATUS:
         raise _Retry(f"HTTP {err.code} {detail}", _retry_after(err.headers)) from None
       raise EndpointError(f"{self.config.base_url}: HTTP {err.code}: {detail}") from None
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
       raise _Retry(f"timed out after {self.config.timeout_s}s") from None
     except (urllib.error.URLError, ConnectionError) as err:
       raise _Retry(f"connection failed: {getattr(err, 'reason', err)}") from None

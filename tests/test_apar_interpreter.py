@@ -76,7 +76,7 @@ def assert_same(jitted, oracle):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_forced_apar_programs_match_reference(name, data):
   cfg = CONFIGS[name]
@@ -88,7 +88,7 @@ def test_forced_apar_programs_match_reference(name, data):
   assert_same(got, reference(cfg, FORCED_PARAMS, prompt_batch, scripts))
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt_batch=st.lists(prompts, min_size=1, max_size=2), seed=st.integers(0, 2**16))
 def test_sampled_apar_runs_match_reference(prompt_batch, seed):
   cfg = apar(max_steps=64, pool_slots=128, max_depth=2,
@@ -125,7 +125,7 @@ def test_exact_path_positions_and_views_by_hand():
   assert by_thread[0] == [(a, 2), (b, 3), (FORK, 4), (c, 5), (EOS, 6)]
   assert by_thread[1] == [(VOCAB.apar_child, 5), (x, 6), (y, 7), (EOS, 8)]
   owner = {slot: entry.thread for slot, entry in enumerate(want.pool)}
-  for slot, entry in enumerate(want.pool):
+  for entry in want.pool:
     seen_owners = {owner[k] for k in entry.visible}
     assert seen_owners <= ({0, 1} if entry.thread == 1 else {0})
   assert want.annotated_tokens() == [a, b, FORK, VOCAB.apar_child, x, y, EOS, c, EOS]
@@ -135,7 +135,7 @@ def test_exact_path_positions_and_views_by_hand():
   assert [tuple(int(v) for v in row) for row in got.slot_table[6:8]] == [(1, 8, 7, 0), (1, 7, 6, 0)]
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_fan_out_with_script_prefixes_matches_reference(data):
   """SoT's stage 2: k threads start together after a shared prompt, each forced through its own

@@ -21,7 +21,8 @@ def test_baselines_on_one_report(tmp_path, monkeypatch):
   monkeypatch.setattr(M, "cached_model", lambda path: model)
   monkeypatch.delenv("PASTA_JUDGE_BASE_URL", raising=False)
   out = tmp_path / "run"
-  args = parse("--prompts", write_prompts(tmp_path, RECORDS), "--methods", "pasta-forced", "apar-forced", "apar", "sot", "sot-router",
+  methods = ("pasta-forced", "apar-forced", "apar", "sot", "sot-router")
+  args = parse("--prompts", write_prompts(tmp_path, RECORDS), "--methods", *methods,
                "--out", str(out), "--max-new-tokens", "160", "--lanes", "4", "--no-progress")
   assert run_eval(args) == 0
   results = json.loads((out / "results.json").read_text())

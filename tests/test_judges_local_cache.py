@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from pasta_jax.errors import PastaError
-from pasta_jax.judges import CachedJudge, LocalJudge, Verdict, judge_both_orders
-from pasta_jax.judges import local
+from pasta_jax.judges import CachedJudge, LocalJudge, Verdict, judge_both_orders, local
 from tests.tiny import tiny_model
 
 PAIRS = [("q1", "a", "b"), ("q1", "b", "a"), ("q2", "x", "y"), ("q3", "long answer", "short")]

@@ -33,7 +33,8 @@ def test_valid_reply_becomes_promise_form():
 @pytest.mark.parametrize("bad, reason", [
     (GOOD.replace("fixed", "set"), "content altered: .* at character 15"),
     (GOOD.replace("every single day", "always"), "content altered"),
-    ("Tips:\n<async topic='bedtime'>- Keep a fixed bedtime every single day.\n" + ANSWER[49:], "malformed tags: .*unclosed"),
+    ("Tips:\n<async topic='bedtime'>- Keep a fixed bedtime every single day.\n" + ANSWER[49:],
+     "malformed tags: .*unclosed"),
     (GOOD.replace("topic='bedtime'", "topic='a very long topic here'"), "more than 3 words"),
     ("Tips:\n<async topic='x'>- Keep a fixed</async> bedtime every single day.\n- Avoid screens for an hour before bed."
      "\nSleep well.", "fewer than 5 words"),

@@ -36,7 +36,6 @@ from pasta_jax.lang import metrics
 from pasta_jax.lang.text import strip_tags
 
 
-
 class MethodError(PastaError):
   """An unknown method, a bad method spec, or prompts a method cannot run."""
 

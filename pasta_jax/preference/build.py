@@ -48,7 +48,8 @@ class BuildSummary:
     dropped = ", ".join(f"{n} {reason}" for reason, n in self.dropped.items()) or "none"
     return (f"{self.pairs} pairs from {self.prompts} prompts (dropped: {dropped}); well-formed samples "
             f"{self.well_formed_share:.0%}; speedup chosen {self.chosen_speedup:.2f} vs rejected "
-            f"{self.rejected_speedup:.2f}; quality chosen {self.chosen_quality:.2f} vs rejected {self.rejected_quality:.2f}")
+            f"{self.rejected_speedup:.2f}; quality chosen {self.chosen_quality:.2f} vs rejected "
+            f"{self.rejected_quality:.2f}")
 
 
 @dataclasses.dataclass(frozen=True)

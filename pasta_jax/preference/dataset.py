@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from pasta_jax.data.encode import EncodeConfig, encode_ids
-from pasta_jax.data.pipeline import BatchPlan, DropReport, DroppedExample, check_plan, drop_reason
+from pasta_jax.data.pipeline import BatchPlan, DroppedExample, DropReport, check_plan, drop_reason
 from pasta_jax.data.sources import DataError
 from pasta_jax.errors import ConfigError, PastaError
 from pasta_jax.lang.layout import Layout, stack_layouts

@@ -25,6 +25,7 @@ from pasta_jax.training.config import TrainConfig
 from pasta_jax.training.trainer import Trainer, TrainResult
 
 BONBON_LEARNING_RATE = 5e-7  # the later paper's BoNBoN learning rate
+DEFAULT_SAMPLERS = Samplers()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +54,7 @@ def train_bonbon(pairs: Sequence[dict], model, config: TrainConfig, out_dir, *, 
 
 
 def run_round(index: int, start_model: str, baseline, records, judge_for: Callable, pref: PreferenceConfig,
-              train: TrainConfig, out_dir, *, load: Callable = load_model, samplers: Samplers = Samplers(),
+              train: TrainConfig, out_dir, *, load: Callable = load_model, samplers: Samplers = DEFAULT_SAMPLERS,
               stop_after: int | None = None, progress: bool = True) -> RoundResult:
   """One round from `start_model` (a path). `judge_for(folder)` gives the (cached) judge of the round."""
   round_dir = Path(out_dir) / f"round_{index}"
@@ -62,9 +63,9 @@ def run_round(index: int, start_model: str, baseline, records, judge_for: Callab
     return RoundResult(index, start_model, str(exported), None, ())
   policy = load(start_model)
   pairs_dir = round_dir / "pairs"
-  summary = build_pairs(policy, baseline, records, judge_for(pairs_dir), dataclasses.replace(pref, seed=pref.seed + index),
-                        pairs_dir, identity={"start_model": start_model, "round": index}, samplers=samplers,
-                        progress=progress)
+  round_pref = dataclasses.replace(pref, seed=pref.seed + index)
+  summary = build_pairs(policy, baseline, records, judge_for(pairs_dir), round_pref, pairs_dir,
+                        identity={"start_model": start_model, "round": index}, samplers=samplers, progress=progress)
   if progress:
     print(f"round {index}: {summary.line()}")
   pairs = add_reference_logprobs(pairs_dir / PAIRS, policy, encode_config(train), progress=progress)
