@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
   from pasta_jax.commands.eval import build_eval_parser
 
   build_eval_parser(sub)
+  from pasta_jax.commands.annotate import add_annotate_parser
+  from pasta_jax.commands.data_stats import add_stats_parser
+
+  add_annotate_parser(sub)
+  add_stats_parser(sub)
   return parser
 
 
@@ -54,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
       from pasta_jax.commands.plan import run_plan
 
       return run_plan(args)
+    if args.command == "annotate":
+      from pasta_jax.commands.annotate import run_annotate
+
+      return run_annotate(args)
+    if args.command == "data-stats":
+      from pasta_jax.commands.data_stats import run_stats_command
+
+      return run_stats_command(args)
   except PastaError as err:
     print(f"pasta: error: {err}", file=sys.stderr)
     return 2

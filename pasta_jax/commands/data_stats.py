@@ -40,3 +40,20 @@ def run_stats(path_or_name: str | os.PathLike, out_dir: str | os.PathLike, *, an
   stats = dataset_stats(records, tokenizer, sources.dataset_name(path_or_name), progress=progress)
   write_report(stats, out_dir)
   return stats
+
+
+def add_stats_parser(subparsers) -> None:
+  parser = subparsers.add_parser("data-stats", help="annotate a dataset and report its shape and parallelism")
+  parser.add_argument("data", help="lima, alpaca_gpt4_1k, alpaca_5k, alpaca_eval_805, mt_bench or a JSONL path")
+  parser.add_argument("--out", required=True, help="folder for <name>_stats.md/.json and <name>_parallelism.png")
+  parser.add_argument("--annotator", default="structural",
+                      help=f"structural (default), or {KEEP_ANNOTATIONS} to measure the file's own `annotated`")
+  parser.add_argument("--limit", type=int, default=None)
+
+
+def run_stats_command(args) -> int:
+  from pasta_jax.data.stats import markdown_summary
+  stats = run_stats(args.data, args.out, annotator=args.annotator, max_records=args.limit)
+  print(markdown_summary([stats]))
+  print(f"report, JSON and parallelism plot in {args.out}")
+  return 0
