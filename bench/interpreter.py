@@ -119,8 +119,9 @@ def main():
   parser.add_argument("--new-tokens", type=int, default=256, help="step budget (fixed: one compile)")
   parser.add_argument("--prompt-bucket", type=int, default=64, help="use prompts of this padded length only")
   parser.add_argument("--lanes", type=int, default=8)
+  parser.add_argument("--model", default=None, help="model path (default: the embedded Gemma 3 270M)")
   args = parser.parse_args()
-  model = load_model()
+  model = load_model(args.model)
   dtype = jnp.float32
   params = api.cast_params(model.params, dtype)
   cfg = model.config
