@@ -64,3 +64,11 @@ def test_rule_router():
 def test_model_router_needs_single_yes_no_tokens():
   with pytest.raises(PastaError, match="no single token for 'yes'"):
     sot.ModelRouter(MODEL)
+
+
+def test_skeleton_from_an_answers_list_items():
+  answer = "Tips:\n- Keep a fixed bedtime daily.\n- Avoid screens late.\n\nDone."
+  assert sot.skeleton_from_answer(answer, 8) == "1. Keep a fixed bedtime\n2. Avoid screens late"
+  assert sot.skeleton_from_answer("No list here.", 8) is None
+  result = sot.SkeletonOfThought(MODEL, CFG).run("Tips?", forced_skeleton=sot.skeleton_from_answer(answer, 8))
+  assert result.used_sot and result.points == ("Keep a fixed bedtime", "Avoid screens late")

@@ -6,6 +6,8 @@
   sot           Skeleton-of-Thought: outline on one lane, then every point in its own lane
   sot-router    SoT where the model's yes/no router decides per prompt (rules if the tokenizer lacks
                 single yes/no tokens)
+  sot-forced    SoT whose outline is replayed from the reference answer's list items (for models that
+                cannot write one, like the 270M base model); the points are still expanded freely
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ class AparMethod:
 
 
 class SotMethod:
-  def __init__(self, name: str, model, settings: M.DecodeSettings, use_router: bool):
-    self.name, self.reference = name, None
+  def __init__(self, name: str, model, settings: M.DecodeSettings, use_router: bool, forced: bool = False):
+    self.name, self.reference, self.forced = name, None, forced
     router, self.note = None, ""
     if use_router:
       try:
@@ -80,7 +82,10 @@ class SotMethod:
     pass
 
   def run(self, record: Mapping[str, str]) -> M.MethodOutput:
-    r = self.runner.run(record_prompt(record))
+    skeleton = None
+    if self.forced:
+      skeleton = sot.skeleton_from_answer(M.reference_answer(record), self.runner.config.max_points) or ""
+    r = self.runner.run(record_prompt(record), forced_skeleton=skeleton)
     path = float(r.steps)
     note = "; ".join(x for x in (self.note, r.note, f"SoT with {len(r.points)} points" if r.used_sot else "") if x)
     return M.MethodOutput(text=r.text, annotated=r.text, steps=r.steps, seconds=r.seconds,
@@ -107,7 +112,12 @@ def _sot_router(spec, model, settings):
   return SotMethod(spec.label, model, settings, use_router=True)
 
 
-for _name, _factory in (("apar", _apar), ("apar-forced", _apar_forced), ("sot", _sot), ("sot-router", _sot_router)):
+def _sot_forced(spec, model, settings):
+  return SotMethod(spec.label, model, settings, use_router=False, forced=True)
+
+
+for _name, _factory in (("apar", _apar), ("apar-forced", _apar_forced), ("sot", _sot), ("sot-router", _sot_router),
+                       ("sot-forced", _sot_forced)):
   M.register_method(_name, _factory)
 
 

@@ -77,6 +77,14 @@ def extract_points(skeleton: str, max_points: int) -> list[str]:
   return points[:max_points]
 
 
+def skeleton_from_answer(answer: str, max_points: int) -> str | None:
+  """A numbered outline from an answer's list items (their first words), or None without 2 items.
+  Lets `sot-forced` exercise the parallel expansion with models that cannot write a skeleton."""
+  from pasta_jax.data.structural import split_items, topic_of
+  items = [topic_of(chunk, max_words=4) for kind, chunk in split_items(answer) if kind == "item"][:max_points]
+  return "\n".join(f"{i}. {t}" for i, t in enumerate(items, start=1)) if len(items) >= 2 else None
+
+
 def join_points(points: Sequence[str], expansions: Sequence[str]) -> str:
   parts = []
   for i, (title, body) in enumerate(zip(points, expansions, strict=True), start=1):
