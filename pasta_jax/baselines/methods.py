@@ -119,5 +119,3 @@ def _sot_forced(spec, model, settings):
 for _name, _factory in (("apar", _apar), ("apar-forced", _apar_forced), ("sot", _sot), ("sot-router", _sot_router),
                        ("sot-forced", _sot_forced)):
   M.register_method(_name, _factory)
-
-
