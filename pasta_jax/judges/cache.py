@@ -1,5 +1,10 @@
 """A resumable judge: every verdict is appended to a JSONL file as soon as it is made, keyed by the
-judge and the exact ordered pair, so an interrupted run never judges the same pair twice."""
+judge and the exact ordered pair, so an interrupted run never judges the same pair twice.
+
+Judging is the slow, paid part of an evaluation; a run killed at pair 700 of 800 must not pay for
+the first 700 again. A row cut in half by the kill is skipped on reading (runfiles.read_rows), and
+that pair is simply judged again.
+"""
 
 from __future__ import annotations
 
@@ -11,30 +16,59 @@ from pathlib import Path
 from pasta_jax import runfiles
 from pasta_jax.judges.base import Judge, Verdict
 
+RAW_CHARS = 500  # enough of the judge's reply to audit it, without bloating the file
+
 
 def pair_key(judge_name: str, instruction: str, first: str, second: str) -> str:
+  """sha256 of the judge and the ordered pair: the same texts in the other order are another key."""
   payload = json.dumps([judge_name, instruction, first, second], ensure_ascii=False)
   return hashlib.sha256(payload.encode()).hexdigest()
 
 
 class CachedJudge:
+  """Wraps a judge; `hits` and `misses` count cached and fresh verdicts of this process."""
+
   def __init__(self, inner: Judge, path: str | Path):
     self.inner, self.path, self.name = inner, Path(path), inner.name
+    self.path.parent.mkdir(parents=True, exist_ok=True)
     self._lock = threading.Lock()
-    self._seen = {row["key"]: Verdict(row["p_first"], row.get("raw", "")) for row in runfiles.read_rows(self.path)
-                  if "key" in row}
+    self._pending: dict[str, threading.Event] = {}  # keys being judged now: a second caller waits for them
+    self._seen = dict(_cached_rows(self.path))
     self.hits = self.misses = 0
+
+  def __len__(self) -> int:
+    return len(self._seen)
 
   def compare(self, instruction: str, first: str, second: str) -> Verdict:
     key = pair_key(self.name, instruction, first, second)
-    with self._lock:
-      if key in self._seen:
-        self.hits += 1
-        return self._seen[key]
-    verdict = self.inner.compare(instruction, first, second)
-    with self._lock:
-      self.misses += 1
-      self._seen[key] = verdict
-      runfiles.append_row(self.path, {"key": key, "judge": self.name, "p_first": verdict.p_first,
-                                      "raw": verdict.raw[:500]})
-    return verdict
+    while True:
+      with self._lock:
+        if key in self._seen:
+          self.hits += 1
+          return self._seen[key]
+        pending = self._pending.get(key)
+        if pending is None:
+          self._pending[key] = threading.Event()
+          break
+      pending.wait()  # another thread is judging this very pair; if it fails, this one tries
+    try:
+      fresh = self.inner.compare(instruction, first, second)
+      verdict = Verdict(float(fresh.p_first), fresh.raw[:RAW_CHARS])  # as a resumed run will read it back
+      with self._lock:
+        runfiles.append_row(self.path, {"key": key, "judge": self.name, "p_first": verdict.p_first,
+                                        "raw": verdict.raw})
+        self.misses += 1
+        self._seen[key] = verdict
+      return verdict
+    finally:
+      with self._lock:
+        self._pending.pop(key).set()
+
+
+def _cached_rows(path: Path):
+  """(key, Verdict) of the file's complete rows; rows of another shape are skipped, not fatal."""
+  for row in runfiles.read_rows(path):
+    try:
+      yield str(row["key"]), Verdict(float(row["p_first"]), str(row.get("raw", "")))
+    except (KeyError, TypeError, ValueError):
+      continue

@@ -1,4 +1,10 @@
-"""Our pairwise judging prompt and the parsing of its one-letter reply."""
+"""Our pairwise judging prompt and the parsing of its one-letter reply.
+
+The prompt asks for a single letter so that the first generated token carries the verdict: an
+endpoint's first-token logprobs, or a local model's next-token logits, then give a confidence
+rather than a hard choice. Bump PROMPT_VERSION whenever the wording changes: it is part of the
+judge's name, so cached verdicts from another wording are never reused.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,13 @@ SYSTEM = ("You are a careful, impartial judge of answers to user instructions. J
           "answers are shown and their length as such. Reply with one letter: A or B.")
 USER = ("Instruction:\n{instruction}\n\n[Answer A]\n{first}\n[End of answer A]\n\n"
         "[Answer B]\n{second}\n[End of answer B]\n\nWhich answer is better? Reply with A or B only.")
-_CHOICE = re.compile(r"(?:\[\[\s*([AB])\s*\]\]|\b(?:answer|choice|verdict)?\s*:?\s*\b([AB])\b)", re.I)
+
+_DECORATION = "[]()*\"'`.,:;!-_ \t\n"
+_BRACKETED = re.compile(r"\[\[\s*([AB])\s*\]\]", re.I)
+_MARKED = re.compile(r"\b(?i:(?:final\s+)?(?:answer|choice|verdict|winner|output)(?:\s+is)?)\s*[:=\-]?\s*"
+                     r"[\[(*\"'`]*\s*(?i:answer\s+)?([AB])\b")
+_LEADING = re.compile(r"^[\[(*\"'`\s]*([AB])(?:[\])*\"'`.,:;!\s]*$|[\])*\"'`.,:;!]|\s*\n|\s+[-\u2013\u2014]\s)")
+_IS_BETTER = re.compile(r"\b(?:answer\s+)?([AB])\s+is\s+(?:the\s+)?(?:better|best|preferred|superior)\b")
 
 
 def messages(instruction: str, first: str, second: str) -> list[dict]:
@@ -24,12 +36,22 @@ def local_prompt(instruction: str, first: str, second: str) -> str:
 
 
 def parse_choice(text: str) -> str | None:
-  """'A', 'B' or None from replies like 'A', '[[B]]', 'Answer: A', 'b.'; None if unclear or both."""
-  found = {(m.group(1) or m.group(2)).upper() for m in _CHOICE.finditer(text.strip()[:200])}
-  return found.pop() if len(found) == 1 else None
+  """'A', 'B' or None from replies like 'A', '[[B]]', 'Answer: A', 'b.', 'B is better.'.
+
+  Tried from the most to the least explicit form; a form naming both letters is unclear (None),
+  and a lone capital "A" starting a sentence ("A good answer...") is not taken for a verdict.
+  """
+  head = text.strip()[:300]
+  if head.strip(_DECORATION).upper() in ("A", "B"):
+    return head.strip(_DECORATION).upper()
+  for pattern in (_BRACKETED, _MARKED, _LEADING, _IS_BETTER):
+    found = {m.group(1).upper() for m in pattern.finditer(head)}
+    if found:
+      return found.pop() if len(found) == 1 else None
+  return None
 
 
 def letter_of(token: str) -> str | None:
-  """The letter a logprob token stands for ('A', ' B', '[[A', ...), or None."""
-  cleaned = token.strip().strip("[]()*\"'.: ").upper()
-  return cleaned if cleaned in ("A", "B") else None
+  """The letter a logprob token stands for ('A', ' B', '[[A', '**B'), or None."""
+  cleaned = token.strip(_DECORATION)
+  return cleaned.upper() if cleaned in ("A", "B", "a", "b") else None
