@@ -18,7 +18,8 @@ import json
 
 from tqdm import tqdm
 
-from bench.interpreter import DATA, second_of_two
+from bench.common import second_of_two, table
+from bench.interpreter import DATA
 from pasta_jax.data.apar_format import apar_annotate
 from pasta_jax.data.structural import annotate
 from pasta_jax.decode import api, tree_api
@@ -77,13 +78,6 @@ COLUMNS = ("id", "tokens", "pasta_forks", "apar_forks", "pasta_speedup", "pasta_
            "apar_theory", "seq_peak", "pasta_peak", "apar_peak", "ok")
 
 
-def table(rows: list[dict]) -> str:
-  lines = [" ".join(f"{c:>13}" for c in COLUMNS)]
-  for r in rows:
-    lines.append(" ".join(f"{r[c]:>13.3f}" if isinstance(r[c], float) else f"{r[c]!s:>13}" for c in COLUMNS))
-  return "\n".join(lines)
-
-
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--data", default=DATA)
@@ -98,7 +92,7 @@ def main():
   items = list(candidates(model, args.data, args.answer_tokens, args.prompt_bucket, args.limit))
   rows = [dict(id=i, **measure(model, p, plain, pasta, apar, args))
           for i, p, plain, pasta, apar in tqdm(items, desc="answers")]
-  print(table(rows))
+  print(table(rows, COLUMNS, width=13))
   g = {k: geometric_mean(r[k] for r in rows) for k in ("pasta_speedup", "pasta_theory", "apar_speedup", "apar_theory")}
   peak_ratio = geometric_mean(r["apar_peak"] / r["seq_peak"] for r in rows)
   pasta_peak_ratio = geometric_mean(r["pasta_peak"] / r["seq_peak"] for r in rows)

@@ -27,3 +27,17 @@ def copy_bandwidth(num_bytes: int = 512 << 20, runs: int = 5) -> float:
   dst = np.empty_like(src)
   best, _ = median_time(lambda: np.copyto(dst, src), runs)
   return 2 * num_bytes / best
+
+
+def second_of_two(fn):
+  """Runs fn twice and returns the second result: the first compiles and warms up."""
+  fn()
+  return fn()
+
+
+def table(rows: list[dict], columns: tuple[str, ...], width: int = 12) -> str:
+  """Fixed-width text table; floats with 3 decimals."""
+  lines = [" ".join(f"{c:>{width}}" for c in columns)]
+  for r in rows:
+    lines.append(" ".join(f"{r[c]:>{width}.3f}" if isinstance(r[c], float) else f"{r[c]!s:>{width}}" for c in columns))
+  return "\n".join(lines)

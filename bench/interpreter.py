@@ -23,6 +23,7 @@ import time
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from bench.common import second_of_two, table
 from pasta_jax.data.structural import annotate
 from pasta_jax.decode import api, naive
 from pasta_jax.decode.plain import PlainDecoder, bucket
@@ -33,12 +34,6 @@ from pasta_jax.lang.text import strip_tags
 from pasta_jax.model.load import load_model
 
 DATA = "/work/shared/data/lima.jsonl"
-
-
-def second_of_two(fn):
-  """Runs fn twice; returns the second result (fn returns (value, seconds))."""
-  fn()
-  return fn()
 
 
 def candidates(model, path: str, answer_tokens: int, prompt_bucket: int, limit: int):
@@ -103,14 +98,6 @@ COLUMNS = ("id", "tokens", "blocks", "steps", "twin_steps", "stalls", "t_ann", "
            "seq_overhead", "naive_time", "naive_kv", "ok")
 
 
-def table(rows: list[dict]) -> str:
-  head = " ".join(f"{c:>12}" for c in COLUMNS)
-  lines = [head]
-  for r in rows:
-    lines.append(" ".join(f"{r[c]:>12.3f}" if isinstance(r[c], float) else f"{r[c]!s:>12}" for c in COLUMNS))
-  return "\n".join(lines)
-
-
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--data", default=DATA)
@@ -131,7 +118,7 @@ def main():
   rows = []
   for answer_id, prompt, ids, annotated in tqdm(items, desc="answers"):
     rows.append(dict(id=answer_id, **measure(model, params, plain, prompt, ids, annotated, args)))
-  print(table(rows))
+  print(table(rows, COLUMNS))
   means = {k: geometric_mean(r[k] for r in rows) for k in ("realized", "theoretical", "seq_overhead", "naive_time",
                                                             "naive_kv")}
   print("geometric means: " + ", ".join(f"{k}={v:.3f}" for k, v in means.items()) +

@@ -14,6 +14,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
+from bench.common import second_of_two
 from pasta_jax.decode import api, tree_api
 from pasta_jax.lang.tags import TagVocab, round_length
 from pasta_jax.model.config import get_config
@@ -51,11 +52,6 @@ def answers(tokens: int, blocks: int) -> tuple[str, str, str]:
   pasta = intro + "".join(f'<promise topic="p" tokens="{round_length(size)}"/><async>{p}</async>' for p in parts)
   apar = intro + "".join(f"<fork/><child>{p}</child>" for p in parts)
   return plain, pasta + "<sync/>", apar
-
-
-def second_of_two(fn):
-  fn()
-  return fn()
 
 
 def main():

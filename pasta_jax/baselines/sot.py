@@ -25,6 +25,7 @@ import numpy as np
 from pasta_jax.decode import api, tree_api
 from pasta_jax.decode.plain import bucket
 from pasta_jax.errors import PastaError
+from pasta_jax.judges.local import next_token_logits
 
 SKELETON_PROMPT = (
     "Plan an answer to the question below. Reply only with a numbered outline: {low} to {high} points, "
@@ -204,7 +205,7 @@ class ModelRouter:
 
   def p_yes(self, question: str) -> float:
     ids = _chat_ids(self.model.tokenizer, ROUTER_PROMPT.format(question=question), self.chat)
-    logits = _last_logits(self.model, ids)
+    logits = next_token_logits(self.model, ids).astype(np.float64)
     pair = np.array([logits[self.yes], logits[self.no]], np.float64)
     pair = np.exp(pair - pair.max())
     return float(pair[0] / pair.sum())
@@ -220,19 +221,6 @@ def _word_id(tokenizer, word: str) -> int:
     if len(ids) == 1:
       return ids[0]
   raise PastaError(f"the tokenizer has no single token for {word!r}: the model router cannot read yes/no")
-
-
-def _last_logits(model, ids: Sequence[int]) -> np.ndarray:
-  from pasta_jax.model.gemma import causal_mask
-  n = len(ids)
-  width = bucket(n)
-  tokens = np.zeros((1, width), np.int32)
-  tokens[0, :n] = ids
-  positions = np.arange(width, dtype=np.int32)[None]
-  mask = causal_mask(1, width, jnp.asarray([n]))
-  logits, _ = api.model_fn(model.config, jnp.float32)(model.params, jnp.asarray(tokens), jnp.asarray(positions),
-                                                       mask, None, None, None)
-  return np.asarray(logits[0, n - 1], np.float64)
 
 
 def theoretical_speedup(result: SotResult) -> float:

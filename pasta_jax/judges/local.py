@@ -65,6 +65,14 @@ def _last_logits_fn(config, dtype):
   return run
 
 
+def next_token_logits(model, ids: list[int], dtype=jnp.float32) -> np.ndarray:
+  """[V] logits after `ids` (one forward, padded to a power of two: few compiles)."""
+  tokens = np.zeros((1, bucket(len(ids))), np.int32)
+  tokens[0, : len(ids)] = ids
+  logits = _last_logits_fn(model.config, dtype)(model.params, jnp.asarray(tokens), jnp.int32(len(ids)))
+  return np.asarray(logits)
+
+
 class LocalJudge:
   """Judges with a loaded model (`load.LoadedModel`); prompts over `max_prompt_tokens` get their answers cut."""
 
@@ -105,11 +113,7 @@ class LocalJudge:
     return ids
 
   def next_token_logits(self, ids: list[int]) -> np.ndarray:
-    tokens = np.zeros((1, bucket(len(ids))), np.int32)  # powers of two: few compiles
-    tokens[0, : len(ids)] = ids
-    logits = _last_logits_fn(self.model.config, self.dtype)(self.model.params, jnp.asarray(tokens),
-                                                            jnp.int32(len(ids)))
-    return np.asarray(logits)
+    return next_token_logits(self.model, ids, self.dtype)
 
 
 def _cut(text: str, keep: float) -> str:

@@ -20,7 +20,7 @@ import numpy as np
 
 from pasta_jax.decode.tree import Node, parse_tree
 from pasta_jax.errors import PastaError
-from pasta_jax.lang.layout import NO_TARGET, Layout
+from pasta_jax.lang.layout import Layout, stream_targets
 from pasta_jax.lang.tags import TagVocab
 from pasta_jax.visibility import HIDDEN
 
@@ -91,11 +91,6 @@ def _arrays(rows: _Rows, num_prompt: int, length: int | None, num_threads: int |
   for i, view in enumerate(rows.view):
     for owner, limit in view.items():
       horizon[i, owner] = limit
-  targets = np.full((length,), NO_TARGET, np.int32)
-  loss_mask = np.zeros((length,), bool)
-  for stream in rows.streams:
-    for a, b in zip(stream[:-1], stream[1:], strict=True):
-      targets[a] = rows.tokens[b]
-      loss_mask[a] = b >= num_prompt
+  targets, loss_mask = stream_targets(rows.tokens, rows.streams, num_prompt, length)
   return Layout(tokens=tokens, positions=positions, thread=thread, order=np.arange(length, dtype=np.int32),
                 valid=np.arange(length) < n, horizon=horizon, targets=targets, loss_mask=loss_mask)

@@ -164,14 +164,22 @@ def _arrays(rows: _Rows, main: list[int], forks: list[list[int]], num_prompt: in
     horizon[i, 1: 1 + rows.synced[i]] = UNBOUNDED
     horizon[i, 0] = rows.main_limit[i]
     horizon[i, rows.thread[i]] = i  # causal on its own thread
-  targets = np.full((length,), NO_TARGET, np.int32)
-  loss_mask = np.zeros((length,), bool)
-  for stream in [main] + forks:
-    for a, b in zip(stream[:-1], stream[1:], strict=True):
-      targets[a] = rows.tokens[b]
-      loss_mask[a] = b >= num_prompt
+  targets, loss_mask = stream_targets(rows.tokens, [main] + forks, num_prompt, length)
   return Layout(tokens=tokens, positions=positions, thread=thread, order=np.arange(length, dtype=np.int32),
                 valid=np.arange(length) < n, horizon=horizon, targets=targets, loss_mask=loss_mask)
+
+
+def stream_targets(tokens: Sequence[int], streams: Sequence[Sequence[int]], num_prompt: int,
+                   length: int) -> tuple[np.ndarray, np.ndarray]:
+  """Each token's target is the next token of its own thread's stream (indices into `tokens`);
+  loss on every target that is an answer token. Returns [length] targets and loss mask."""
+  targets = np.full((length,), NO_TARGET, np.int32)
+  loss_mask = np.zeros((length,), bool)
+  for stream in streams:
+    for a, b in zip(stream[:-1], stream[1:], strict=True):
+      targets[a] = tokens[b]
+      loss_mask[a] = b >= num_prompt
+  return targets, loss_mask
 
 
 def layout_example(prompt_ids: Sequence[int], answer_ids: Sequence[int], vocab: TagVocab, *,
