@@ -17,18 +17,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import copy_bandwidth, median_time
+from pasta_jax.decode import api
 from pasta_jax.decode.plain import PlainDecoder
 from pasta_jax.decode.sampling import SamplingConfig
-from pasta_jax.model.gemma import Gemma
 from pasta_jax.model.load import load_model
 
 PROMPT = "Explain why the sky is blue, in a few short paragraphs."
 
 
 def ours(model, prompt_ids, new_tokens, runs, dtype):
-  decoder = PlainDecoder(Gemma(model.config, dtype=dtype).apply, model.config.num_layers,
+  decoder = PlainDecoder(api.model_fn(model.config, dtype), model.config.num_layers,
                          model.config.num_kv_heads, model.config.head_dim, eos_ids=(), pool_dtype=dtype)
-  params = jax.tree.map(lambda x: jnp.asarray(x, dtype), model.params)
+  params = api.decode_params(model.params, dtype)
   sampling = SamplingConfig()
 
   def run():

@@ -81,7 +81,7 @@ def measure(model, params, plain: PlainDecoder, prompt, ids, annotated, args) ->
   prefill = max(plain_full - args.new_tokens * plain_step, 0.0)
   lang_tok = api.LangTokenizer(model.tokenizer)
   scripts = [api.forced_scripts(annotated, lang_tok, model.tokenizer.tag_vocab())]
-  prep = api.prepare(model, [ids], params=params, scripts=scripts, **kw)
+  prep = api.prepare(model, [ids], scripts=scripts, **kw)
   naive_runs, naive_seconds = second_of_two(lambda: api.run_prepared(prep, runner=naive.naive_prefill_and_run))
   naive_bytes = naive.naive_kv_bytes(prep.cfg, 1, prep.pool_spec)
   interleaved_bytes = naive.interleaved_kv_bytes(prep.cfg, 1, prep.pool_spec)
@@ -110,7 +110,7 @@ def main():
   args = parser.parse_args()
   model = load_model(args.model)
   dtype = jnp.float32
-  params = api.cast_params(model.params, dtype)
+  params = api.decode_params(model.params, dtype)  # the plain decoder's; api.prepare finds them cached
   cfg = model.config
   plain = PlainDecoder(api.model_fn(cfg, dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eos_ids=(),
                        pool_dtype=dtype)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pasta_jax.decode import api
 from pasta_jax.decode.interpreter import run_interpreter
 from pasta_jax.decode.plain import PlainDecoder
 from pasta_jax.decode.sampling import SamplingConfig
@@ -21,7 +22,7 @@ from pasta_jax.lang.metrics import annotated_from_records
 from pasta_jax.lang.tags import TagVocab
 from pasta_jax.lang.tokens import parse_tokens
 from pasta_jax.model.config import get_config
-from pasta_jax.model.gemma import Gemma, causal_mask
+from pasta_jax.model.gemma import Gemma, causal_mask, to_decode_layout
 
 VOCAB = TagVocab.from_base(400, eos_ids=(1,))
 P, L10, L20, L40 = VOCAB.promise, VOCAB.length_token(10), VOCAB.length_token(20), VOCAB.length_token(40)
@@ -76,8 +77,9 @@ def replay_logits(model, params, cfg, scripts, mode="pred"):
   icfg = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=8, pool_slots=128, max_steps=128,
                            record_logits=True, position_mode=mode)
   pool_spec = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
-  out = run_interpreter(model.apply, params, [PROMPT], icfg, vocab_size=cfg.vocab_size, pool_spec=pool_spec,
-                        scripts=[scripts])[0]
+  # The interpreter runs the decode layout (as in production); the training forward, the training layout.
+  out = run_interpreter(api.model_fn(cfg, jnp.float32), to_decode_layout(params), [PROMPT], icfg,
+                        vocab_size=cfg.vocab_size, pool_spec=pool_spec, scripts=[scripts])[0]
   assert out.finished
   # Each record's logits came from feeding the previous token of the same thread at its position.
   by_input = {}
@@ -153,7 +155,6 @@ def real_model():
 @pytest.mark.slow
 def test_real_270m_training_forward_equals_decode_replay(real_model):
   """One annotated example on the real Gemma 3 270M with its own tokenizer and reserved tag tokens."""
-  from pasta_jax.decode import api
 
   model = real_model
   vocab = model.tokenizer.tag_vocab()
@@ -166,7 +167,7 @@ def test_real_270m_training_forward_equals_decode_replay(real_model):
   cfg = model.config
   fn = api.model_fn(cfg, jnp.float32)
   icfg = InterpreterConfig(vocab=vocab, lanes=4, max_threads=8, pool_slots=128, max_steps=128, record_logits=True)
-  out = run_interpreter(fn, model.params, [prompt], icfg, vocab_size=cfg.vocab_size,
+  out = run_interpreter(fn, api.decode_params(model.params, jnp.float32), [prompt], icfg, vocab_size=cfg.vocab_size,
                         pool_spec=api.pool_spec(cfg, jnp.float32), scripts=[scripts])[0]
   assert out.finished
   by_input, last_pos = {}, {0: len(prompt) - 1}
@@ -175,7 +176,7 @@ def test_real_270m_training_forward_equals_decode_replay(real_model):
       by_input[(thread, last_pos[thread])] = logits
     last_pos[thread] = position
   layout = layout_example(prompt, annotated_from_records(out.records, vocab), vocab)
-  train, _ = fn(model.params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
+  train, _ = Gemma(cfg).apply(model.params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
                 layout.mask()[None])
   matched = 0
   for j in range(len(prompt) - 1, len(layout.tokens)):
@@ -191,14 +192,14 @@ def test_real_270m_training_forward_equals_decode_replay(real_model):
 @pytest.mark.slow
 def test_real_270m_untagged_answer_decodes_as_plain(real_model):
   model, cfg = real_model, real_model.config
-  from pasta_jax.decode import api
 
   fn = api.model_fn(cfg, jnp.float32)
   prompts = [model.tokenizer.encode(p, add_bos=True) for p in ("The capital of France is", "Water boils at")]
   plain = PlainDecoder(fn, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eos_ids=model.tokenizer.eos_ids)
-  want = plain.generate(model.params, prompts, 24, SamplingConfig())
+  params = api.decode_params(model.params, jnp.float32)
+  want = plain.generate(params, prompts, 24, SamplingConfig())
   icfg = InterpreterConfig(vocab=model.tokenizer.tag_vocab(), lanes=4, max_threads=8, pool_slots=64, max_steps=23)
-  got = run_interpreter(fn, model.params, prompts, icfg, vocab_size=cfg.vocab_size,
+  got = run_interpreter(fn, params, prompts, icfg, vocab_size=cfg.vocab_size,
                         pool_spec=api.pool_spec(cfg, jnp.float32))
   for w, g in zip(want, got):
     assert [t for (_, _, thread, t, _) in g.records.tolist() if thread == 0] == w

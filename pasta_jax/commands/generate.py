@@ -5,13 +5,12 @@ from __future__ import annotations
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 
+from pasta_jax.decode import api
 from pasta_jax.decode.plain import PlainDecoder, trim
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.errors import PastaError
-from pasta_jax.model.gemma import Gemma
 from pasta_jax.model.load import load_model
 
 
@@ -38,13 +37,13 @@ def run_generate(args) -> int:
   dtype = jnp.dtype(args.dtype)
   model = load_model(args.model)
   prompt_ids = _prompt_ids(model, args.prompt, args.chat)
-  params = jax.tree.map(lambda x: jnp.asarray(x, dtype), model.params)
   if args.pasta:
     from pasta_jax.commands.pasta_view import run_pasta
 
-    return run_pasta(model, params, prompt_ids, args, sampling, dtype)
+    return run_pasta(model, prompt_ids, args, sampling, dtype)
   cfg = model.config
-  decoder = PlainDecoder(Gemma(cfg, dtype=dtype).apply, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+  params = api.decode_params(model.params, dtype)
+  decoder = PlainDecoder(api.model_fn(cfg, dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                          eos_ids=model.tokenizer.eos_ids, pool_dtype=dtype)
   start = time.perf_counter()
   first_token_at = None

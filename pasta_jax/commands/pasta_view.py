@@ -70,9 +70,9 @@ def summary(result: PastaResult, compile_seconds: float) -> str:
           f"(+{compile_seconds:.1f}s compile/setup)]")
 
 
-def run_pasta(model, params, prompt_ids, args, sampling, dtype) -> int:
+def run_pasta(model, prompt_ids, args, sampling, dtype) -> int:
   start = time.perf_counter()
-  result = generate_ids(model, [prompt_ids], params=params, max_new_tokens=args.max_new_tokens,
+  result = generate_ids(model, [prompt_ids], max_new_tokens=args.max_new_tokens,
                         lanes=args.lanes, sampling=sampling, dtype=dtype)[0]
   setup = time.perf_counter() - start - result.seconds
   vocab = model.tokenizer.tag_vocab()

@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.data.encode import end_id, prompt_token_ids
-from pasta_jax.decode.api import LangTokenizer, model_fn
+from pasta_jax.decode.api import LangTokenizer
 from pasta_jax.lang import metrics
 from pasta_jax.lang.layout import layout_example, plain_layout
 from pasta_jax.lang.tokens import encode_answer, strip_token_ids
+from pasta_jax.model.gemma import Gemma
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Verdict:
 
 @functools.lru_cache(maxsize=4)
 def _argmax_fn(config):
-  apply = model_fn(config, jnp.float32)
+  apply = Gemma(config).apply  # full forwards of model.params: the training layout
 
   @jax.jit
   def run(params, tokens, positions, mask):

@@ -71,9 +71,10 @@ class PastaResult:
 # --- model plumbing ----------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=8)
 def model_fn(config, dtype) -> callable:
-  """One Gemma module per (config, dtype): its `apply` is a jit static argument, so it must be stable."""
+  """The decode-step model: Gemma in the decode layout, taking `decode_params`. One module per (config,
+  dtype): its `apply` is a jit static argument, so it must be stable."""
   from pasta_jax.model.gemma import Gemma
-  return Gemma(config, dtype=jnp.dtype(dtype)).apply
+  return Gemma(config, dtype=jnp.dtype(dtype), decode_layout=True).apply
 
 
 def pool_spec(config, dtype) -> tuple:
@@ -83,16 +84,18 @@ def pool_spec(config, dtype) -> tuple:
 _PARAMS_CACHE: dict = {}
 
 
-def cast_params(params, dtype):
-  """Params as device arrays of `dtype`, cached for the last model (a 270M cast costs ~1 s)."""
+def decode_params(params, dtype):
+  """Training-layout params -> device arrays of `dtype` in the decode layout (`model_fn`'s), cached for the
+  last model (a 270M conversion costs ~1 s)."""
+  from pasta_jax.model.gemma import to_decode_layout
   key = (id(params), jnp.dtype(dtype).name)
   hit = _PARAMS_CACHE.get(key)
   if hit is not None and hit[0] is params:
     return hit[1]
-  cast = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+  converted = jax.jit(to_decode_layout)(jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
   _PARAMS_CACHE.clear()
-  _PARAMS_CACHE[key] = (params, cast)
-  return cast
+  _PARAMS_CACHE[key] = (params, converted)
+  return converted
 
 
 class LangTokenizer:
@@ -184,6 +187,7 @@ def prepare(model, ids: Sequence[Sequence[int]], *, params=None, max_new_tokens:
             dtype=jnp.float32, scripts=None, **modes) -> Prepared:
   """Pads prompts (and scripts) and sizes the pool and step budget for `ids` (prompt token ids).
 
+  params: training-layout params (default `model.params`); they are converted (and cached) by `decode_params`.
   modes: further InterpreterConfig fields (mode="apar", max_depth, initial_threads, sample_after_script).
   """
   if max_new_tokens < 1:
@@ -206,7 +210,7 @@ def prepare(model, ids: Sequence[Sequence[int]], *, params=None, max_new_tokens:
   tokens, lengths = interpreter.pad_prompts(ids, slots)
   script, script_len = pad_scripts(scripts, len(ids), max_threads, slots)
   return Prepared(cfg, model_fn(model.config, jnp.dtype(dtype)),
-                  cast_params(model.params, dtype) if params is None else params, model.config.vocab_size,
+                  decode_params(model.params if params is None else params, dtype), model.config.vocab_size,
                   pool_spec(model.config, dtype), tokens, lengths, script, script_len, scripts is not None, vocab)
 
 

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pasta_jax.decode.api import LangTokenizer, model_fn, prompt_ids
+from pasta_jax.decode.api import LangTokenizer, prompt_ids
 from pasta_jax.decode.plain import bucket
 from pasta_jax.errors import PastaError
 from pasta_jax.judges import prompt
 from pasta_jax.judges.base import Verdict
-from pasta_jax.model.gemma import causal_mask
+from pasta_jax.model.gemma import Gemma, causal_mask
 
 TRUNCATED = " [...]"
 
@@ -53,7 +53,7 @@ def p_first(logits: np.ndarray, a_id: int, b_id: int) -> float:
 @functools.lru_cache(maxsize=4)
 def _last_logits_fn(config, dtype):
   """Jitted forward -> the logits at position length-1; `length` is traced, so one compile per bucket."""
-  apply = model_fn(config, dtype)
+  apply = Gemma(config, dtype=jnp.dtype(dtype)).apply  # one full forward: the training layout, model.params
 
   @jax.jit
   def run(params, tokens, length):

@@ -18,6 +18,10 @@ Parameter tree (the loaders in `weights.py` write exactly this):
   layer_{i}/post_ffw_norm/scale     [D]            (Gemma 2, 3)
   final_norm/scale                  [D]
 Norm scales are stored as in Hugging Face checkpoints: the model multiplies by (1 + scale).
+
+Decode layout (`Gemma(decode_layout=True)`, params from `to_decode_layout`): every projection above
+is stored transposed, [*out, *in], under its name + "_t" (so a tree of the other layout fails
+loudly), and multiplied weight-major. Same function, other float summation order.
 """
 
 from __future__ import annotations
@@ -81,6 +85,49 @@ def softcap(x: Array, cap: float | None) -> Array:
   return x if cap is None else jnp.tanh(x / cap) * cap
 
 
+# Projections: name -> number of input axes, for the training layout [*in, *out].
+PROJECTIONS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+DECODE_SUFFIX = "_t"
+
+
+def to_decode_layout(params):
+  """The same weights in the decode layout: each projection [*in, *out] -> [*out, *in] named name_t."""
+  def convert(tree):
+    out = {}
+    for name, value in tree.items():
+      if isinstance(value, dict):
+        out[name] = convert(value)
+      elif name in PROJECTIONS:
+        n_in = PROJECTIONS[name]
+        axes = tuple(range(n_in, value.ndim)) + tuple(range(n_in))
+        out[name + DECODE_SUFFIX] = jnp.transpose(value, axes)
+      else:
+        out[name] = value
+    return out
+  return convert(params)
+
+
+def projection(module: nn.Module, name: str, in_shape: tuple, out_shape: tuple, dtype, decode_layout: bool):
+  """A projection weight as `module`'s param, in the training or the decode layout."""
+  init = nn.initializers.normal(0.02)
+  if decode_layout:
+    return module.param(name + DECODE_SUFFIX, init, out_shape + in_shape).astype(dtype)
+  return module.param(name, init, in_shape + out_shape).astype(dtype)
+
+
+def project(x: Array, w: Array, in_dims: str, out_dims: str, decode_layout: bool, **kw) -> Array:
+  """x [b, q, *in] times a projection weight -> [b, q, *out] (dims named by single letters).
+
+  The decode layout multiplies weight-major ([*out, *in] x [*in, b*q]): XLA:CPU then streams the
+  weight once for all rows, where the token-major form costs 1.4-2x one row's time from two rows on
+  (`python -m bench.step_cost`), which would eat the parallel lanes' gain.
+  """
+  if decode_layout:
+    weight_major = jnp.einsum(f"bq{in_dims},{out_dims}{in_dims}->{out_dims}bq", x, w, **kw)
+    return jnp.einsum(f"{out_dims}bq->bq{out_dims}", weight_major)
+  return jnp.einsum(f"bq{in_dims},{in_dims}{out_dims}->bq{out_dims}", x, w, **kw)
+
+
 def write_slots(pool: Array, layer: int, new: Array, slots: Array) -> Array:
   """Scatter new rows [B, Q, K, hd] into pool [layers, B, S, K, hd] at (layer, slots [B, Q]).
 
@@ -115,19 +162,16 @@ class Attention(nn.Module):
   config: GemmaConfig
   kind: str  # "global" | "local"
   layer: int
+  decode_layout: bool = False
 
   @nn.compact
   def __call__(self, x, positions, mask, kv_positions, pool_k, pool_v, slots):
     cfg = self.config
-    init = nn.initializers.normal(0.02)
-    dtype = x.dtype
-    wq = self.param("q", init, (cfg.embed_dim, cfg.num_heads, cfg.head_dim)).astype(dtype)
-    wk = self.param("k", init, (cfg.embed_dim, cfg.num_kv_heads, cfg.head_dim)).astype(dtype)
-    wv = self.param("v", init, (cfg.embed_dim, cfg.num_kv_heads, cfg.head_dim)).astype(dtype)
-    wo = self.param("o", init, (cfg.num_heads, cfg.head_dim, cfg.embed_dim)).astype(dtype)
-    q = jnp.einsum("bqd,dhk->bqhk", x, wq)
-    k = jnp.einsum("bqd,dhk->bqhk", x, wk)
-    v = jnp.einsum("bqd,dhk->bqhk", x, wv)
+    dtype, layout = x.dtype, self.decode_layout
+    model, heads, kv_heads = (cfg.embed_dim,), (cfg.num_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
+    q = project(x, projection(self, "q", model, heads, dtype, layout), "d", "hk", layout)
+    k = project(x, projection(self, "k", model, kv_heads, dtype, layout), "d", "hk", layout)
+    v = project(x, projection(self, "v", model, kv_heads, dtype, layout), "d", "hk", layout)
     if cfg.use_qk_norm:
       q = RMSNorm(cfg.rms_norm_eps, name="q_norm")(q)
       k = RMSNorm(cfg.rms_norm_eps, name="k_norm")(k)
@@ -146,39 +190,42 @@ class Attention(nn.Module):
       distance = positions[:, :, None] - kv_positions[:, None, :]
       mask = mask & (distance < cfg.sliding_window)
     out = attend(q, keys, values, mask, cfg.query_pre_attn_scalar**-0.5, cfg.attn_logit_softcap)
-    return jnp.einsum("bqhk,hkd->bqd", out, wo), pool_k, pool_v
+    wo = projection(self, "o", heads, model, dtype, layout)
+    return project(out, wo, "hk", "d", layout), pool_k, pool_v
 
 
 class MLP(nn.Module):
   config: GemmaConfig
+  decode_layout: bool = False
 
   @nn.compact
   def __call__(self, x):
     cfg = self.config
-    init = nn.initializers.normal(0.02)
-    gate = self.param("gate", init, (cfg.embed_dim, cfg.hidden_dim)).astype(x.dtype)
-    up = self.param("up", init, (cfg.embed_dim, cfg.hidden_dim)).astype(x.dtype)
-    down = self.param("down", init, (cfg.hidden_dim, cfg.embed_dim)).astype(x.dtype)
-    hidden = jax.nn.gelu(x @ gate, approximate=True) * (x @ up)
-    return hidden @ down
+    dtype, layout = x.dtype, self.decode_layout
+    model, hidden = (cfg.embed_dim,), (cfg.hidden_dim,)
+    gate = project(x, projection(self, "gate", model, hidden, dtype, layout), "d", "f", layout)
+    up = project(x, projection(self, "up", model, hidden, dtype, layout), "d", "f", layout)
+    down = projection(self, "down", hidden, model, dtype, layout)
+    return project(jax.nn.gelu(gate, approximate=True) * up, down, "f", "d", layout)
 
 
 class Block(nn.Module):
   config: GemmaConfig
   kind: str
   layer: int
+  decode_layout: bool = False
 
   @nn.compact
   def __call__(self, x, positions, mask, kv_positions, pool_k, pool_v, slots):
     cfg = self.config
     eps = cfg.rms_norm_eps
     h = RMSNorm(eps, name="pre_attn_norm")(x)
-    h, pool_k, pool_v = Attention(cfg, self.kind, self.layer, name="attn")(
+    h, pool_k, pool_v = Attention(cfg, self.kind, self.layer, self.decode_layout, name="attn")(
         h, positions, mask, kv_positions, pool_k, pool_v, slots)
     if cfg.use_post_attn_norm:
       h = RMSNorm(eps, name="post_attn_norm")(h)
     x = x + h
-    h = MLP(cfg, name="mlp")(RMSNorm(eps, name="pre_ffw_norm")(x))
+    h = MLP(cfg, self.decode_layout, name="mlp")(RMSNorm(eps, name="pre_ffw_norm")(x))
     if cfg.use_post_ffw_norm:
       h = RMSNorm(eps, name="post_ffw_norm")(h)
     return x + h, pool_k, pool_v
@@ -199,6 +246,7 @@ class Gemma(nn.Module):
   # Training on a mesh: pin activations to the batch sharding (examples over data x fsdp). Without it XLA
   # may gather the whole micro-batch onto every device instead of gathering the fsdp-sharded weights.
   mesh: jax.sharding.Mesh | None = None
+  decode_layout: bool = False  # params from `to_decode_layout` (decoding: few rows per call)
 
   @nn.compact
   def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None,
@@ -216,10 +264,15 @@ class Gemma(nn.Module):
     pv = None if pool is None else pool.v
     block = nn.remat(Block) if self.remat else Block
     for i, kind in enumerate(cfg.layer_kinds):
-      x, pk, pv = block(cfg, kind, i, name=f"layer_{i}")(x, positions, mask, kv_positions, pk, pv, slots)
+      layer = block(cfg, kind, i, self.decode_layout, name=f"layer_{i}")
+      x, pk, pv = layer(x, positions, mask, kv_positions, pk, pv, slots)
       x = self._constrain(x)
     x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
-    logits = jnp.einsum("bqd,vd->bqv", x, embedding.astype(self.dtype), preferred_element_type=jnp.float32)
+    unembed = embedding.astype(self.dtype)  # [V, D]: already [out, in], so in both layouts
+    if self.decode_layout:
+      logits = project(x, unembed, "d", "v", True, preferred_element_type=jnp.float32)
+    else:
+      logits = jnp.einsum("bqd,vd->bqv", x, unembed, preferred_element_type=jnp.float32)
     logits = self._constrain(softcap(logits, cfg.final_logit_softcap), last="tensor")
     new_pool = None if pool is None else KVPool(pk, pv)
     if return_hidden:

@@ -1,0 +1,89 @@
+"""Cost of one decode step against the number of query rows Q, training layout vs decode layout.
+
+The interpreter's step decodes one row per live thread, so its parallel speed-up rests on a step
+of Q rows costing little more than a step of one. On a CPU a token-major matmul of Q >= 2 rows
+repacks the weight and costs far more than one row; the decode layout (weights [out, in],
+multiplied weight-major) streams each weight once. This prints the median step time for both
+layouts on the real Gemma 3 270M, each Q's cost relative to Q=1, and the logits' largest
+difference between the layouts (they compute the same function).
+
+  python -m bench.step_cost [--rows 1 2 3 4 8] [--runs 15] [--slots 320]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from bench.common import median_time, table
+from pasta_jax.decode import api
+from pasta_jax.model.gemma import Gemma, KVPool
+from pasta_jax.model.load import load_model
+
+
+def jitted_step(apply_fn):
+  @jax.jit
+  def step(params, tokens, positions, mask, pool, slots, kv_positions):
+    logits, pool = apply_fn(params, tokens, positions, mask, pool, slots, kv_positions)
+    return logits, pool
+  return step
+
+
+def step_inputs(config, rows: int, slots: int, dtype):
+  """One sequence with 100 cached tokens and `rows` new ones that see all of them."""
+  filled = 100
+  pool_shape = (config.num_layers, 1, slots, config.num_kv_heads, config.head_dim)
+  pool = KVPool(jnp.zeros(pool_shape, dtype), jnp.zeros(pool_shape, dtype))
+  tokens = (jnp.arange(1, rows + 1) * 7)[None]  # [1, Q]
+  positions = jnp.full((1, rows), filled, jnp.int32)  # [1, Q]
+  mask = jnp.broadcast_to(jnp.arange(slots)[None, None, :] < filled, (1, rows, slots))  # [1, Q, S]
+  write_slots = (jnp.arange(rows) + filled)[None]  # [1, Q]
+  kv_positions = jnp.arange(slots)[None]  # [1, S]
+  return tokens, positions, mask, pool, write_slots, kv_positions
+
+
+def measure(step, params, inputs, runs: int):
+  logits, _ = step(params, *inputs)
+  seconds, _ = median_time(lambda: jax.block_until_ready(step(params, *inputs)), runs)
+  return seconds, logits
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8])
+  parser.add_argument("--runs", type=int, default=15)
+  parser.add_argument("--slots", type=int, default=320)
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  args = parser.parse_args()
+  model = load_model(None)
+  dtype = jnp.dtype(args.dtype)
+  training_params = jax.tree.map(lambda x: jnp.asarray(x, dtype), model.params)
+  layouts = {
+      "training": (jitted_step(Gemma(model.config, dtype).apply), training_params),
+      "decode": (jitted_step(api.model_fn(model.config, dtype)), api.decode_params(model.params, dtype)),
+  }
+  rows, base = [], {}
+  for q in args.rows:
+    inputs = step_inputs(model.config, q, args.slots, dtype)
+    timed = {name: measure(step, params, inputs, args.runs) for name, (step, params) in layouts.items()}
+    for name, (seconds, _) in timed.items():
+      base.setdefault(name, seconds)
+    rows.append({
+        "Q": q,
+        "train_ms": 1e3 * timed["training"][0],
+        "train_vs_Q1": timed["training"][0] / base["training"],
+        "decode_ms": 1e3 * timed["decode"][0],
+        "decode_vs_Q1": timed["decode"][0] / base["decode"],
+        "max_diff": float(jnp.abs(timed["training"][1] - timed["decode"][1]).max()),
+    })
+    print(table(rows[-1:], tuple(rows[-1])), flush=True)
+  print(table(rows, tuple(rows[0])))
+  last = rows[-1]
+  print(f"RESULT Q={last['Q']} train_vs_Q1={last['train_vs_Q1']:.3f} decode_vs_Q1={last['decode_vs_Q1']:.3f} "
+        f"decode_over_train={last['decode_ms'] / last['train_ms']:.3f}")
+
+
+if __name__ == "__main__":
+  main()
