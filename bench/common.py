@@ -6,6 +6,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -22,11 +24,17 @@ def median_time(fn: Callable[[], object], runs: int, warmup: int = 1) -> tuple[f
 
 
 def copy_bandwidth(num_bytes: int = 512 << 20, runs: int = 5) -> float:
-  """Bytes moved per second by a large memory copy (read + write, STREAM 'copy' convention)."""
-  src = np.ones(num_bytes // 4, np.float32)
-  dst = np.empty_like(src)
-  best, _ = median_time(lambda: np.copyto(dst, src), runs)
-  return 2 * num_bytes / best
+  """Bytes moved per second by a large memory copy (read + write, STREAM 'copy' convention) on JAX's
+  default device: host memory on CPU, device memory on an accelerator."""
+  if jax.default_backend() == "cpu":
+    src = np.ones(num_bytes // 4, np.float32)
+    dst = np.empty_like(src)
+    seconds, _ = median_time(lambda: np.copyto(dst, src), runs)
+  else:
+    src = jnp.ones(num_bytes // 4, jnp.float32)
+    copy = jax.jit(lambda x: x + 1)  # one read and one write of every element
+    seconds, _ = median_time(lambda: copy(src).block_until_ready(), runs)
+  return 2 * num_bytes / seconds
 
 
 def second_of_two(fn):

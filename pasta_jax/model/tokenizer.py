@@ -87,6 +87,7 @@ class Tokenizer:
       hf = kind.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:
       raise WeightsError(f"cannot build a tokenizer from GGUF {path}: {_one_line(e)}") from None
+    _check_whole_words(hf, path)
     if cached is not None:
       _save_atomically(hf, cached)
       _remove_stale(cached, path.stem)
@@ -168,6 +169,27 @@ class Tokenizer:
 
   def __repr__(self) -> str:
     return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size})"
+
+
+def _check_whole_words(hf_tokenizer, path: Path, probes: int = 32) -> None:
+  """Refuses a GGUF tokenizer that splits its own whole-word pieces apart.
+
+  Some transformers versions (5.17.0 seen) build Gemma 3's GGUF tokenizer without its merges:
+  ' world' becomes '▁w', 'or', 'ld' instead of '▁world'. The model would then read text in
+  pieces it never saw, silently. The probes are the first word pieces of the vocabulary ('▁the',
+  '▁and', ...); a sound tokenizer keeps nearly all of them whole.
+  """
+  import transformers
+
+  vocab = hf_tokenizer.get_vocab()
+  words = sorted((i, p) for p, i in vocab.items()
+                 if p.startswith("\u2581") and p[1:].isascii() and p[1:].isalpha() and len(p) >= 4)[:probes]
+  split = [p for _, p in words if len(hf_tokenizer.encode(" " + p[1:], add_special_tokens=False)) != 1]
+  if len(split) * 2 > len(words):
+    raise WeightsError(
+        f"the tokenizer transformers {transformers.__version__} built from GGUF {path} splits {len(split)} of "
+        f"{len(words)} whole-word pieces of its own vocabulary (e.g. {split[0]!r}): its GGUF tokenizer conversion "
+        "is broken for this model; install another transformers version (5.23.0 builds it correctly)")
 
 
 def _save_atomically(hf_tokenizer, folder: Path) -> None:
