@@ -174,7 +174,7 @@ class Tokenizer:
 def _check_whole_words(hf_tokenizer, path: Path, probes: int = 32) -> None:
   """Refuses a GGUF tokenizer that splits its own whole-word pieces apart.
 
-  Some transformers versions (5.17.0 seen) build Gemma 3's GGUF tokenizer without its merges:
+  transformers 5.17.0 builds Gemma 3's GGUF tokenizer without its merges:
   ' world' becomes '▁w', 'or', 'ld' instead of '▁world'. The model would then read text in
   pieces it never saw, silently. The probes are the first word pieces of the vocabulary ('▁the',
   '▁and', ...); a sound tokenizer keeps nearly all of them whole.
@@ -189,7 +189,7 @@ def _check_whole_words(hf_tokenizer, path: Path, probes: int = 32) -> None:
     raise WeightsError(
         f"the tokenizer transformers {transformers.__version__} built from GGUF {path} splits {len(split)} of "
         f"{len(words)} whole-word pieces of its own vocabulary (e.g. {split[0]!r}): its GGUF tokenizer conversion "
-        "is broken for this model; install another transformers version (5.23.0 builds it correctly)")
+        "is broken for this model; install another transformers version (5.18 to 5.23 build it correctly)")
 
 
 def _save_atomically(hf_tokenizer, folder: Path) -> None:
