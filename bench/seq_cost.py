@@ -1,0 +1,89 @@
+"""The interpreter's per-step bookkeeping on any device, with no weights file: a step of the interpreter
+against a step of the plain decoder, with random Gemma-3-270M-shaped weights.
+
+The interpreter force-replays a synthetic answer (bench.synthetic's) with 1 block (sequential mode:
+one lane) and with 4 blocks, with lane buckets on (the default: a `lax.switch` computes only the
+rows that lanes feed) and off (always all lanes). Its step time is taken net of the plain decoder's
+prefill; the plain step is the slope between two lengths. Medians of --repeats runs, each the second
+of two.
+
+  python -m bench.seq_cost [--config gemma3-270m] [--tokens 256] [--lanes 8] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from bench.common import second_of_two
+from bench.synthetic import TEXT, SyntheticTokenizer, answers
+from pasta_jax.decode import api
+from pasta_jax.decode.plain import PlainDecoder
+from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.model.config import get_config
+from pasta_jax.model.gemma import Gemma
+from pasta_jax.model.load import LoadedModel
+
+
+def random_model(name: str) -> LoadedModel:
+  config = get_config(name)
+  dummy = jnp.zeros((1, 4), jnp.int32)
+  params = jax.jit(Gemma(config).init)(jax.random.key(0), dummy, dummy, jnp.ones((1, 4, 4), bool))
+  return LoadedModel(config, params, SyntheticTokenizer(), f"random:{name}")
+
+
+def plain_step(model, prompt, tokens: int, repeats: int, dtype) -> tuple[float, float]:
+  """(seconds per step, prefill seconds) of the plain decoder: slope and intercept of two lengths."""
+  cfg = model.config
+  decoder = PlainDecoder(api.model_fn(cfg, dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eos_ids=(),
+                         pool_dtype=dtype)
+  params = api.decode_params(model.params, dtype)
+
+  def seconds(n):
+    def run():
+      start = time.perf_counter()
+      decoder.generate(params, prompt, n, SamplingConfig())
+      return time.perf_counter() - start
+    return statistics.median(second_of_two(run) for _ in range(repeats))
+
+  full, half = seconds(tokens), seconds(tokens // 2)
+  step = (full - half) / (tokens - tokens // 2)
+  return step, max(full - tokens * step, 0.0)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--config", default="gemma3-270m")
+  parser.add_argument("--tokens", type=int, default=256)
+  parser.add_argument("--lanes", type=int, default=8)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  args = parser.parse_args()
+  dtype = jnp.dtype(args.dtype)
+  model = random_model(args.config)
+  prompt = [model.tokenizer.encode("question: " + TEXT)]
+  step, prefill = plain_step(model, prompt, args.tokens, args.repeats, dtype)
+  print(f"device: {jax.devices()[0].device_kind}; {args.config} random weights, {args.dtype}")
+  print(f"plain decoder: {1e3 * step:.3f} ms/step, prefill {1e3 * prefill:.2f} ms")
+  print(f"{'blocks':>6} {'lane_buckets':>12} {'steps':>6} {'ms/step':>8} {'vs plain':>9}")
+  ratios = {}
+  for blocks in (1, 4):
+    sequential, pasta, _ = answers(args.tokens, blocks)
+    for buckets in (True, False):
+      kw = dict(max_new_tokens=args.tokens + 64, lanes=args.lanes, dtype=dtype, lane_buckets=buckets)
+      text = sequential if blocks == 1 else pasta
+      runs = [second_of_two(lambda kw=kw, text=text: api.generate_ids(model, prompt, forced_answers=[text], **kw)[0])
+              for _ in range(args.repeats)]
+      per_step = statistics.median((r.seconds - prefill) / r.steps for r in runs)
+      ratios[blocks, buckets] = per_step / step
+      print(f"{blocks:>6} {buckets!s:>12} {runs[0].steps:>6} {1e3 * per_step:>8.3f} {per_step / step:>9.3f}")
+  print(f"RESULT seq_over_plain={ratios[1, True]:.3f} seq_over_plain_no_buckets={ratios[1, False]:.3f} "
+        f"four_blocks_over_plain={ratios[4, True]:.3f}")
+
+
+if __name__ == "__main__":
+  main()
