@@ -10,13 +10,21 @@ from pathlib import Path
 from pasta_jax.errors import PastaError
 from pasta_jax.training.config import MeshConfig, TrainConfig, load_train_config
 
+def _names(text: str) -> tuple[str, ...]:
+  return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 OVERRIDES = {  # flag -> (TrainConfig field, type)
   "--batch-size": ("batch_size", int), "--grad-accum": ("grad_accum", int), "--seq-len": ("seq_len", int),
   "--num-threads": ("num_threads", int), "--epochs": ("epochs", int), "--max-steps": ("max_steps", int),
   "--lr": ("learning_rate", float), "--save-every": ("save_every", int), "--seed": ("seed", int),
   "--compute-dtype": ("compute_dtype", str), "--param-dtype": ("param_dtype", str),
   "--hardware": ("hardware", str), "--alpha": ("bonbon_alpha", float), "--beta": ("bonbon_beta", float),
-  "--position-mode": ("position_mode", str),
+  "--position-mode": ("position_mode", str), "--warmup-steps": ("warmup_steps", int),
+  # adapters: --lora-rank 16 trains LoRA factors and tag/chat embedding rows over a frozen base
+  "--lora-rank": ("lora_rank", int), "--lora-alpha": ("lora_alpha", float),
+  "--lora-targets": ("lora_targets", _names), "--train-rows": ("train_rows", _names),
+  "--kl-weight": ("kl_weight", float),
 }
 
 

@@ -2,7 +2,10 @@
 
 Honest and mechanical (no model): it only uses the answer's layout.
   - every list item (`- x`, `* x`, `+ x`, `• x`, `1. x`, `1) x`, with its continuation lines)
-    becomes `<promise topic="first 1-3 words" tokens="round_length(true count)"/><async>item</async>`;
+    becomes `<promise topic="its heading" tokens="round_length(true count)"/><async>item</async>`;
+    the topic is the item's heading (text before a ':' or a bold span) or else its first clause, up to
+    6 words: a fork sees only its topic, so the topic must say what the block holds, or sibling forks
+    write the same thing (the duplicate blocks of the first trained model, cut by this);
   - lead text before the first item stays in main; without lead text the first item stays in main
     (main has something to say before its first promise);
   - a `<sync/>` goes before a final paragraph that follows the last item, if there is one;
@@ -47,9 +50,20 @@ def split_items(text: str) -> list[tuple[str, str]]:
   return pieces
 
 
-def topic_of(item: str, max_words: int = 3) -> str:
-  """First 1-3 words of an item (marker dropped), safe as a promise topic."""
-  words = WORD.findall(MARKER.sub("", item, count=1))[:max_words]
+HEADING = re.compile(r"^\s*\*\*(.+?)\*\*|^([^:\n]{2,60}):")
+CLAUSE_END = re.compile(r"[.;!?\n(]| - | – | — ")
+
+
+def topic_of(item: str, max_words: int = 6) -> str:
+  """The item's heading (before ':' or in bold), else its first clause: at most `max_words` words, marker
+  dropped, safe as a promise topic."""
+  body = MARKER.sub("", item, count=1)
+  heading = HEADING.match(body)
+  if heading:
+    body = heading.group(1) or heading.group(2)
+  else:
+    body = CLAUSE_END.split(body, maxsplit=1)[0]
+  words = WORD.findall(body)[:max_words] or WORD.findall(MARKER.sub("", item, count=1))[:max_words]
   return " ".join(words) if words else "item"
 
 

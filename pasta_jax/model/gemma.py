@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from pasta_jax.model.config import GemmaConfig
+from pasta_jax.model.lora import A_SUFFIX, B_SUFFIX, ROWS, AdapterConfig
 
 Array = jax.Array
 
@@ -128,6 +129,21 @@ def project(x: Array, w: Array, in_dims: str, out_dims: str, decode_layout: bool
   return jnp.einsum(f"bq{in_dims},{in_dims}{out_dims}->bq{out_dims}", x, w, **kw)
 
 
+def adapted_projection(module: nn.Module, name: str, x: Array, in_shape: tuple, out_shape: tuple, in_dims: str,
+                       out_dims: str, decode_layout: bool, adapter: AdapterConfig | None) -> Array:
+  """x times the projection `name`, plus the LoRA path (alpha / r) (x A) B when `adapter` targets it."""
+  y = project(x, projection(module, name, in_shape, out_shape, x.dtype, decode_layout), in_dims, out_dims,
+              decode_layout)
+  if adapter is None or name not in adapter.targets:
+    return y
+  if decode_layout:
+    raise ValueError("fold the adapter into the weights (lora.fold) before decoding in the decode layout")
+  a = module.param(name + A_SUFFIX, nn.initializers.zeros_init(), in_shape + (adapter.rank,)).astype(x.dtype)
+  b = module.param(name + B_SUFFIX, nn.initializers.zeros_init(), (adapter.rank,) + out_shape).astype(x.dtype)
+  low = project(x, a, in_dims, "r", False)
+  return y + adapter.scale * project(low, b, "r", out_dims, False)
+
+
 def write_slots(pool: Array, layer: int, new: Array, slots: Array) -> Array:
   """Scatter new rows [B, Q, K, hd] into pool [layers, B, S, K, hd] at (layer, slots [B, Q]).
 
@@ -163,15 +179,16 @@ class Attention(nn.Module):
   kind: str  # "global" | "local"
   layer: int
   decode_layout: bool = False
+  adapter: AdapterConfig | None = None
 
   @nn.compact
   def __call__(self, x, positions, mask, kv_positions, pool_k, pool_v, slots):
     cfg = self.config
-    dtype, layout = x.dtype, self.decode_layout
+    layout, ad = self.decode_layout, self.adapter
     model, heads, kv_heads = (cfg.embed_dim,), (cfg.num_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
-    q = project(x, projection(self, "q", model, heads, dtype, layout), "d", "hk", layout)
-    k = project(x, projection(self, "k", model, kv_heads, dtype, layout), "d", "hk", layout)
-    v = project(x, projection(self, "v", model, kv_heads, dtype, layout), "d", "hk", layout)
+    q = adapted_projection(self, "q", x, model, heads, "d", "hk", layout, ad)
+    k = adapted_projection(self, "k", x, model, kv_heads, "d", "hk", layout, ad)
+    v = adapted_projection(self, "v", x, model, kv_heads, "d", "hk", layout, ad)
     if cfg.use_qk_norm:
       q = RMSNorm(cfg.rms_norm_eps, name="q_norm")(q)
       k = RMSNorm(cfg.rms_norm_eps, name="k_norm")(k)
@@ -190,23 +207,23 @@ class Attention(nn.Module):
       distance = positions[:, :, None] - kv_positions[:, None, :]
       mask = mask & (distance < cfg.sliding_window)
     out = attend(q, keys, values, mask, cfg.query_pre_attn_scalar**-0.5, cfg.attn_logit_softcap)
-    wo = projection(self, "o", heads, model, dtype, layout)
-    return project(out, wo, "hk", "d", layout), pool_k, pool_v
+    return adapted_projection(self, "o", out, heads, model, "hk", "d", layout, ad), pool_k, pool_v
 
 
 class MLP(nn.Module):
   config: GemmaConfig
   decode_layout: bool = False
+  adapter: AdapterConfig | None = None
 
   @nn.compact
   def __call__(self, x):
     cfg = self.config
-    dtype, layout = x.dtype, self.decode_layout
+    layout, ad = self.decode_layout, self.adapter
     model, hidden = (cfg.embed_dim,), (cfg.hidden_dim,)
-    gate = project(x, projection(self, "gate", model, hidden, dtype, layout), "d", "f", layout)
-    up = project(x, projection(self, "up", model, hidden, dtype, layout), "d", "f", layout)
-    down = projection(self, "down", hidden, model, dtype, layout)
-    return project(jax.nn.gelu(gate, approximate=True) * up, down, "f", "d", layout)
+    gate = adapted_projection(self, "gate", x, model, hidden, "d", "f", layout, ad)
+    up = adapted_projection(self, "up", x, model, hidden, "d", "f", layout, ad)
+    return adapted_projection(self, "down", jax.nn.gelu(gate, approximate=True) * up, hidden, model, "f", "d",
+                              layout, ad)
 
 
 class Block(nn.Module):
@@ -214,18 +231,19 @@ class Block(nn.Module):
   kind: str
   layer: int
   decode_layout: bool = False
+  adapter: AdapterConfig | None = None
 
   @nn.compact
   def __call__(self, x, positions, mask, kv_positions, pool_k, pool_v, slots):
     cfg = self.config
     eps = cfg.rms_norm_eps
     h = RMSNorm(eps, name="pre_attn_norm")(x)
-    h, pool_k, pool_v = Attention(cfg, self.kind, self.layer, self.decode_layout, name="attn")(
+    h, pool_k, pool_v = Attention(cfg, self.kind, self.layer, self.decode_layout, self.adapter, name="attn")(
         h, positions, mask, kv_positions, pool_k, pool_v, slots)
     if cfg.use_post_attn_norm:
       h = RMSNorm(eps, name="post_attn_norm")(h)
     x = x + h
-    h = MLP(cfg, self.decode_layout, name="mlp")(RMSNorm(eps, name="pre_ffw_norm")(x))
+    h = MLP(cfg, self.decode_layout, self.adapter, name="mlp")(RMSNorm(eps, name="pre_ffw_norm")(x))
     if cfg.use_post_ffw_norm:
       h = RMSNorm(eps, name="post_ffw_norm")(h)
     return x + h, pool_k, pool_v
@@ -247,6 +265,7 @@ class Gemma(nn.Module):
   # may gather the whole micro-batch onto every device instead of gathering the fsdp-sharded weights.
   mesh: jax.sharding.Mesh | None = None
   decode_layout: bool = False  # params from `to_decode_layout` (decoding: few rows per call)
+  adapter: AdapterConfig | None = None  # unfolded LoRA + embedding rows (training); decoding folds them
 
   @nn.compact
   def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None,
@@ -254,6 +273,9 @@ class Gemma(nn.Module):
     cfg = self.config
     embedding = self.param("embedder", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.embed_dim))
     x = jnp.take(embedding, tokens, axis=0).astype(self.dtype)
+    row_delta, row_match = self._row_delta(tokens)
+    if row_delta is not None:  # == looking up (embedder + delta at row_ids), as `lora.fold` stores it
+      x = x + jnp.einsum("bqn,nd->bqd", row_match, row_delta)
     x = x * jnp.asarray(cfg.embed_dim**0.5, self.dtype)
     x = self._constrain(x)
     if kv_positions is None:
@@ -264,7 +286,7 @@ class Gemma(nn.Module):
     pv = None if pool is None else pool.v
     block = nn.remat(Block) if self.remat else Block
     for i, kind in enumerate(cfg.layer_kinds):
-      layer = block(cfg, kind, i, self.decode_layout, name=f"layer_{i}")
+      layer = block(cfg, kind, i, self.decode_layout, self.adapter, name=f"layer_{i}")
       x, pk, pv = layer(x, positions, mask, kv_positions, pk, pv, slots)
       x = self._constrain(x)
     x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
@@ -273,11 +295,22 @@ class Gemma(nn.Module):
       logits = project(x, unembed, "d", "v", True, preferred_element_type=jnp.float32)
     else:
       logits = jnp.einsum("bqd,vd->bqv", x, unembed, preferred_element_type=jnp.float32)
+    if row_delta is not None:  # the tied head's rows move with the embedding
+      extra = jnp.einsum("bqd,nd->bqn", x, row_delta, preferred_element_type=jnp.float32)
+      logits = logits.at[..., jnp.asarray(self.adapter.row_ids)].add(extra)
     logits = self._constrain(softcap(logits, cfg.final_logit_softcap), last="tensor")
     new_pool = None if pool is None else KVPool(pk, pv)
     if return_hidden:
       return logits, new_pool, x
     return logits, new_pool
+
+  def _row_delta(self, tokens):
+    """(row_delta [n, D], one-hot [B, Q, n] of tokens on those rows), or (None, None) without rows."""
+    if self.adapter is None or not self.adapter.row_ids:
+      return None, None
+    ids = jnp.asarray(self.adapter.row_ids, jnp.int32)
+    delta = self.param(ROWS, nn.initializers.zeros_init(), (len(ids), self.config.embed_dim)).astype(self.dtype)
+    return delta, (tokens[..., None] == ids).astype(self.dtype)
 
   def _constrain(self, x: Array, last: str | None = None) -> Array:
     return x if self.mesh is None else _batch_constraint(x, self.mesh, last)

@@ -15,16 +15,26 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from pasta_jax.errors import WeightsError
-from pasta_jax.model import checkpoint, gguf_loader, weights
+from pasta_jax.model import checkpoint, gguf_loader, lora, weights
 from pasta_jax.model.config import GemmaConfig
 from pasta_jax.model.tokenizer import Tokenizer, has_tokenizer_files
 
 
+class AdapterParts(NamedTuple):
+  """What an adapter folder was folded from: the trainer resumes training these, not the folded weights."""
+
+  config: lora.AdapterConfig
+  tree: dict  # the adapter's own leaves ({'params': ...})
+  base_params: dict
+  base_source: str  # "embedded" or a path
+
+
 class LoadedModel(NamedTuple):
   config: GemmaConfig
-  params: dict  # {'params': ...}
+  params: dict  # {'params': ...}; an adapter is already folded in
   tokenizer: Tokenizer | None  # None only for sources without one (e.g. a bare test folder)
   source: str
+  adapter: AdapterParts | None = None
 
 
 def embedded_gguf_path() -> Path:
@@ -47,12 +57,44 @@ def _is_gguf(path: Path) -> bool:
     return f.read(4) == gguf_loader.GGUF_MAGIC
 
 
+BASE = "base"  # `load_model("base")`: the embedded base model itself, never a shipped adapter
+
+
+def base_reference(model: LoadedModel) -> str:
+  """How an adapter trained on `model` names its base in adapter.json."""
+  if model.adapter is not None:
+    return model.adapter.base_source
+  try:
+    if Path(model.source) == embedded_gguf_path():
+      return "embedded"
+  except WeightsError:
+    pass
+  return str(Path(model.source).resolve())
+
+
+def _load_with_adapter(folder: Path, dtype, with_tokenizer: bool, cache_dir) -> LoadedModel:
+  tree, config, meta = lora.load_adapter(folder)
+  base_ref = meta.get("base", "embedded")
+  base_path = None if base_ref == "embedded" else Path(base_ref)
+  if base_path is not None and not base_path.is_absolute():
+    base_path = (folder / base_path).resolve()
+  base = load_model(base_path, dtype, with_tokenizer, cache_dir)
+  lora.check_matches(base.params, tree, str(folder))
+  folded = lora.fold(base.params, tree, config)
+  parts = AdapterParts(config, tree, base.params, base_ref)
+  return LoadedModel(base.config, folded, base.tokenizer, str(folder), parts)
+
+
 def load_model(path: str | os.PathLike | None = None, dtype: Any = jnp.float32, with_tokenizer: bool = True,
                cache_dir: str | os.PathLike | None | bool = None) -> LoadedModel:
   """Load config, params (cast to `dtype`) and tokenizer from any supported source (see module doc).
 
   cache_dir: the cache of dequantized GGUF params and built tokenizers (None: default place; False: off).
   """
+  if path is not None and str(path) == BASE:
+    path = None
+  if path is not None and lora.is_adapter_folder(path):
+    return _load_with_adapter(Path(path), dtype, with_tokenizer, cache_dir)
   resolved = embedded_gguf_path() if path is None else Path(path)
   if not resolved.exists():
     raise WeightsError(f"no such model path: {resolved}")

@@ -66,9 +66,22 @@ class TrainConfig:
   save_every: int = 100
   keep_checkpoints: int = 2
   log_every: int = 1
+  # Adapters (lora_rank > 0): the base stays frozen and only LoRA factors and embedding rows train.
+  lora_rank: int = 0  # 0: full fine-tuning
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = ("q", "k", "v", "o")  # the earlier paper's choice (rank 16, alpha 16)
+  train_rows: tuple[str, ...] = ("tags", "chat")  # embedder rows that train with an adapter
+  kl_weight: float = 0.0  # the earlier paper's KL(tuned || base) on answer tokens (it used 0.2)
 
   def __post_init__(self):
     problems = []
+    if self.lora_rank < 0:
+      problems.append(f"lora_rank={self.lora_rank}; use 0 (full fine-tuning) or a positive rank")
+    if self.kl_weight and not self.lora_rank:
+      problems.append("kl_weight needs an adapter run (lora_rank > 0): the frozen base is the KL's reference")
+    unknown_rows = sorted(set(self.train_rows) - {"tags", "chat"})
+    if unknown_rows:
+      problems.append(f"unknown train_rows {unknown_rows}; use tags and/or chat")
     if self.batch_size % self.grad_accum:
       problems.append(f"batch_size={self.batch_size} is not a multiple of grad_accum={self.grad_accum}")
     micro = self.batch_size // max(self.grad_accum, 1)
@@ -112,6 +125,9 @@ class TrainConfig:
       if bad:
         raise ConfigError(f"unknown mesh axes {bad}; use data, fsdp, tensor")
       fields["mesh"] = MeshConfig(**fields["mesh"])
+    for name in ("lora_targets", "train_rows"):  # JSON lists back to tuples (the dataclass is hashable)
+      if name in fields:
+        fields[name] = tuple(fields[name])
     return cls(**fields)
 
 

@@ -34,3 +34,23 @@ def sft_loss_sum(apply_fn: ApplyFn, params, batch: Layout) -> tuple[jax.Array, j
   """(sum of token NLL, number of loss tokens) of a micro-batch; the step divides by the global count."""
   logp = token_logprobs(apply_fn, params, batch)
   return -logp.sum(), batch.loss_mask.sum().astype(jnp.float32)
+
+
+def sft_kl_loss_sum(apply_fn: ApplyFn, base_apply_fn: ApplyFn, params, batch: Layout,
+                    kl_weight: float) -> tuple[jax.Array, jax.Array, dict]:
+  """SFT plus kl_weight x KL(tuned || frozen base) per loss token, as the earlier paper's adapter runs.
+
+  The base logits come from the same params with the adapter left out (`base_apply_fn` is the
+  adapter-free model), under stop_gradient: only the adapter moves.
+  """
+  mask = batch.mask()
+  logits, _ = apply_fn(params, batch.tokens, batch.positions, mask)  # [B, L, V]
+  base_logits, _ = base_apply_fn(params, batch.tokens, batch.positions, mask)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  base_logp = jax.lax.stop_gradient(jax.nn.log_softmax(base_logits, axis=-1))
+  picked = jnp.take_along_axis(logp, batch.targets[..., None], axis=-1)[..., 0]
+  kl = jnp.sum(jnp.exp(logp) * (logp - base_logp), axis=-1)  # [B, L]
+  nll = -jnp.where(batch.loss_mask, picked, 0.0).sum()
+  kl_sum = jnp.where(batch.loss_mask, kl, 0.0).sum()
+  count = batch.loss_mask.sum().astype(jnp.float32)
+  return nll + kl_weight * kl_sum, count, {"kl": kl_sum / jnp.maximum(count, 1.0)}

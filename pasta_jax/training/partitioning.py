@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pasta_jax.errors import ConfigError
+from pasta_jax.model.lora import A_SUFFIX, B_SUFFIX, IN_AXES, ROWS
 from pasta_jax.training.config import MeshConfig
 
 AXES = ("data", "fsdp", "tensor")
@@ -31,6 +32,8 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
   "head_dim": None,
   "mlp": "tensor",
   "norm": None,
+  "lora_rank": None,  # adapters are small: the rank axis stays whole; their other axes follow the base
+  "rows": None,
 }
 SOFT_AXES = frozenset({"kv_heads"})  # replicated instead of refused when not divisible
 
@@ -44,7 +47,19 @@ _LEAF_AXES = {
   "up": ("embed", "mlp"),
   "down": ("mlp", "embed"),
   "scale": ("norm",),
+  ROWS: ("rows", "embed"),
 }
+
+
+def _leaf_axes(name: str) -> tuple[str, ...] | None:
+  """Logical axes of a parameter by its name; a LoRA factor takes its projection's in or out axes."""
+  for suffix in (A_SUFFIX, B_SUFFIX):
+    proj = name[: -len(suffix)]
+    if name.endswith(suffix) and proj in IN_AXES:
+      base = _LEAF_AXES[proj]
+      n_in = IN_AXES[proj]
+      return base[:n_in] + ("lora_rank",) if suffix == A_SUFFIX else ("lora_rank",) + base[n_in:]
+  return _LEAF_AXES.get(name)
 
 
 def make_mesh(shape: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -65,10 +80,9 @@ def param_logical_axes(params) -> dict:
   """The params tree with each leaf replaced by its tuple of logical axis names."""
 
   def axes(path, leaf):
-    name = _path_names(path)[-1]
-    if name not in _LEAF_AXES:
+    logical = _leaf_axes(_path_names(path)[-1])
+    if logical is None:
       raise ConfigError(f"no partitioning rule for parameter {'/'.join(_path_names(path))}")
-    logical = _LEAF_AXES[name]
     if len(logical) != len(np.shape(leaf)):
       raise ConfigError(f"parameter {'/'.join(_path_names(path))} has shape {np.shape(leaf)}, expected axes {logical}")
     return logical

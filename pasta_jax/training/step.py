@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pasta_jax.model import lora
 from pasta_jax.training.partitioning import RULES
 from pasta_jax.training.state import TrainState
 
@@ -47,9 +48,14 @@ def place_batch(host_batch, mesh: Mesh, grad_accum: int):
   return jax.tree.map(jax.make_array_from_process_local_data, shardings, micro)
 
 
-def _accumulate(loss_fn: LossFn, params, micro_batches):
-  """Sums (grads of numerator, numerator, denominator) over the leading micro-batch axis."""
-  grad_fn = jax.value_and_grad(lambda p, mb: _split_aux(loss_fn(p, mb)), has_aux=True)
+def _accumulate(loss_fn: LossFn, params, micro_batches, frozen=None):
+  """Sums (grads of numerator, numerator, denominator) over the leading micro-batch axis.
+
+  With `frozen` (an adapter run), the loss sees the frozen base merged with `params`, and gradients
+  are taken with respect to `params` (the adapter) only.
+  """
+  combine = (lambda p: p) if frozen is None else (lambda p: lora.merge(frozen, p))
+  grad_fn = jax.value_and_grad(lambda p, mb: _split_aux(loss_fn(combine(p), mb)), has_aux=True)
 
   def body(carry, micro_batch):
     grads_sum, num_sum, den_sum = carry
@@ -69,11 +75,14 @@ def _split_aux(out):
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    state_shardings: TrainState, batch_shardings) -> Callable:
-  """jit(step)(state, batch [A, B, ...]) -> (state, metrics); the state buffers are donated."""
+                    state_shardings: TrainState, batch_shardings, frozen_shardings=None) -> Callable:
+  """jit(step)(state, batch [A, B, ...][, frozen]) -> (state, metrics); the state buffers are donated.
 
-  def step(state: TrainState, batch):
-    grads, num, den, aux = _accumulate(loss_fn, state.params, batch)
+  frozen_shardings: an adapter run's frozen base params (an argument, never a baked-in constant).
+  """
+
+  def step(state: TrainState, batch, frozen=None):
+    grads, num, den, aux = _accumulate(loss_fn, state.params, batch, frozen)
     den = jnp.maximum(den, 1.0)
     grads = jax.tree.map(lambda g: g / den.astype(g.dtype), grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -82,5 +91,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, sc
                "learning_rate": schedule(state.step), **aux}
     return TrainState(state.step + 1, params, opt_state), metrics
 
-  return jax.jit(step, in_shardings=(state_shardings, batch_shardings), out_shardings=(state_shardings, None),
-                 donate_argnums=0)
+  in_shardings = (state_shardings, batch_shardings)
+  if frozen_shardings is not None:
+    in_shardings += (frozen_shardings,)
+  return jax.jit(step, in_shardings=in_shardings, out_shardings=(state_shardings, None), donate_argnums=0)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -23,16 +24,17 @@ import numpy as np
 from tqdm import tqdm
 
 from pasta_jax.errors import ConfigError
+from pasta_jax.model import lora
 from pasta_jax.model.gemma import Gemma
-from pasta_jax.model.load import LoadedModel
+from pasta_jax.model.load import LoadedModel, base_reference
 from pasta_jax.paths import run_path
 from pasta_jax.training import step as step_lib
 from pasta_jax.training.checkpoints import TrainCheckpoints
 from pasta_jax.training.config import TrainConfig
-from pasta_jax.training.losses import sft_loss_sum
+from pasta_jax.training.losses import sft_kl_loss_sum, sft_loss_sum
 from pasta_jax.training.metrics_log import MetricsLog, train_flops_per_token
 from pasta_jax.training.optimizer import learning_rate_schedule, make_optimizer
-from pasta_jax.training.partitioning import make_mesh
+from pasta_jax.training.partitioning import make_mesh, param_shardings
 from pasta_jax.training.state import create_sharded_state, init_state
 
 
@@ -53,9 +55,12 @@ class TrainResult:
   model_dir: object | None  # exported final model (None when stopped early)
 
 
-def make_loss_fn(config: TrainConfig, apply_fn: Callable) -> step_lib.LossFn:
+def make_loss_fn(config: TrainConfig, apply_fn: Callable, base_apply_fn: Callable | None = None) -> step_lib.LossFn:
   """The objective as a (numerator, denominator, aux) micro-batch loss."""
-  if config.objective in ("sft", "baseline_sft", "apar_sft"):  # the layout carries each one's mask and targets
+  sft_like = config.objective in ("sft", "baseline_sft", "apar_sft")  # the layout carries mask and targets
+  if sft_like and config.kl_weight > 0:
+    return lambda params, batch: sft_kl_loss_sum(apply_fn, base_apply_fn, params, batch, config.kl_weight)
+  if sft_like:
     return lambda params, batch: (*sft_loss_sum(apply_fn, params, batch), {})
   from pasta_jax.training.bonbon import bonbon_objective
 
@@ -93,18 +98,38 @@ class Trainer:
     self.total_steps = min(len(dataset), config.max_steps) if config.max_steps > 0 else len(dataset)
     self.optimizer = make_optimizer(config, self.total_steps)
     self.schedule = learning_rate_schedule(config, self.total_steps)
-    apply_fn = Gemma(model.config, dtype=jnp.dtype(config.compute_dtype), remat=config.remat,
-                     mesh=self.mesh if self.mesh.size > 1 else None).apply
-    params = jax.tree.map(lambda x: jnp.asarray(x, config.param_dtype), model.params)
-    self.state, self.shardings = create_sharded_state(params, self.optimizer, self.mesh)
+    self.adapter = adapter_config(config, model)
+    gemma = functools.partial(Gemma, model.config, dtype=jnp.dtype(config.compute_dtype), remat=config.remat,
+                              mesh=self.mesh if self.mesh.size > 1 else None)
+    apply_fn = gemma(adapter=self.adapter).apply
+    trainable, self.frozen = self._trainable_and_frozen(config, model)
+    self.state, self.shardings = create_sharded_state(trainable, self.optimizer, self.mesh)
     self.checkpoints = TrainCheckpoints(self.out_dir / "checkpoints", model.config, config)
     self.resumed_from = self._maybe_resume()
     sample = step_lib.split_micro_batches(dataset[0], config.grad_accum)
     batch_shardings = step_lib.micro_batch_shardings(self.mesh, sample)
-    self.step_fn = step_lib.make_train_step(make_loss_fn(config, apply_fn), self.optimizer, self.schedule,
-                                            self.shardings, batch_shardings)
+    frozen_shardings = None if self.frozen is None else param_shardings(self.frozen, self.mesh)
+    loss_fn = make_loss_fn(config, apply_fn, gemma().apply)
+    self.step_fn = step_lib.make_train_step(loss_fn, self.optimizer, self.schedule, self.shardings,
+                                            batch_shardings, frozen_shardings)
     self.flops_per_token = train_flops_per_token(model.config, config.seq_len)
     self.log = MetricsLog(self.out_dir, enabled=jax.process_index() == 0)
+
+  def _trainable_and_frozen(self, config: TrainConfig, model: LoadedModel) -> tuple[dict, dict | None]:
+    """(what the optimizer sees, the frozen base or None). An adapter run trains only adapter leaves; a
+    model loaded from an adapter folder goes on training that adapter over its own base."""
+    cast = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, config.param_dtype), tree)
+    if self.adapter is None:
+      return cast(model.params), None
+    if model.adapter is not None:
+      if model.adapter.config != self.adapter:
+        raise ConfigError(f"the model's adapter is {model.adapter.config}, the run asks for {self.adapter}: "
+                          "start from its base instead, or train with the same rank, targets and rows")
+      base, trainable = model.adapter.base_params, model.adapter.tree
+    else:
+      base, trainable = model.params, lora.init_adapter(model.params, self.adapter, jax.random.key(config.seed))
+    frozen = cast(base)
+    return cast(trainable), jax.device_put(frozen, param_shardings(frozen, self.mesh))
 
   def _maybe_resume(self) -> int | None:
     latest = self.checkpoints.latest_step()
@@ -135,7 +160,8 @@ class Trainer:
     began = time.perf_counter()
     host_batch = self.dataset[step]
     batch = step_lib.place_batch(host_batch, self.mesh, self.config.grad_accum)
-    self.state, metrics = self.step_fn(self.state, batch)
+    frozen = () if self.frozen is None else (self.frozen,)
+    self.state, metrics = self.step_fn(self.state, batch, *frozen)
     values = {k: float(v) for k, v in metrics.items()}  # float() waits for the step
     seconds = time.perf_counter() - began
     tokens = int(np.prod(np.shape(jax.tree.leaves(host_batch)[0]))) * jax.process_count()
@@ -153,10 +179,30 @@ class Trainer:
     return self.flops_per_token * tokens / seconds / peak if peak else 0.0
 
   def _export(self):
+    if self.adapter is not None:
+      extra = {"step": int(self.state.step), "train": self.config.to_dict()}
+      params = jax.device_get(self.state.params)
+      return lora.save_adapter(self.out_dir / "model", params, self.adapter, base=base_reference(self.model),
+                               extra=extra)
     from pasta_jax.model.checkpoint import save_checkpoint
     tokenizer = self.model.tokenizer if hasattr(self.model.tokenizer, "save") else None
     return save_checkpoint(self.out_dir / "model", self.state.params, self.model.config, tokenizer=tokenizer,
                            step=int(self.state.step), extra={"train": self.config.to_dict()}, overwrite=True)
+
+
+def adapter_config(config: TrainConfig, model: LoadedModel) -> lora.AdapterConfig | None:
+  """The run's adapter (None for full fine-tuning): rank, alpha, targets and the rows of tag/chat tokens."""
+  if config.lora_rank <= 0:
+    return None
+  rows: list[int] = []
+  if model.tokenizer is not None and "tags" in config.train_rows:
+    rows += model.tokenizer.tag_vocab().tag_ids
+  lookup = getattr(model.tokenizer, "token_to_id", None)  # tokenizers without named specials have no chat rows
+  if lookup is not None and "chat" in config.train_rows:
+    from pasta_jax.model.tokenizer import END_OF_TURN, START_OF_TURN
+    rows += [i for i in (lookup(START_OF_TURN), lookup(END_OF_TURN)) if i is not None]
+  return lora.AdapterConfig(config.lora_rank, config.lora_alpha, tuple(config.lora_targets),
+                            lora.row_ids_for(rows))
 
 
 def _truncate_metrics(out_dir, resume_step: int) -> None:

@@ -1,0 +1,185 @@
+"""The whole PASTA recipe on one model, as one resumable command.
+
+  python -m train.recipe --out runs/pasta270m [--model M] [--seq-len 192] [--epochs 2] [--lora-rank 16]
+                         [--stages records,baseline_sft,pasta_sft,bonbon] [--lambdas 0,1]
+
+Stages (each one is skipped when its output exists, and a stage cut off mid-way resumes from its last
+Orbax checkpoint when the same command runs again, also after a restart):
+  records        annotate the training pools structurally (`lima`, `alpaca_gpt4_1k`, `alpaca_5k`), keep
+                 the answers with blocks whose PASTA layout fits --seq-len, optionally keep only what the
+                 model-verified filter accepts (--verify), hold out a split -> records/{train,heldout}.jsonl
+  baseline_sft   Baseline-SFT (tags stripped) on exactly those records -> baseline_sft/model
+  pasta_sft      Pasta-SFT on the same records -> pasta_sft/model
+  bonbon         per lambda: N samples per prompt from the interpreter at T = 1, scored by speedup +
+                 lambda x quality, best/worst pairs, BoNBoN with Pasta-SFT as the reference
+                 -> bonbon_l{lambda}/round_1/model
+Both SFT stages train adapters (LoRA + tag/chat embedding rows) over the frozen base by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from pasta_jax.errors import PastaError
+from pasta_jax.data.sources import shared_data_dir
+from train.common import run_main
+
+POOLS = ("lima", "alpaca_gpt4_1k", "alpaca_5k")
+STAGES = ("records", "baseline_sft", "pasta_sft", "bonbon")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="train.recipe", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", required=True, help="run folder; running the same command again resumes")
+  parser.add_argument("--model", help="base model (default: the embedded Gemma 3 270M base)")
+  parser.add_argument("--stages", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)}")
+  parser.add_argument("--pools", default=",".join(POOLS), help="training pools (shared data names or JSONL paths)")
+  parser.add_argument("--seq-len", type=int, default=192)
+  parser.add_argument("--num-threads", type=int, default=16)
+  parser.add_argument("--held-out", type=float, default=0.03, help="share of kept records held out")
+  parser.add_argument("--verify", action="store_true", help="keep only records the model-verified filter accepts")
+  parser.add_argument("--epochs", type=int, default=2)
+  parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--lr", type=float, default=3e-4)
+  parser.add_argument("--warmup-steps", type=int, default=10)
+  parser.add_argument("--lora-rank", type=int, default=16, help="0: full fine-tuning")
+  parser.add_argument("--lora-alpha", type=float, default=16.0)
+  parser.add_argument("--lora-targets", default="q,k,v,o,gate,up,down")
+  parser.add_argument("--kl-weight", type=float, default=0.0)
+  parser.add_argument("--lambdas", default="0,1", help="BoNBoN quality weights, one run each (Pareto)")
+  parser.add_argument("--bonbon-prompts", type=int, default=32, help="held-in prompts sampled for BoNBoN")
+  parser.add_argument("--samples", type=int, default=4, help="BoNBoN: N answers per prompt")
+  parser.add_argument("--judge", default="local:base", help="BoNBoN quality judge (http or local:MODEL)")
+  parser.add_argument("--seed", type=int, default=0)
+  return parser.parse_args(argv)
+
+
+def _write_jsonl(path: Path, records) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+  tmp.replace(path)  # a stage's output appears whole or not at all
+
+
+def _read_pool(name: str) -> list[dict]:
+  path = Path(name) if name.endswith(".jsonl") else shared_data_dir() / f"{name}.jsonl"
+  if not path.is_file():
+    raise PastaError(f"training pool {name!r}: no file {path}")
+  records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  # ids repeat across pools: prefix the pool so one training file keeps them unique
+  return [{**r, "id": f"{path.stem}-{r.get('id', i)}", "pool": path.stem} for i, r in enumerate(records)]
+
+
+def stage_records(args, folder: Path) -> None:
+  """Annotate, keep what fits (and what the filter accepts), hold out a split."""
+  from pasta_jax.data.encode import EncodeConfig, encode_example
+  from pasta_jax.data.pipeline import annotate_records
+  from pasta_jax.model.load import load_model
+  model = load_model(args.model)
+  vocab = model.tokenizer.tag_vocab()
+  encode = EncodeConfig(seq_len=args.seq_len, num_threads=args.num_threads)
+  counts: dict[str, int] = {}
+  kept = []
+  for pool in args.pools.split(","):
+    records = annotate_records(_read_pool(pool), model.tokenizer, progress=True)
+    for record in tqdm(records, desc=f"fit {pool}", leave=False):
+      if not record.get("annotated"):
+        counts["no block"] = counts.get("no block", 0) + 1
+        continue
+      try:  # the PASTA layout is the longer one: what fits it fits Baseline-SFT's tag-free layout too
+        encode_example(record, model.tokenizer, vocab, encode)
+      except PastaError as err:
+        reason = type(err).__name__
+        counts[reason] = counts.get(reason, 0) + 1
+        continue
+      kept.append(record)
+  if args.verify:
+    kept = _verified(kept, model, counts)
+  random.Random(args.seed).shuffle(kept)
+  held = max(1, int(len(kept) * args.held_out))
+  _write_jsonl(folder / "heldout.jsonl", kept[:held])
+  _write_jsonl(folder / "train.jsonl", kept[held:])
+  report = {"kept": len(kept), "train": len(kept) - held, "held_out": held, "dropped": counts,
+            "by_pool": {p: sum(r["pool"] == p for r in kept) for p in {r["pool"] for r in kept}}}
+  (folder / "report.json").write_text(json.dumps(report, indent=1))
+  print(f"records: {report}")
+
+
+def _verified(records: list[dict], model, counts: dict) -> list[dict]:
+  from pasta_jax.data.verify import verify
+  kept = [r for r in tqdm(records, desc="model-verified filter") if verify(r, model).keep]
+  counts["rejected by the model-verified filter"] = len(records) - len(kept)
+  return kept
+
+
+def stage_sft(args, out: Path, stage: str) -> None:
+  from train import sft
+  objective = {"pasta_sft": "sft", "baseline_sft": "baseline_sft"}[stage]
+  flags = ["--data", str(out / "records" / "train.jsonl"), "--objective", objective, "--annotate", "none",
+           "--out", str(out / stage), "--seq-len", str(args.seq_len), "--num-threads", str(args.num_threads),
+           "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+           "--warmup-steps", str(args.warmup_steps), "--lora-rank", str(args.lora_rank),
+           "--lora-alpha", str(args.lora_alpha), "--lora-targets", args.lora_targets,
+           "--kl-weight", str(args.kl_weight), "--seed", str(args.seed), "--save-every", "10"]
+  if args.model:
+    flags += ["--model", args.model]
+  code = sft.main(flags)
+  if code:
+    raise PastaError(f"{stage} stopped with exit code {code}")
+
+
+def stage_bonbon(args, out: Path) -> None:
+  from train import bonbon
+  prompts = out / "records" / "bonbon_prompts.jsonl"
+  if not prompts.exists():
+    train = [json.loads(line) for line in (out / "records" / "train.jsonl").read_text().splitlines()]
+    _write_jsonl(prompts, train[: args.bonbon_prompts])
+  for lam in (float(x) for x in args.lambdas.split(",")):
+    flags = ["--model", str(out / "pasta_sft" / "model"), "--baseline", str(out / "baseline_sft" / "model"),
+             "--data", str(prompts), "--out", str(out / f"bonbon_l{lam:g}"), "--rounds", "1",
+             "--samples", str(args.samples), "--quality-weight", str(lam), "--judge", args.judge,
+             "--seq-len", str(args.seq_len * 2), "--num-threads", str(args.num_threads),
+             "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha),
+             "--lora-targets", args.lora_targets, "--batch-size", "8", "--epochs", "2"]
+    code = bonbon.main(flags)
+    if code:
+      raise PastaError(f"BoNBoN (lambda {lam:g}) stopped with exit code {code}")
+
+
+def _done(out: Path, stage: str) -> bool:
+  if stage == "records":
+    return (out / "records" / "train.jsonl").is_file()
+  if stage in ("baseline_sft", "pasta_sft"):
+    return (out / stage / "model" / "adapter.json").is_file() or (out / stage / "model" / "pasta_config.json").is_file()
+  return False  # bonbon: its own command skips finished rounds
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  out = Path(args.out)
+  stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+  unknown = sorted(set(stages) - set(STAGES))
+  if unknown:
+    raise PastaError(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
+  for stage in tqdm(stages, desc="recipe", file=sys.stdout):
+    if _done(out, stage):
+      print(f"[{stage}] done before: skipped")
+      continue
+    print(f"[{stage}] running")
+    if stage == "records":
+      stage_records(args, out / "records")
+    elif stage == "bonbon":
+      stage_bonbon(args, out)
+    else:
+      stage_sft(args, out, stage)
+  return 0
+
+
+if __name__ == "__main__":
+  run_main(main)
