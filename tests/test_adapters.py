@@ -16,8 +16,8 @@ from pasta_jax.training.config import TrainConfig
 from pasta_jax.training.partitioning import param_specs
 from pasta_jax.training.trainer import Trainer
 from tests import training_data
-from tests.train_worker import cyclic
 from tests.tiny import tiny_model
+from tests.train_worker import cyclic
 
 ROWS = (10, 11, 12, 57)  # a few tag ids of the tiny vocab (tags start at 10)
 

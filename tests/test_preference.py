@@ -245,7 +245,8 @@ def jax_batch(layout):
 
 
 # --- rounds: sample -> score -> BoNBoN, each round from the last model ---------------------------------
-def test_two_rounds_chain_models_and_raise_the_margin(tmp_path):
+@pytest.mark.parametrize("reference", ["sft", "round_start"])
+def test_two_rounds_chain_models_and_raise_the_margin(tmp_path, reference):
   from pasta_jax.model.checkpoint import restore_checkpoint
   from pasta_jax.model.load import LoadedModel
   from pasta_jax.preference.rounds import run_rounds
@@ -266,19 +267,26 @@ def test_two_rounds_chain_models_and_raise_the_margin(tmp_path):
   train = TrainConfig(model="tiny", batch_size=2, seq_len=ENCODE.seq_len, num_threads=ENCODE.num_threads,
                       learning_rate=1e-3, epochs=3, bonbon_beta=1.0, save_every=100)
   results = run_rounds(2, "start", start, records(4), lambda folder: LongerIsBetter(), CFG, train, tmp_path,
-                       load=load, samplers=samplers, progress=False)
+                       load=load, samplers=samplers, progress=False, reference=reference)
   assert [r.index for r in results] == [1, 2] and all(r.model_dir for r in results)
-  assert loads == ["start", results[0].model_dir]  # round 2 starts from round 1's exported model
+  # round 2 starts from round 1's exported model; with the paper's reference it loads the SFT model again
+  assert loads == ["start", results[0].model_dir] + (["start"] if reference == "sft" else [])
   assert results[1].start_model == results[0].model_dir
   for r in results:
     rows = read_metrics(tmp_path / f"round_{r.index}" / "train")
-    margins = [row["margin"] for row in rows]
-    assert all(math.isfinite(row["loss"]) for row in rows) and margins[-1] > margins[0]
-  # round 2's reference log-probs come from round 1's model, so they differ from round 1's
+    assert all(math.isfinite(row["loss"]) for row in rows)
+  # a round that starts from its reference starts at margin 0 and raises it
+  rising = [1, 2] if reference == "round_start" else [1]
+  for index in rising:
+    margins = [row["margin"] for row in read_metrics(tmp_path / f"round_{index}" / "train")]
+    assert margins[0] == pytest.approx(0.0, abs=1e-3) and margins[-1] > margins[0]
+  # the forced samplers give both rounds the same pairs: round 2's reference log-probs equal round 1's
+  # exactly when both come from the SFT model, and differ when round 2's reference is round 1's model
   ref1 = [p["chosen"]["ref_logp"] for p in read_rows(tmp_path / "round_1" / "pairs" / PAIRS)]
   ref2 = [p["chosen"]["ref_logp"] for p in read_rows(tmp_path / "round_2" / "pairs" / PAIRS)]
-  assert ref1 != ref2
+  assert (ref1 == ref2) == (reference == "sft")
+  loaded = len(loads)
   # a finished round is skipped on a rerun
   again = run_rounds(2, "start", start, records(4), lambda folder: LongerIsBetter(), CFG, train, tmp_path,
-                     load=load, samplers=samplers, progress=False)
-  assert [r.summary for r in again] == [None, None] and len(loads) == 2
+                     load=load, samplers=samplers, progress=False, reference=reference)
+  assert [r.summary for r in again] == [None, None] and len(loads) == loaded

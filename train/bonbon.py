@@ -7,7 +7,8 @@
 Per round k (files in <out>/round_<k>/): the policy samples N answers per prompt with the batched
 interpreter, the Baseline-SFT model answers greedily, the judge compares every sample with the
 baseline and the reference answer in both orders, and the best and worst samples by
-speedup + lambda * quality become a pair. The reference log-probs (the round's start model) are
+speedup + lambda * quality become a pair. The reference log-probs (--reference: the Pasta-SFT model in every
+round, as the paper; or each round's start model) are
 computed once and stored with the pairs, then BoNBoN trains. Every stage resumes: run the same
 command again after an interruption. `--pairs-only` stops after writing round 1's pairs.
 """
@@ -38,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--limit", type=int, help="use the first N prompts")
   parser.add_argument("--baseline", help="the Baseline-SFT model (default: --model, i.e. the policy itself)")
   parser.add_argument("--rounds", type=int, default=1)
+  parser.add_argument("--reference", choices=["sft", "round_start"], default="sft",
+                      help="reference log-probs: the starting (Pasta-SFT) model in every round, as the paper, "
+                           "or each round's start model")
   parser.add_argument("--pairs-only", action="store_true", help="write round 1's preference pairs, do not train")
   parser.add_argument("--judge", default="auto", help="auto (http if PASTA_JUDGE_BASE_URL is set), http, "
                       "local[:MODEL] or none (needs --quality-weight 0)")
@@ -106,7 +110,8 @@ def main(argv=None) -> int:
     return 0
   print(f"BoNBoN: {args.rounds} round(s), alpha={config.bonbon_alpha}, beta={config.bonbon_beta}, "
         f"lr={config.learning_rate:g}, lambda={'inf' if math.isinf(pref.quality_weight) else pref.quality_weight}")
-  results = run_rounds(args.rounds, start, baseline, records, judge_for, pref, config, out, stop_after=args.stop_after)
+  results = run_rounds(args.rounds, start, baseline, records, judge_for, pref, config, out, stop_after=args.stop_after,
+                       reference=args.reference)
   for r in results:
     losses = f"loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}" if r.losses else "already done"
     print(f"round {r.index}: from {r.start_model} -> {r.model_dir or 'stopped early'} ({losses})")

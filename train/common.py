@@ -10,6 +10,7 @@ from pathlib import Path
 from pasta_jax.errors import PastaError
 from pasta_jax.training.config import MeshConfig, TrainConfig, load_train_config
 
+
 def _names(text: str) -> tuple[str, ...]:
   return tuple(x.strip() for x in text.split(",") if x.strip())
 

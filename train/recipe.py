@@ -26,8 +26,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pasta_jax.errors import PastaError
 from pasta_jax.data.sources import shared_data_dir
+from pasta_jax.errors import PastaError
 from train.common import run_main
 
 POOLS = ("lima", "alpaca_gpt4_1k", "alpaca_5k")

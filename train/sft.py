@@ -53,7 +53,7 @@ def training_records(args, tokenizer) -> tuple[list[dict], list[dict]]:
     held_out = list(data_source(args.data, args.data_dir, "validation"))
   except DataError:  # sources without a validation split: hold out nothing
     held_out = []
-  if args.annotate == "structural" and args.objective == "sft":
+  if args.annotate == "structural" and args.objective in ("sft", "baseline_sft"):  # same records for both
     todo = [i for i, r in enumerate(train) if not r.get("annotated")]
     for i, record in zip(todo, annotate_records([train[i] for i in todo], tokenizer, progress=True)):
       train[i] = record

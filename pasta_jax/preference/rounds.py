@@ -4,7 +4,8 @@
   <out>/round_<k>/train/    the trainer's run (checkpoints, metrics, loss.png, the exported model)
 A round whose exported model exists is done and skipped; an interrupted round resumes inside its
 own files (sampling and judging per prompt, training from its last checkpoint). The reference model
-of round k is the model round k starts from, as in the paper's iterated BoNBoN.
+of every round is the Pasta-SFT model the first round starts from, as the later paper does
+(`reference="round_start"` makes it each round's start model instead).
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def train_bonbon(pairs: Sequence[dict], model, config: TrainConfig, out_dir, *, 
 
 def run_round(index: int, start_model: str, baseline, records, judge_for: Callable, pref: PreferenceConfig,
               train: TrainConfig, out_dir, *, load: Callable = load_model, samplers: Samplers = DEFAULT_SAMPLERS,
-              stop_after: int | None = None, progress: bool = True) -> RoundResult:
-  """One round from `start_model` (a path). `judge_for(folder)` gives the (cached) judge of the round."""
+              stop_after: int | None = None, progress: bool = True, reference_model: str | None = None) -> RoundResult:
+  """One round from `start_model` (a path). `judge_for(folder)` gives the (cached) judge of the round;
+  the reference log-probs come from `reference_model` (None: the start model)."""
   round_dir = Path(out_dir) / f"round_{index}"
   exported = round_dir / "train" / "model"
   if exported.exists():
@@ -68,18 +70,25 @@ def run_round(index: int, start_model: str, baseline, records, judge_for: Callab
                         identity={"start_model": start_model, "round": index}, samplers=samplers, progress=progress)
   if progress:
     print(f"round {index}: {summary.line()}")
-  pairs = add_reference_logprobs(pairs_dir / PAIRS, policy, encode_config(train), progress=progress)
+  reference = policy if reference_model in (None, start_model) else load(reference_model)
+  pairs = add_reference_logprobs(pairs_dir / PAIRS, reference, encode_config(train), progress=progress)
   result = train_bonbon(pairs, policy, train, round_dir / "train", stop_after=stop_after, progress=progress)
   model_dir = str(result.model_dir) if result.model_dir is not None else None
   return RoundResult(index, start_model, model_dir, summary, tuple(result.losses))
 
 
 def run_rounds(rounds: int, start_model: str, baseline, records, judge_for: Callable, pref: PreferenceConfig,
-               train: TrainConfig, out_dir, **kwargs) -> list[RoundResult]:
-  """r rounds; round k+1 starts from round k's exported model. Stops early if a round is cut short."""
+               train: TrainConfig, out_dir, *, reference: str = "sft", **kwargs) -> list[RoundResult]:
+  """r rounds; round k+1 starts from round k's exported model. Stops early if a round is cut short.
+
+  reference: "sft" (the paper's: the first start model is every round's reference) or "round_start".
+  """
+  if reference not in ("sft", "round_start"):
+    raise ValueError(f"reference={reference!r}; use 'sft' or 'round_start'")
   results, model = [], start_model
   for index in range(1, rounds + 1):
-    result = run_round(index, model, baseline, records, judge_for, pref, train, out_dir, **kwargs)
+    ref = start_model if reference == "sft" else model
+    result = run_round(index, model, baseline, records, judge_for, pref, train, out_dir, reference_model=ref, **kwargs)
     results.append(result)
     if result.model_dir is None:
       break
