@@ -88,7 +88,7 @@ def main():
   parser.add_argument("--lanes", type=int, default=8)
   parser.add_argument("--model", default=None, help="model path (default: the embedded Gemma 3 270M)")
   args = parser.parse_args()
-  model = load_model(args.model)
+  model = load_model(args.model or "base")
   items = list(candidates(model, args.data, args.answer_tokens, args.prompt_bucket, args.limit))
   rows = [dict(id=i, **measure(model, p, plain, pasta, apar, args))
           for i, p, plain, pasta, apar in tqdm(items, desc="answers")]

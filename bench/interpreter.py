@@ -112,7 +112,7 @@ def main():
   parser.add_argument("--lanes", type=int, default=8)
   parser.add_argument("--model", default=None, help="model path (default: the embedded Gemma 3 270M)")
   args = parser.parse_args()
-  model = load_model(args.model)
+  model = load_model(args.model or "base")
   dtype = jnp.float32
   params = api.decode_params(model.params, dtype)  # the plain decoder's; api.prepare finds them cached
   cfg = model.config

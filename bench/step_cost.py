@@ -58,7 +58,7 @@ def main():
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--model", default=None, help="model path (default: the embedded Gemma 3 270M)")
   args = parser.parse_args()
-  model = load_model(args.model)
+  model = load_model(args.model or "base")
   dtype = jnp.dtype(args.dtype)
   training_params = jax.tree.map(lambda x: jnp.asarray(x, dtype), model.params)
   layouts = {

@@ -52,7 +52,7 @@ def main():
   parser.add_argument("--remat", action="store_true")
   parser.add_argument("--hardware", default=None, help="key of training.plan.HARDWARE (default: by platform)")
   args = parser.parse_args()
-  model = load_model(args.model)
+  model = load_model(args.model or "base")
   vocab = model.tokenizer.tag_vocab()
   devices = jax.devices()
   hardware = args.hardware or ("cpu" if devices[0].platform == "cpu" else "h100x1")

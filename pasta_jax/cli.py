@@ -21,11 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
   gen = sub.add_parser("generate", help="decode a prompt (plain, or PASTA with --pasta)")
   gen.add_argument("prompt")
   gen.add_argument("--model", default=None,
-                   help="HF folder, .gguf file or Orbax checkpoint (default: the embedded Gemma 3 270M)")
+                   help="base, pasta-sft, pasta-bon, baseline-sft, an adapter folder, HF folder, .gguf file or "
+                        "Orbax checkpoint (default: the tuned PASTA adapter on the embedded Gemma 3 270M)")
   gen.add_argument("--max-new-tokens", type=int, default=128)
-  gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
-                   help="wrap the prompt in Gemma's chat turns (for instruction-tuned models; the embedded "
-                        "270M is the pretrained base model, so the default is off)")
+  gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in Gemma's chat turns (default: on for tuned adapters, which were "
+                        "trained on chat turns; off for a base model, which continues plain text)")
   gen.add_argument("--pasta", action="store_true", help="decode with the PASTA interpreter and show threads")
   gen.add_argument("--lanes", type=int, default=8, help="parallel lanes for --pasta (lane 0 is main)")
   gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")

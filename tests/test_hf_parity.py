@@ -217,7 +217,7 @@ def real():
   config = gguf_loader.config_from_gguf(gguf_loader.read_gguf(path))
   executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
   theirs = executor.submit(_load_transformers_270m, path, config)
-  yield load_model(None), theirs
+  yield load_model("base"), theirs
   executor.shutdown(wait=True)
 
 

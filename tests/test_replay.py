@@ -149,7 +149,7 @@ def test_untagged_answer_decodes_as_plain(name):
 def real_model():
   from pasta_jax.model.load import load_model
 
-  return load_model()
+  return load_model("base")
 
 
 @pytest.mark.slow

@@ -73,7 +73,9 @@ def run_main(main) -> None:
     sys.exit(130)
 
 
-def model_path(args) -> str | None:
-  if args.model and not os.path.exists(args.model):
+def model_path(args) -> str:
+  """--model as `load_model` takes it; training starts from the base model unless told otherwise."""
+  from pasta_jax.model.load import BASE, SHIPPED
+  if args.model and args.model not in (BASE, *SHIPPED) and not os.path.exists(args.model):
     raise PastaError(f"--model {args.model!r} does not exist")
-  return args.model
+  return args.model or BASE

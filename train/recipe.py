@@ -81,7 +81,7 @@ def stage_records(args, folder: Path) -> None:
   from pasta_jax.data.encode import EncodeConfig, encode_example
   from pasta_jax.data.pipeline import annotate_records
   from pasta_jax.model.load import load_model
-  model = load_model(args.model)
+  model = load_model(args.model or "base")
   vocab = model.tokenizer.tag_vocab()
   encode = EncodeConfig(seq_len=args.seq_len, num_threads=args.num_threads)
   counts: dict[str, int] = {}

@@ -76,7 +76,7 @@ def _verified(rows: list[dict], model_path: str | None) -> list[dict]:
   from pasta_jax.model.load import load_model
   if not any(r.get("annotated") for r in rows):
     raise ConfigError("--verify checks PASTA annotations; none were made")
-  model = load_model(model_path)
+  model = load_model(model_path or "base")
   out = []
   for row in tqdm(rows, desc="verifying"):
     if row.get("annotated"):

@@ -36,6 +36,9 @@ def run_generate(args) -> int:
   sampling = _sampling(args)
   dtype = jnp.dtype(args.dtype)
   model = load_model(args.model)
+  print(f"[model: {model.describe()}]", file=sys.stderr)
+  if args.chat is None:
+    args.chat = model.adapter is not None
   prompt_ids = _prompt_ids(model, args.prompt, args.chat)
   if args.pasta:
     from pasta_jax.commands.pasta_view import run_pasta

@@ -168,3 +168,35 @@ def arithmetic_mean(values: Iterable[float]) -> float:
   values = [float(v) for v in values]
   return sum(values) / len(values) if values else math.nan
 
+
+
+# --- duplicate blocks ----------------------------------------------------------------------------------
+WORDS = __import__("re").compile(r"\w+")
+DUPLICATE_NGRAM = 4
+DUPLICATE_OVERLAP = 0.5
+
+
+def word_ngrams(text: str, n: int = DUPLICATE_NGRAM) -> set[tuple[str, ...]]:
+  """Lower-cased word n-grams; a text shorter than n words is its one whole-text gram (so two equal
+  short blocks still count as duplicates)."""
+  words = WORDS.findall(text.lower())
+  if len(words) < n:
+    return {tuple(words)} if words else set()
+  return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def ngram_overlap(a: str, b: str, n: int = DUPLICATE_NGRAM) -> float:
+  """|shared n-grams| / |n-grams of the shorter one| (0 when either has none)."""
+  ga, gb = word_ngrams(a, n), word_ngrams(b, n)
+  if not ga or not gb:
+    return 0.0
+  return len(ga & gb) / min(len(ga), len(gb))
+
+
+def duplicate_block_pairs(blocks: Sequence[str], n: int = DUPLICATE_NGRAM,
+                          threshold: float = DUPLICATE_OVERLAP) -> tuple[int, int]:
+  """(sibling pairs whose word n-gram overlap exceeds `threshold`, all sibling pairs) of one answer's
+  block texts. Blocks are siblings in the default (non-nested) language: every pair counts."""
+  pairs = [(i, j) for i in range(len(blocks)) for j in range(i + 1, len(blocks))]
+  dupes = sum(ngram_overlap(blocks[i], blocks[j], n) > threshold for i, j in pairs)
+  return dupes, len(pairs)

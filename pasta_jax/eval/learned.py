@@ -1,0 +1,101 @@
+"""What a trained PASTA model does on its own, in free decoding, against Baseline-SFT.
+
+From `evaluate`'s results (a `pasta` method measured against a `sequential` baseline, both free):
+  fork rate            answers with at least one fork
+  well-formed          answers whose promise-form text parses strictly (tags balanced, lengths valid),
+                       cut-off answers included (a cut inside a block is malformed)
+  truncated            answers cut off by the token budget (no end token)
+  duplicate-block rate sibling-block pairs with word 4-gram overlap > 0.5, over all pairs of all answers
+  ROUGE-L              against the prompt's reference answer, for both models
+  log-likelihood       mean per-token log p of each model's clean answer under the scoring model
+                       (Baseline-SFT), when a scorer is given
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+from pasta_jax.errors import TagError
+from pasta_jax.eval.quality import rouge_l
+from pasta_jax.lang import metrics
+from pasta_jax.lang import text as T
+from pasta_jax.lang.metrics import arithmetic_mean
+
+
+def blocks_of(annotated: str) -> list[str] | None:
+  """The block texts of a promise-form answer, or None if it does not parse strictly."""
+  try:
+    segments = T.parse(annotated)
+    T.check_segments(segments)
+  except TagError:
+    return None
+  return [s.text for s in segments if isinstance(s, T.Block)]
+
+
+def answer_figures(run: Mapping, reference: str) -> dict:
+  """Per-answer figures of one run (a `MethodOutput` as a dict)."""
+  blocks = blocks_of(run["annotated"])
+  dupes, pairs = metrics.duplicate_block_pairs(blocks or [])
+  return dict(forks=run["threads"] - 1, well_formed=blocks is not None, truncated=not run["finished"],
+              duplicate_pairs=dupes, sibling_pairs=pairs,
+              rouge_l=rouge_l(run["text"], reference) if reference else math.nan)
+
+
+def learned_figures(results: Mapping, records: Sequence[Mapping], method: str, baseline: str,
+                    scorer: Callable[[str, str], float] | None = None) -> dict:
+  """Aggregates for `method` (the PASTA model) and `baseline` over every prompt of `results`."""
+  by_id = {r["id"]: r for r in records}
+  rows = {name: [] for name in (method, baseline)}
+  for prompt in results["prompts"]:
+    record = by_id[prompt["id"]]
+    reference = record.get("reference") or record.get("output") or ""
+    for name in rows:
+      run = prompt["runs"][name]
+      figures = answer_figures(run, reference)
+      if scorer is not None:
+        figures["logprob"] = scorer(prompt["instruction"], run["text"])
+      rows[name].append(figures)
+  summary = next(m for m in results["methods"] if m["name"] == method)
+  speed = summary["speed"]
+  out = dict(n=len(results["prompts"]), realized=speed["realized_speedup"]["geometric"],
+             realized_arithmetic=speed["realized_speedup"]["arithmetic"],
+             theoretical=speed["theoretical_speedup"]["geometric"], parallelism=speed["parallelism"]["geometric"])
+  out["realized_over_theoretical"] = out["realized"] / out["theoretical"] if out["theoretical"] else math.nan
+  for name, label in ((method, "pasta"), (baseline, "baseline")):
+    out[label] = _aggregate(rows[name])
+  return out
+
+
+def _aggregate(rows: Sequence[Mapping]) -> dict:
+  n = max(len(rows), 1)
+  pairs = sum(r["sibling_pairs"] for r in rows)
+  agg = dict(fork_rate=sum(r["forks"] > 0 for r in rows) / n, well_formed=sum(r["well_formed"] for r in rows) / n,
+             truncated=sum(r["truncated"] for r in rows) / n,
+             duplicate_rate=sum(r["duplicate_pairs"] for r in rows) / pairs if pairs else 0.0,
+             sibling_pairs=pairs, rouge_l=arithmetic_mean(r["rouge_l"] for r in rows if math.isfinite(r["rouge_l"])))
+  if rows and "logprob" in rows[0]:
+    agg["logprob"] = arithmetic_mean(r["logprob"] for r in rows)
+  return agg
+
+
+def result_line(figures: Mapping) -> str:
+  p = figures["pasta"]
+  return (f"RESULT realized={figures['realized']:.3f} theoretical={figures['theoretical']:.3f} "
+          f"fork_rate={p['fork_rate']:.3f} well_formed={p['well_formed']:.3f} duplicate_rate={p['duplicate_rate']:.3f}")
+
+
+def figure_lines(figures: Mapping) -> list[str]:
+  """A markdown table: the PASTA model beside Baseline-SFT."""
+  p, b = figures["pasta"], figures["baseline"]
+  rows = [("fork rate", "fork_rate", 3), ("well-formed tags", "well_formed", 3), ("truncated", "truncated", 3),
+          ("duplicate-block rate", "duplicate_rate", 3), ("ROUGE-L vs reference", "rouge_l", 4),
+          ("log p per token under Baseline-SFT", "logprob", 4)]
+  lines = [f"Prompts: {figures['n']}. Realized speedup (geo) {figures['realized']:.3f} "
+           f"(arithmetic {figures['realized_arithmetic']:.3f}), theoretical {figures['theoretical']:.3f}, "
+           f"realized/theoretical {figures['realized_over_theoretical']:.3f}.", "",
+           "| figure | PASTA model | Baseline-SFT |", "|---|---|---|"]
+  for label, key, digits in rows:
+    if key in p:
+      lines.append(f"| {label} | {p[key]:.{digits}f} | {b[key]:.{digits}f} |")
+  return lines

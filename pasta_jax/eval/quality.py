@@ -1,0 +1,66 @@
+"""Quality proxies that need no strong judge: ROUGE-L against a reference answer, and the per-token
+log-likelihood of an answer under a fixed scoring model (Baseline-SFT in `bench.learned`).
+
+Both are weak stand-ins for a judge: ROUGE-L rewards wording close to the reference (gemma-7b-it's
+answers in alpaca_eval_805), the log-likelihood rewards answers that the scoring model finds fluent
+and typical. Neither says an answer is right.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pasta_jax.data.encode import EncodeConfig, encode_example
+from pasta_jax.model.gemma import Gemma
+from pasta_jax.training.losses import token_logprobs
+
+TOKEN = re.compile(r"\w+")
+
+
+def lcs_length(a: Sequence[str], b: Sequence[str]) -> int:
+  """Length of the longest common subsequence (dynamic programming, O(len(a) len(b)))."""
+  if not a or not b:
+    return 0
+  prev = [0] * (len(b) + 1)
+  for x in a:
+    cur = [0]
+    for j, y in enumerate(b):
+      cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+    prev = cur
+  return prev[-1]
+
+
+def rouge_l(candidate: str, reference: str) -> float:
+  """ROUGE-L F1 over lower-cased word tokens (0 when either side is empty)."""
+  cand, ref = TOKEN.findall(candidate.lower()), TOKEN.findall(reference.lower())
+  lcs = lcs_length(cand, ref)
+  if lcs == 0:
+    return 0.0
+  precision, recall = lcs / len(cand), lcs / len(ref)
+  return 2 * precision * recall / (precision + recall)
+
+
+@functools.lru_cache(maxsize=4)
+def _logprob_fn(config):
+  apply_fn = Gemma(config).apply
+  return jax.jit(lambda params, layout: token_logprobs(apply_fn, params, layout))
+
+
+def answer_logprob(model, prompt: str, answer: str, chat: bool = True, bucket: int = 128) -> tuple[float, int]:
+  """(mean log p per answer token, answer tokens) of a tag-free `answer` under `model`, the end token
+  included (a model that would not stop there is penalized). Lengths pad to multiples of `bucket`."""
+  tokenizer, vocab = model.tokenizer, model.tokenizer.tag_vocab()
+  record = {"instruction": prompt, "output": answer}
+  probe = encode_example(record, tokenizer, vocab, EncodeConfig(seq_len=None, chat=chat, objective="baseline_sft"))
+  seq_len = -(-int(probe.length) // bucket) * bucket
+  layout = encode_example(record, tokenizer, vocab, EncodeConfig(seq_len=seq_len, chat=chat, objective="baseline_sft"))
+  batch = jax.tree.map(lambda x: jnp.asarray(x)[None], layout)
+  logp = np.asarray(_logprob_fn(model.config)(model.params, batch))[0]
+  count = int(np.asarray(layout.loss_mask).sum())
+  return float(logp.sum() / max(count, 1)), count

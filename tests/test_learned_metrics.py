@@ -1,0 +1,100 @@
+"""Figures of a learned model's free decoding: duplicate blocks, ROUGE-L, log-likelihood, aggregates."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pasta_jax.decode.api import chat_text
+from pasta_jax.eval.learned import answer_figures, blocks_of, learned_figures
+from pasta_jax.eval.quality import answer_logprob, lcs_length, rouge_l
+from pasta_jax.lang.metrics import duplicate_block_pairs, ngram_overlap
+from pasta_jax.model.gemma import Gemma, causal_mask
+from tests.tiny import tiny_model
+
+words = st.lists(st.sampled_from("abc"), max_size=7)
+
+
+def brute_lcs(a, b) -> int:
+  for size in range(min(len(a), len(b)), 0, -1):
+    subs = {tuple(a[i] for i in idx) for idx in itertools.combinations(range(len(a)), size)}
+    if any(tuple(b[i] for i in idx) in subs for idx in itertools.combinations(range(len(b)), size)):
+      return size
+  return 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(words, words)
+def test_lcs_equals_brute_force(a, b):
+  assert lcs_length(a, b) == brute_lcs(a, b)
+
+
+def test_rouge_l_bounds():
+  assert rouge_l("The cat sat.", "the cat sat") == 1.0
+  assert rouge_l("dogs bark", "cats meow") == 0.0
+  assert 0.0 < rouge_l("the cat sat on a mat", "a cat sat there") < 1.0
+
+
+def test_duplicate_blocks_are_counted_per_sibling_pair():
+  same = "1. Eat a variety of fruits and vegetables."
+  other = "2. Sleep at least eight hours every night."
+  assert duplicate_block_pairs([same, same, other]) == (1, 3)
+  assert duplicate_block_pairs([same, other]) == (0, 1)
+  assert duplicate_block_pairs([same]) == (0, 0)
+  assert duplicate_block_pairs(["Rest.", "rest"]) == (1, 1)  # short blocks compare whole
+  assert ngram_overlap(same, same + " " + other) == 1.0  # contained in a longer block: a duplicate
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=12),
+       st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=12))
+def test_overlap_is_symmetric_and_bounded(a, b):
+  x, y = " ".join(a), " ".join(b)
+  assert ngram_overlap(x, y) == ngram_overlap(y, x)
+  assert 0.0 <= ngram_overlap(x, y) <= 1.0
+
+
+def _run(annotated: str, threads: int, finished: bool = True, text: str = "x") -> dict:
+  return dict(annotated=annotated, text=text, threads=threads, finished=finished)
+
+
+def test_answer_figures_and_aggregates():
+  dup = '<promise topic="a" tokens="10"/><async>Eat more fruit now.</async><promise topic="b" tokens="10"/>' \
+        '<async>Eat more fruit now.</async><sync/>Done.'
+  broken = '<promise topic="a" tokens="10"/><async>cut off'
+  assert blocks_of(broken) is None and blocks_of(dup) == ["Eat more fruit now.", "Eat more fruit now."]
+  fig = answer_figures(_run(dup, 3), reference="Eat more fruit")
+  assert (fig["forks"], fig["well_formed"], fig["duplicate_pairs"], fig["sibling_pairs"]) == (2, True, 1, 1)
+  speed = {k: {"geometric": 1.5, "arithmetic": 1.6} for k in ("realized_speedup", "theoretical_speedup",
+                                                              "parallelism")}
+  results = {"methods": [{"name": "p", "speed": speed}], "prompts": [
+      {"id": "1", "instruction": "q1", "runs": {"p": _run(dup, 3), "b": _run("plain", 1)}},
+      {"id": "2", "instruction": "q2", "runs": {"p": _run(broken, 2, finished=False), "b": _run("plain", 1)}}]}
+  records = [{"id": "1", "reference": "Eat more fruit"}, {"id": "2", "reference": "x"}]
+  figures = learned_figures(results, records, "p", "b", scorer=lambda prompt, text: -1.0)
+  p, b = figures["pasta"], figures["baseline"]
+  assert (p["fork_rate"], p["well_formed"], p["truncated"], p["duplicate_rate"]) == (1.0, 0.5, 0.5, 1.0)
+  assert (b["fork_rate"], b["well_formed"], b["duplicate_rate"]) == (0.0, 1.0, 0.0)
+  assert figures["realized_over_theoretical"] == 1.0 and p["logprob"] == -1.0
+
+
+def test_answer_logprob_equals_an_independent_forward():
+  model = tiny_model()
+  prompt, answer = "Hi", "ok go"
+  mean, count = answer_logprob(model, prompt, answer, bucket=16)
+  tok = model.tokenizer
+  prompt_ids = tok.encode(chat_text(tok, prompt), add_bos=True)  # the project's one chat format
+  answer_ids = tok.encode(answer, add_bos=False) + [tok.eos_ids[0]]
+  ids = jnp.asarray([prompt_ids + answer_ids])
+  length = ids.shape[1]
+  logits, _ = Gemma(model.config).apply(model.params, ids, jnp.arange(length)[None], causal_mask(1, length))
+  logp = jax.nn.log_softmax(logits[0], axis=-1)
+  picked = [float(logp[i - 1, int(ids[0, i])]) for i in range(len(prompt_ids), length)]
+  assert count == len(answer_ids)
+  assert math.isclose(mean, float(np.mean(picked)), rel_tol=1e-5)
