@@ -43,8 +43,9 @@ class LoadedModel(NamedTuple):
   def describe(self) -> str:
     """Which model this is, in words (the CLI prints it: a user must know whether the tuned model ran)."""
     if self.adapter is None:
-      is_embedded = self.source == str(_embedded_or_none())
-      return "the embedded Gemma 3 270M base model" if is_embedded else f"{self.config.name or 'model'} from {self.source}"
+      if self.source == str(_embedded_or_none()):
+        return "the embedded Gemma 3 270M base model"
+      return f"{self.config.name or 'model'} from {self.source}"
     base = "the embedded Gemma 3 270M" if self.adapter.base_source == "embedded" else self.adapter.base_source
     name = Path(self.source).name
     return f"adapter {name!r} (LoRA rank {self.adapter.config.rank}) folded into {base}"
