@@ -78,6 +78,19 @@ def test_judge_against_uses_both_orders_and_cancels_bias():
   assert [c[1:] for c in judge.calls] == [("a", "b"), ("b", "a")]
 
 
+def test_duplicate_blocks_cost_their_share_of_the_score():
+  repeated = ["1. Eat more fruit every day.", "1. Eat more fruit every day."]
+  distinct = ["1. Eat more fruit every day.", "2. Sleep eight hours a night."]
+  assert scoring.duplicate_share(repeated) == 1.0 and scoring.duplicate_share(distinct) == 0.0
+  fast_dupes = scoring.score(2.0, 0.0, 0.0, duplicate_cost=1.0 * scoring.duplicate_share(repeated))
+  slower_distinct = scoring.score(1.5, 0.0, 0.0, duplicate_cost=1.0 * scoring.duplicate_share(distinct))
+  assert scoring.best_and_worst([fast_dupes, slower_distinct]) == (1, 0)  # the penalty flips the pair
+  assert scoring.best_and_worst([scoring.score(2.0, 0.0, 0.0), scoring.score(1.5, 0.0, 0.0)]) == (0, 1)
+  assert scoring.score(1.5, 2.0, math.inf, duplicate_cost=0.5) == (2.0, 1.0)
+  with pytest.raises(ConfigError, match="duplicate_penalty"):
+    PreferenceConfig(duplicate_penalty=-1.0)
+
+
 def test_score_and_pair_selection():
   assert scoring.score(1.5, 2.0, 4.0) == (9.5, 0.0)
   assert scoring.score(1.5, 2.0, math.inf) == (2.0, 1.5)  # quality only, speedup breaks ties

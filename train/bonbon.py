@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "local[:MODEL] or none (needs --quality-weight 0)")
   parser.add_argument("--samples", type=int, default=PreferenceConfig.num_samples, help="N answers per prompt")
   parser.add_argument("--temperature", type=float, default=PreferenceConfig.temperature)
+  parser.add_argument("--duplicate-penalty", type=float, default=PreferenceConfig.duplicate_penalty,
+                      help="score -= this x share of sibling-block pairs that repeat each other")
   parser.add_argument("--quality-weight", type=float, default=PreferenceConfig.quality_weight,
                       help="lambda in score = speedup + lambda * quality; inf ranks by quality alone")
   parser.add_argument("--max-new-tokens", type=int, default=PreferenceConfig.max_new_tokens)
@@ -60,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def preference_config(args) -> PreferenceConfig:
   return PreferenceConfig(num_samples=args.samples, temperature=args.temperature, quality_weight=args.quality_weight,
                           max_new_tokens=args.max_new_tokens, lanes=args.lanes,
-                          requests_per_run=args.requests_per_run, seed=args.seed or 0)
+                          requests_per_run=args.requests_per_run, seed=args.seed or 0,
+                          duplicate_penalty=args.duplicate_penalty)
 
 
 def prompt_records(args) -> list[dict]:

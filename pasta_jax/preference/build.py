@@ -116,8 +116,10 @@ def _score_prompt(row: dict, judge: Judge | None, cfg: PreferenceConfig, out: Pa
     judgements = [] if judge is None else scoring.judge_against(judge, row["prompt"], sample.text, opponents)
     speedup = baseline.content_tokens / max(sample.critical_path, 1)
     quality = scoring.quality(judgements, cfg.loss_floor) if judgements else 0.0
-    key = scoring.score(speedup, quality, cfg.quality_weight)
+    duplicates = scoring.duplicate_share(_blocks(sample.annotated))
+    key = scoring.score(speedup, quality, cfg.quality_weight, cfg.duplicate_penalty * duplicates)
     candidates.append({"index": index, "well_formed": True, "speedup": speedup, "quality": quality,
+                       "duplicates": duplicates,
                        "score": key[0], "key": list(key), "wins_losses": scoring.wins_and_losses(judgements),
                        "judged": bool(judgements)})
   valid = [c for c in candidates if c["well_formed"]]
@@ -133,6 +135,15 @@ def _score_prompt(row: dict, judge: Judge | None, cfg: PreferenceConfig, out: Pa
         "rejected": {**samples[rejected["index"]].to_json(), **_metrics(rejected)},
         "baseline_tokens": baseline.content_tokens})
   runfiles.append_row(out / SCORES, result)
+
+
+def _blocks(annotated: str) -> list[str]:
+  from pasta_jax.errors import TagError
+  from pasta_jax.lang import text as T
+  try:
+    return [s.text for s in T.parse(annotated) if isinstance(s, T.Block)]
+  except TagError:  # well-formed samples parse; anything else has no blocks to compare
+    return []
 
 
 def _metrics(candidate: dict) -> dict:

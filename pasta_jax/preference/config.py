@@ -17,6 +17,9 @@ class PreferenceConfig:
   lanes: int = 8
   requests_per_run: int = 20  # interpreter batch: prompts x samples decoded together
   loss_floor: float = 0.25  # quality = wins / max(losses, floor): an unbeaten answer scores finite
+  # score -= penalty x share of the sample's sibling-block pairs that repeat each other (word 4-gram
+  # overlap > 0.5): speedup bought by writing the same block twice is not parallelism worth learning
+  duplicate_penalty: float = 1.0
   chat: bool = True
   seed: int = 0
 
@@ -30,6 +33,8 @@ class PreferenceConfig:
       problems.append(f"quality_weight={self.quality_weight}: use lambda >= 0 or inf")
     if self.max_new_tokens < 1 or self.lanes < 1 or self.requests_per_run < 1:
       problems.append("max_new_tokens, lanes and requests_per_run must be >= 1")
+    if self.duplicate_penalty < 0:
+      problems.append(f"duplicate_penalty={self.duplicate_penalty}: must be >= 0")
     if self.loss_floor <= 0:
       problems.append(f"loss_floor={self.loss_floor}: must be > 0")
     if problems:

@@ -7,7 +7,9 @@
              A judgement prefers one answer with confidence c = max(p, 1 - p) (p = P(first is better));
              it adds c to wins or losses. An exact tie (p = 0.5) adds 0.5 to both. Losses are floored
              (`loss_floor`) so an answer that beats everything scores finite.
-  score    = speedup + lambda * quality; lambda = inf ranks by quality alone (speedup breaks ties).
+  score    = speedup + lambda * quality - penalty * duplicate share; lambda = inf ranks by quality alone
+             (speedup, less the penalty, breaks ties). The duplicate share is the share of the sample's
+             sibling-block pairs that repeat each other (`lang.metrics.duplicate_block_pairs`).
 The pair is the best- and worst-scoring well-formed samples; a prompt whose samples all score the
 same yields no pair (it would teach nothing).
 """
@@ -54,11 +56,19 @@ def quality(judgements: Sequence[Judgement], loss_floor: float) -> float:
   return wins / max(losses, loss_floor)
 
 
-def score(speedup: float, quality_value: float, quality_weight: float) -> tuple[float, float]:
-  """A sort key: (score, tie-break). lambda = inf: (quality, speedup)."""
+def score(speedup: float, quality_value: float, quality_weight: float, duplicate_cost: float = 0.0
+          ) -> tuple[float, float]:
+  """A sort key: (score, tie-break). lambda = inf: (quality, speedup - duplicate cost)."""
   if math.isinf(quality_weight):
-    return quality_value, speedup
-  return speedup + quality_weight * quality_value, 0.0
+    return quality_value, speedup - duplicate_cost
+  return speedup + quality_weight * quality_value - duplicate_cost, 0.0
+
+
+def duplicate_share(blocks: Sequence[str]) -> float:
+  """Share of sibling-block pairs that repeat each other (0 with fewer than two blocks)."""
+  from pasta_jax.lang.metrics import duplicate_block_pairs
+  dupes, pairs = duplicate_block_pairs(blocks)
+  return dupes / pairs if pairs else 0.0
 
 
 def best_and_worst(keys: Sequence[tuple[float, float]]) -> tuple[int, int] | None:
