@@ -171,8 +171,8 @@ def test_annotate_records_structural():
       {"id": "3", "instruction": "Ask", "input": "", "output": ""},
   ]
   out = annotate_records(records, TOKENIZER)
-  assert out[0]["annotated"] == ('Fruits:\n<promise topic="apple" tokens="10"/><async>- apple\n</async>'
-                                 '<promise topic="pear" tokens="10"/><async>- pear\n</async><sync/>\nThat is all.')
+  assert out[0]["annotated"] == ('Fruits:\n- <promise topic="apple" tokens="10"/><async>apple\n</async>'
+                                 '- <promise topic="pear" tokens="10"/><async>pear\n</async><sync/>\nThat is all.')
   assert "annotated" not in out[1] and "annotated" not in out[2]
   assert [{k: v for k, v in r.items() if k != "annotated"} for r in out] == [
       {k: v for k, v in r.items() if k != "annotated"} for r in records]
@@ -221,3 +221,26 @@ def test_lima_batches_with_the_real_tokenizer(gemma_tokenizer):
   assert batch.tokens.shape == (4, 1024)
   for j, index in enumerate(ds.source_indices(1)):
     assert_same_layout(row(batch, j), encode_example(records[index], gemma_tokenizer, vocab, encode))
+
+
+@pytest.mark.parametrize("item, topic", [
+    ("1. **Eat a balanced diet:** fruit and greens.\n", "Eat a balanced diet"),
+    ("2. Sleep: at least eight hours.\n", "Sleep"),
+    ("- Exercise regularly. Walk or run.\n", "Exercise regularly"),
+    ("* Reduce stress by meditating every single day and night\n", "Reduce stress by meditating every single"),
+])
+def test_topics_name_what_the_item_holds(item, topic):
+  from pasta_jax.data.structural import topic_of
+  assert topic_of(item) == topic
+
+
+def test_list_markers_stay_in_main():
+  from pasta_jax.data.structural import annotate
+  from pasta_jax.lang import text as T
+  answer = "Tips:\n1. Eat well: fruit.\n2. Sleep: eight hours.\n3. Move: walk daily.\n"
+  segments = T.parse(annotate(answer, len))
+  blocks = [s.text for s in segments if isinstance(s, T.Block)]
+  assert blocks == ["Eat well: fruit.\n", "Sleep: eight hours.\n", "Move: walk daily.\n"]
+  before_promises = [segments[i - 1].text for i, s in enumerate(segments) if isinstance(s, T.Promise)]
+  assert before_promises == ["Tips:\n1. ", "2. ", "3. "]
+  assert T.strip_tags(segments) == answer

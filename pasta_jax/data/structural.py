@@ -2,7 +2,8 @@
 
 Honest and mechanical (no model): it only uses the answer's layout.
   - every list item (`- x`, `* x`, `+ x`, `• x`, `1. x`, `1) x`, with its continuation lines)
-    becomes `<promise topic="its heading" tokens="round_length(true count)"/><async>item</async>`;
+    becomes `1. <promise topic="its heading" tokens="round_length(true count)"/><async>x</async>`: the
+    marker stays in main, so main numbers the items and a fork never has to count promises;
     the topic is the item's heading (text before a ':' or a bold span) or else its first clause, up to
     6 words: a fork sees only its topic, so the topic must say what the block holds, or sibling forks
     write the same thing (the duplicate blocks of the first trained model, cut by this);
@@ -82,7 +83,10 @@ def annotate(answer: str, count_tokens: Callable[[str], int]) -> str | None:
         segments.append(T.Sync())  # the final paragraph sums up: it waits for the blocks
       segments.append(T.Text(chunk))
       continue
-    segments += [T.Promise(topic_of(chunk), round_length(count_tokens(chunk))), T.Block((T.Text(chunk),))]
+    marker = MARKER.match(chunk).end()  # the list marker stays in main: main numbers the items, forks
+    body = chunk[marker:]  # never have to count their siblings' promises to know their own number
+    segments += [T.Text(chunk[:marker]), T.Promise(topic_of(chunk), round_length(count_tokens(body))),
+                 T.Block((T.Text(body),))]
   if not any(isinstance(s, T.Block) for s in segments):
     return None
   try:
