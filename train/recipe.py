@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--bonbon-prompts", type=int, default=32, help="held-in prompts sampled for BoNBoN")
   parser.add_argument("--samples", type=int, default=4, help="BoNBoN: N answers per prompt")
   parser.add_argument("--judge", default="local:base", help="BoNBoN quality judge (http or local:MODEL)")
+  parser.add_argument("--bonbon-lr", type=float, default=2e-5,
+                      help="BoNBoN learning rate (the paper's 5e-7 is for full fine-tuning; adapters need more)")
+  parser.add_argument("--bonbon-tokens", type=int, default=192, help="BoNBoN: max new tokens per sample")
   parser.add_argument("--seed", type=int, default=0)
   return parser.parse_args(argv)
 
@@ -144,9 +147,10 @@ def stage_bonbon(args, out: Path) -> None:
     flags = ["--model", str(out / "pasta_sft" / "model"), "--baseline", str(out / "baseline_sft" / "model"),
              "--data", str(prompts), "--out", str(out / f"bonbon_l{lam:g}"), "--rounds", "1",
              "--samples", str(args.samples), "--quality-weight", str(lam), "--judge", args.judge,
-             "--seq-len", str(args.seq_len * 2), "--num-threads", str(args.num_threads),
+             "--max-new-tokens", str(args.bonbon_tokens), "--seq-len", str(args.bonbon_tokens + 128),
+             "--num-threads", str(args.num_threads), "--lr", str(args.bonbon_lr),
              "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha),
-             "--lora-targets", args.lora_targets, "--batch-size", "8", "--epochs", "2"]
+             "--lora-targets", args.lora_targets, "--batch-size", "8", "--epochs", "2", "--save-every", "4"]
     code = bonbon.main(flags)
     if code:
       raise PastaError(f"BoNBoN (lambda {lam:g}) stopped with exit code {code}")

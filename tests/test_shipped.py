@@ -1,0 +1,58 @@
+"""The shipped adapters and the tuned default model (`load_model()`, `pasta generate`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pasta_jax.errors import WeightsError
+from pasta_jax.model import load as load_lib
+from pasta_jax.model.lora import CONFIG_FILE, WEIGHTS_FILE
+
+MAX_BYTES = 16 * 2**20  # the issue's budget per shipped adapter
+
+
+def _fake_shipped(root, names):
+  for name in names:
+    (root / name).mkdir(parents=True)
+    (root / name / CONFIG_FILE).write_text(json.dumps({"base": "embedded"}))
+
+
+@pytest.mark.parametrize("names, default", [
+    (["pasta-sft", "baseline-sft"], "pasta-sft"),
+    (["pasta-bon", "pasta-sft", "baseline-sft"], "pasta-bon"),
+    (["baseline-sft"], None),  # Baseline-SFT is never the PASTA default
+    ([], None),
+])
+def test_the_default_is_the_best_shipped_pasta_adapter(tmp_path, monkeypatch, names, default):
+  monkeypatch.setattr(load_lib, "SHIPPED_DIR", tmp_path)
+  _fake_shipped(tmp_path, names)
+  got = load_lib.default_model_path()
+  assert (got.name if got else None) == default
+
+
+def test_an_adapter_that_is_not_shipped_is_named(tmp_path, monkeypatch):
+  monkeypatch.setattr(load_lib, "SHIPPED_DIR", tmp_path)
+  _fake_shipped(tmp_path, ["pasta-sft"])
+  with pytest.raises(WeightsError, match="ships no 'pasta-bon' adapter.*pasta-sft"):
+    load_lib.load_model("pasta-bon")
+
+
+def test_shipped_adapters_fit_the_budget_and_name_the_embedded_base():
+  names = load_lib.shipped_names()
+  assert "pasta-sft" in names and "baseline-sft" in names
+  for name in names:
+    folder = load_lib.shipped_adapter(name)
+    assert (folder / WEIGHTS_FILE).stat().st_size <= MAX_BYTES, name
+    assert json.loads((folder / CONFIG_FILE).read_text())["base"] == "embedded"
+
+
+@pytest.mark.slow
+def test_the_tuned_default_loads_folded_and_forks_on_a_list_prompt():
+  import pasta_jax
+  model = pasta_jax.load_model()
+  assert model.adapter is not None and "adapter" in model.describe()
+  assert pasta_jax.load_model("base").adapter is None
+  [result] = pasta_jax.generate(model, ["Give three tips for staying healthy."], max_new_tokens=128)
+  assert len(result.threads) > 1, result.annotated  # it writes its own tags and they fork
