@@ -79,7 +79,12 @@ def test_answer_figures_and_aggregates():
   records = [{"id": "1", "reference": "Eat more fruit"}, {"id": "2", "reference": "x"}]
   figures = learned_figures(results, records, "p", "b", scorer=lambda prompt, text: -1.0)
   p, b = figures["pasta"], figures["baseline"]
-  assert (p["fork_rate"], p["well_formed"], p["truncated"], p["duplicate_rate"]) == (1.0, 0.5, 0.5, 1.0)
+  assert (p["fork_rate"], p["well_formed"], p["truncated"], p["duplicate_rate"]) == (1.0, 1.0, 0.5, 1.0)
+  # a cut inside a block is the budget's doing; a malformed tag before the cut is the model's
+  assert answer_figures(_run(broken, 2, finished=False), "")["well_formed"]
+  assert not answer_figures(_run(broken, 2, finished=True), "")["well_formed"]
+  bad_length = '<promise topic="a" tokens="15"/><async>text'
+  assert not answer_figures(_run(bad_length, 2, finished=False), "")["well_formed"]
   assert (b["fork_rate"], b["well_formed"], b["duplicate_rate"]) == (0.0, 1.0, 0.0)
   assert figures["realized_over_theoretical"] == 1.0 and p["logprob"] == -1.0
 

@@ -2,8 +2,9 @@
 
 From `evaluate`'s results (a `pasta` method measured against a `sequential` baseline, both free):
   fork rate            answers with at least one fork
-  well-formed          answers whose promise-form text parses strictly (tags balanced, lengths valid),
-                       cut-off answers included (a cut inside a block is malformed)
+  well-formed          answers whose promise-form text parses strictly (tags balanced, lengths valid);
+                       an answer cut off by the token budget is judged on what it wrote before the
+                       cut (a block left open by the cut is closed first: the budget cut it, not the model)
   truncated            answers cut off by the token budget (no end token)
   duplicate-block rate sibling-block pairs with word 4-gram overlap > 0.5, over all pairs of all answers
   ROUGE-L              against the prompt's reference answer, for both models
@@ -33,9 +34,16 @@ def blocks_of(annotated: str) -> list[str] | None:
   return [s.text for s in segments if isinstance(s, T.Block)]
 
 
+def _closed_at_cut(annotated: str) -> str:
+  """A cut-off answer with the block the cut left open closed (nothing else is repaired)."""
+  last_open, last_close = annotated.rfind("<async>"), annotated.rfind("</async>")
+  return annotated + "</async>" if last_open > last_close else annotated
+
+
 def answer_figures(run: Mapping, reference: str) -> dict:
   """Per-answer figures of one run (a `MethodOutput` as a dict)."""
-  blocks = blocks_of(run["annotated"])
+  annotated = run["annotated"] if run["finished"] else _closed_at_cut(run["annotated"])
+  blocks = blocks_of(annotated)
   dupes, pairs = metrics.duplicate_block_pairs(blocks or [])
   return dict(forks=run["threads"] - 1, well_formed=blocks is not None, truncated=not run["finished"],
               duplicate_pairs=dupes, sibling_pairs=pairs,
