@@ -15,6 +15,7 @@ adds the local pairwise judge, which is weak: see the report's note).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -33,7 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="bench.learned", description=__doc__.split("\n\n")[0])
   parser.add_argument("--prompts", default="alpaca_eval_805", help="shared dataset name or JSONL (instruction/turns)")
   parser.add_argument("--limit", type=int, default=100)
-  parser.add_argument("--model", default=None, help="the PASTA model (default: the shipped tuned default)")
+  parser.add_argument("--model", nargs="+", default=[None], metavar="MODEL",
+                      help="the PASTA model(s) (default: the shipped tuned default); several give one row each, "
+                           "and the RESULT line is the first one's")
   parser.add_argument("--baseline", default="baseline-sft", help="the Baseline-SFT model (default: the shipped one)")
   parser.add_argument("--max-new-tokens", type=int, default=256)
   parser.add_argument("--lanes", type=int, default=8)
@@ -48,29 +51,34 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   records = sources.read_records(args.prompts, args.limit)
   settings = M.DecodeSettings(max_new_tokens=args.max_new_tokens, lanes=args.lanes, chat=True)
-  model, baseline_model = M.cached_model(args.model), M.cached_model(args.baseline)
-  print(f"PASTA model: {model.describe()}\nBaseline:    {baseline_model.describe()}")
-  method = M.InterpreterMethod(f"pasta:{args.model or 'default'}", model, settings)
+  baseline_model = M.cached_model(args.baseline)
+  models = [M.cached_model(path) for path in args.model]
+  methods = [M.InterpreterMethod(f"pasta:{path or 'default'}", m, settings) for path, m in zip(args.model, models)]
   baseline = M.InterpreterMethod(f"sequential:{args.baseline}", baseline_model, settings)
+  for method, model in zip(methods, models):
+    print(f"{method.name}: {model.describe()}")
+  print(f"{baseline.name}: {baseline_model.describe()}")
   out = Path(args.out)
   judge, note = make_judge(args.judge, out)
-  identity = dict(prompts=sources.dataset_name(args.prompts), model=model.source, baseline=baseline_model.source,
-                  **vars(settings))
-  results = evaluate(records, baseline, [method], out, identity=identity, judge=judge, judge_note=note)
-  results["settings"].update(baseline=baseline.name, methods=[method.name], limit=args.limit)
+  identity = dict(prompts=sources.dataset_name(args.prompts), models=[m.source for m in models],
+                  baseline=baseline_model.source, **vars(settings))
+  results = evaluate(records, baseline, methods, out, identity=identity, judge=judge, judge_note=note)
+  results["settings"].update(baseline=baseline.name, methods=[m.name for m in methods], limit=args.limit)
   paths = write_outputs(results, out)
   scorer = None
   if args.logprob:
-    bar = tqdm(total=2 * len(records), desc="log p under Baseline-SFT")
-    scorer = lambda prompt, text: (bar.update(1), answer_logprob(baseline_model, prompt, text)[0])[1]
-  figures = learned_figures(results, records, method.name, baseline.name, scorer)
+    bar = tqdm(total=(1 + len(methods)) * len(records), desc="log p under Baseline-SFT")
+    # cached: the baseline's answers are scored once, however many PASTA models are compared
+    scorer = functools.lru_cache(maxsize=None)(
+        lambda prompt, text: (bar.update(1), answer_logprob(baseline_model, prompt, text)[0])[1])
+  figures = {m.name: learned_figures(results, records, m.name, baseline.name, scorer) for m in methods}
   (out / "learned.json").write_text(json.dumps(figures, indent=1))
-  lines = figure_lines(figures)
-  (out / "learned.md").write_text("\n".join(["# bench.learned", "", *lines, ""]))
+  lines = [line for name, f in figures.items() for line in [f"## {name}", "", *figure_lines(f), ""]]
+  (out / "learned.md").write_text("\n".join(["# bench.learned", "", *lines]))
   print("\n".join(speed_table(results)))
   print("\n".join(lines))
   print("wrote " + ", ".join(str(p) for p in [*paths, out / "learned.md"]))
-  print(result_line(figures))
+  print(result_line(figures[methods[0].name]))
   return 0
 
 
