@@ -12,7 +12,9 @@ Orbax checkpoint when the same command runs again, also after a restart):
   pasta_sft      Pasta-SFT on the same records -> pasta_sft/model
   bonbon         per lambda: N samples per prompt from the interpreter at T = 1, scored by speedup +
                  lambda x quality, best/worst pairs, BoNBoN with Pasta-SFT as the reference
-                 -> bonbon_l{lambda}/round_1/model
+                 -> bonbon_l{lambda}/round_1/train/model
+  ship           copies the adapters into the package (pasta_jax/adapters/: baseline-sft, pasta-sft, and
+                 pasta-bon from --ship-lambda), where `load_model()` and `pasta generate` find them
 Both SFT stages train adapters (LoRA + tag/chat embedding rows) over the frozen base by default.
 """
 
@@ -31,14 +33,16 @@ from pasta_jax.errors import PastaError
 from train.common import run_main
 
 POOLS = ("lima", "alpaca_gpt4_1k", "alpaca_5k")
-STAGES = ("records", "baseline_sft", "pasta_sft", "bonbon")
+STAGES = ("records", "baseline_sft", "pasta_sft", "bonbon", "ship")
+SHIP = {"baseline-sft": "baseline_sft/model", "pasta-sft": "pasta_sft/model"}  # shipped name -> run folder
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="train.recipe", description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", required=True, help="run folder; running the same command again resumes")
   parser.add_argument("--model", help="base model (default: the embedded Gemma 3 270M base)")
-  parser.add_argument("--stages", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)}")
+  parser.add_argument("--stages", default=",".join(STAGES[:-1]),
+                      help=f"comma list of {', '.join(STAGES)} (default: all but ship)")
   parser.add_argument("--pools", default=",".join(POOLS), help="training pools (shared data names or JSONL paths)")
   parser.add_argument("--seq-len", type=int, default=192)
   parser.add_argument("--num-threads", type=int, default=16)
@@ -59,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--bonbon-lr", type=float, default=2e-5,
                       help="BoNBoN learning rate (the paper's 5e-7 is for full fine-tuning; adapters need more)")
   parser.add_argument("--bonbon-tokens", type=int, default=192, help="BoNBoN: max new tokens per sample")
+  parser.add_argument("--ship-lambda", type=float, default=None,
+                      help="ship stage: the BoNBoN lambda whose model ships as pasta-bon (default: none ships)")
   parser.add_argument("--seed", type=int, default=0)
   return parser.parse_args(argv)
 
@@ -156,12 +162,32 @@ def stage_bonbon(args, out: Path) -> None:
       raise PastaError(f"BoNBoN (lambda {lam:g}) stopped with exit code {code}")
 
 
+def stage_ship(args, out: Path) -> None:
+  import shutil
+
+  from pasta_jax.model import lora
+  from pasta_jax.model.load import SHIPPED_DIR
+  chosen = dict(SHIP)
+  if args.ship_lambda is not None:
+    chosen["pasta-bon"] = f"bonbon_l{args.ship_lambda:g}/round_1/train/model"
+  for name, rel in chosen.items():
+    source = out / rel
+    if not lora.is_adapter_folder(source):
+      raise PastaError(f"ship: {source} holds no adapter (run its stage first)")
+    target = SHIPPED_DIR / name
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for file in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
+      shutil.copy2(source / file, target / file)
+    print(f"shipped {source} as {name} ({(target / lora.WEIGHTS_FILE).stat().st_size / 2**20:.1f} MiB)")
+
+
 def _done(out: Path, stage: str) -> bool:
   if stage == "records":
     return (out / "records" / "train.jsonl").is_file()
   if stage in ("baseline_sft", "pasta_sft"):
     return (out / stage / "model" / "adapter.json").is_file() or (out / stage / "model" / "pasta_config.json").is_file()
-  return False  # bonbon: its own command skips finished rounds
+  return False  # bonbon: its own command skips finished rounds; ship: always copies
 
 
 def main(argv=None) -> int:
@@ -180,6 +206,8 @@ def main(argv=None) -> int:
       stage_records(args, out / "records")
     elif stage == "bonbon":
       stage_bonbon(args, out)
+    elif stage == "ship":
+      stage_ship(args, out)
     else:
       stage_sft(args, out, stage)
   return 0
