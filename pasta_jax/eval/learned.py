@@ -17,21 +17,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from pasta_jax.errors import TagError
 from pasta_jax.eval.quality import rouge_l
 from pasta_jax.lang import metrics
-from pasta_jax.lang import text as T
 from pasta_jax.lang.metrics import arithmetic_mean
 
-
-def blocks_of(annotated: str) -> list[str] | None:
-  """The block texts of a promise-form answer, or None if it does not parse strictly."""
-  try:
-    segments = T.parse(annotated)
-    T.check_segments(segments)
-  except TagError:
-    return None
-  return [s.text for s in segments if isinstance(s, T.Block)]
+blocks_of = metrics.block_texts
 
 
 def _closed_at_cut(annotated: str) -> str:

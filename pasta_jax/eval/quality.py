@@ -9,7 +9,6 @@ and typical. Neither says an answer is right.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Sequence
 
 import jax
@@ -17,10 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.data.encode import EncodeConfig, encode_example
+from pasta_jax.lang.metrics import WORDS
 from pasta_jax.model.gemma import Gemma
 from pasta_jax.training.losses import token_logprobs
-
-TOKEN = re.compile(r"\w+")
 
 
 def lcs_length(a: Sequence[str], b: Sequence[str]) -> int:
@@ -38,7 +36,7 @@ def lcs_length(a: Sequence[str], b: Sequence[str]) -> int:
 
 def rouge_l(candidate: str, reference: str) -> float:
   """ROUGE-L F1 over lower-cased word tokens (0 when either side is empty)."""
-  cand, ref = TOKEN.findall(candidate.lower()), TOKEN.findall(reference.lower())
+  cand, ref = WORDS.findall(candidate.lower()), WORDS.findall(reference.lower())
   lcs = lcs_length(cand, ref)
   if lcs == 0:
     return 0.0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -171,7 +172,7 @@ def arithmetic_mean(values: Iterable[float]) -> float:
 
 
 # --- duplicate blocks ----------------------------------------------------------------------------------
-WORDS = __import__("re").compile(r"\w+")
+WORDS = re.compile(r"\w+")
 DUPLICATE_NGRAM = 4
 DUPLICATE_OVERLAP = 0.5
 
@@ -191,6 +192,18 @@ def ngram_overlap(a: str, b: str, n: int = DUPLICATE_NGRAM) -> float:
   if not ga or not gb:
     return 0.0
   return len(ga & gb) / min(len(ga), len(gb))
+
+
+def block_texts(annotated: str) -> list[str] | None:
+  """The block texts of a promise-form answer, or None if it does not parse strictly."""
+  from pasta_jax.errors import TagError
+  from pasta_jax.lang import text as T
+  try:
+    segments = T.parse(annotated)
+    T.check_segments(segments)
+  except TagError:
+    return None
+  return [s.text for s in segments if isinstance(s, T.Block)]
 
 
 def duplicate_block_pairs(blocks: Sequence[str], n: int = DUPLICATE_NGRAM,

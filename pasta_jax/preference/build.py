@@ -138,12 +138,8 @@ def _score_prompt(row: dict, judge: Judge | None, cfg: PreferenceConfig, out: Pa
 
 
 def _blocks(annotated: str) -> list[str]:
-  from pasta_jax.errors import TagError
-  from pasta_jax.lang import text as T
-  try:
-    return [s.text for s in T.parse(annotated) if isinstance(s, T.Block)]
-  except TagError:  # well-formed samples parse; anything else has no blocks to compare
-    return []
+  from pasta_jax.lang.metrics import block_texts
+  return block_texts(annotated) or []  # well-formed samples parse; anything else has no blocks to compare
 
 
 def _metrics(candidate: dict) -> dict:
