@@ -14,13 +14,13 @@ KV slots (the prompt included; APAR releases finished children, PASTA keeps fork
 from __future__ import annotations
 
 import argparse
-import json
 
 from tqdm import tqdm
 
 from bench.common import second_of_two, table
 from bench.interpreter import DATA
 from pasta_jax.data.apar_format import apar_annotate
+from pasta_jax.data.sources import read_records
 from pasta_jax.data.structural import annotate
 from pasta_jax.decode import api, tree_api
 from pasta_jax.decode.plain import bucket
@@ -33,26 +33,24 @@ def candidates(model, path: str, answer_tokens: int, prompt_bucket: int, limit: 
   """(id, prompt, plain answer, PASTA annotation, APAR annotation) for answers both can structure."""
   lang = api.LangTokenizer(model.tokenizer)
   vocab = model.tokenizer.tag_vocab()
-  with open(path) as f:
-    for line in f:
-      row = json.loads(line)
-      prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
-      if bucket(len(api.prompt_ids(model.tokenizer, [prompt], chat=True)[0])) != prompt_bucket:
-        continue
-      plain = lang.decode(lang.encode(row["output"])[:answer_tokens])
-      pasta = annotate(plain, lambda s: len(lang.encode(s)))
-      apar = apar_annotate(plain).annotated
-      if pasta is None or apar is None:
-        continue
-      try:
-        api.forced_scripts(pasta, lang, vocab)
-        tree_api.encode_apar_text(apar, lang, vocab)
-      except TagError:
-        continue
-      yield row["id"], prompt, plain, pasta, apar
-      limit -= 1
-      if limit == 0:
-        return
+  for row in read_records(path):
+    prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+    if bucket(len(api.prompt_ids(model.tokenizer, [prompt], chat=True)[0])) != prompt_bucket:
+      continue
+    plain = lang.decode(lang.encode(row["output"])[:answer_tokens])
+    pasta = annotate(plain, lambda s: len(lang.encode(s)))
+    apar = apar_annotate(plain).annotated
+    if pasta is None or apar is None:
+      continue
+    try:
+      api.forced_scripts(pasta, lang, vocab)
+      tree_api.encode_apar_text(apar, lang, vocab)
+    except TagError:
+      continue
+    yield row["id"], prompt, plain, pasta, apar
+    limit -= 1
+    if limit == 0:
+      return
 
 
 def measure(model, prompt, plain, pasta, apar, args) -> dict:
@@ -78,8 +76,8 @@ COLUMNS = ("id", "tokens", "pasta_forks", "apar_forks", "pasta_speedup", "pasta_
            "apar_theory", "seq_peak", "pasta_peak", "apar_peak", "ok")
 
 
-def main():
-  parser = argparse.ArgumentParser()
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="bench.baselines", description=__doc__.split("\n\n")[0])
   parser.add_argument("--data", default=DATA)
   parser.add_argument("--limit", type=int, default=20)
   parser.add_argument("--answer-tokens", type=int, default=200)
@@ -87,7 +85,11 @@ def main():
   parser.add_argument("--prompt-bucket", type=int, default=64)
   parser.add_argument("--lanes", type=int, default=8)
   parser.add_argument("--model", default=None, help="model path (default: the embedded Gemma 3 270M)")
-  args = parser.parse_args()
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
   model = load_model(args.model or "base")
   items = list(candidates(model, args.data, args.answer_tokens, args.prompt_bucket, args.limit))
   rows = [dict(id=i, **measure(model, p, plain, pasta, apar, args))

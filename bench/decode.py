@@ -60,14 +60,18 @@ def weight_bytes_per_token(params, dtype) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)) * jnp.dtype(dtype).itemsize
 
 
-def main():
-  parser = argparse.ArgumentParser()
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="bench.decode", description=__doc__.split("\n\n")[0])
   parser.add_argument("--new-tokens", type=int, default=128)
   parser.add_argument("--runs", type=int, default=5)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--model", default=None, help="GGUF path (default: the embedded Gemma 3 270M)")
   parser.add_argument("--hf-device", default="cpu", help="torch device of the transformers run (cuda on a GPU)")
-  args = parser.parse_args()
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
   gguf_path = str(args.model or embedded_gguf_path())
   model = load_model(gguf_path)
   prompt_ids = model.tokenizer.encode(model.tokenizer.format_chat(PROMPT), add_bos=True)

@@ -102,8 +102,8 @@ COLUMNS = ("id", "tokens", "blocks", "steps", "twin_steps", "stalls", "t_ann", "
            "seq_overhead", "naive_time", "naive_kv", "ok")
 
 
-def main():
-  parser = argparse.ArgumentParser()
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="bench.interpreter", description=__doc__.split("\n\n")[0])
   parser.add_argument("--data", default=DATA)
   parser.add_argument("--limit", type=int, default=24)
   parser.add_argument("--answer-tokens", type=int, default=200, help="truncate answers to their first N tokens")
@@ -111,7 +111,11 @@ def main():
   parser.add_argument("--prompt-bucket", type=int, default=64, help="use prompts of this padded length only")
   parser.add_argument("--lanes", type=int, default=8)
   parser.add_argument("--model", default=None, help="model path (default: the embedded Gemma 3 270M)")
-  args = parser.parse_args()
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
   model = load_model(args.model or "base")
   dtype = jnp.float32
   params = api.decode_params(model.params, dtype)  # the plain decoder's; api.prepare finds them cached

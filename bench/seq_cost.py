@@ -55,14 +55,18 @@ def plain_step(model, prompt, tokens: int, repeats: int, dtype) -> tuple[float, 
   return step, max(full - tokens * step, 0.0)
 
 
-def main():
-  parser = argparse.ArgumentParser()
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="bench.seq_cost", description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", default="gemma3-270m")
   parser.add_argument("--tokens", type=int, default=256)
   parser.add_argument("--lanes", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  args = parser.parse_args()
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   model = random_model(args.config)
   prompt = [model.tokenizer.encode("question: " + TEXT)]

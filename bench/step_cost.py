@@ -50,14 +50,18 @@ def measure(step, params, inputs, runs: int):
   return seconds, logits
 
 
-def main():
-  parser = argparse.ArgumentParser()
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="bench.step_cost", description=__doc__.split("\n\n")[0])
   parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8])
   parser.add_argument("--runs", type=int, default=15)
   parser.add_argument("--slots", type=int, default=320)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--model", default=None, help="model path (default: the embedded Gemma 3 270M)")
-  args = parser.parse_args()
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
   model = load_model(args.model or "base")
   dtype = jnp.dtype(args.dtype)
   training_params = jax.tree.map(lambda x: jnp.asarray(x, dtype), model.params)

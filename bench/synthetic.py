@@ -54,13 +54,17 @@ def answers(tokens: int, blocks: int) -> tuple[str, str, str]:
   return plain, pasta + "<sync/>", apar
 
 
-def main():
-  parser = argparse.ArgumentParser()
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="bench.synthetic", description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", default="gemma3-270m")
   parser.add_argument("--tokens", type=int, default=256)
   parser.add_argument("--lanes", type=int, default=8)
   parser.add_argument("--dtype", default="float32")
-  args = parser.parse_args()
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
   config = get_config(args.config)
   dtype = jnp.dtype(args.dtype)
   dummy = jnp.zeros((1, 4), jnp.int32)

@@ -41,8 +41,8 @@ def synthetic_batch(vocab, vocab_size: int, batch: int, seq_len: int, seed: int)
   return stack_layouts(layouts)
 
 
-def main():
-  parser = argparse.ArgumentParser()
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="bench.train", description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", default=None, help="model path (default: the embedded Gemma 3 270M)")
   parser.add_argument("--batch-size", type=int, default=4)
   parser.add_argument("--grad-accum", type=int, default=1)
@@ -51,7 +51,11 @@ def main():
   parser.add_argument("--compute-dtype", default="float32")
   parser.add_argument("--remat", action="store_true")
   parser.add_argument("--hardware", default=None, help="key of training.plan.HARDWARE (default: by platform)")
-  args = parser.parse_args()
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
   model = load_model(args.model or "base")
   vocab = model.tokenizer.tag_vocab()
   devices = jax.devices()

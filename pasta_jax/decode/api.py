@@ -207,6 +207,7 @@ def prepare(model, ids: Sequence[Sequence[int]], *, params=None, max_new_tokens:
                             sampling=sampling, position_mode=position_mode, **modes)
   except ValueError as err:
     raise PastaError(f"bad interpreter settings: {err}") from None
+  interpreter.check_runnable(cfg, forced=scripts is not None)
   tokens, lengths = interpreter.pad_prompts(ids, slots)
   script, script_len = pad_scripts(scripts, len(ids), max_threads, slots)
   return Prepared(cfg, model_fn(model.config, jnp.dtype(dtype)),

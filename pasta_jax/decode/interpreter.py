@@ -213,10 +213,20 @@ def apar_step(model_fn, params, state: InterpState, cfg: InterpreterConfig, forc
   return append_records(state, inserted, recorded, lane_logits, cfg)
 
 
+def check_runnable(cfg: InterpreterConfig, forced: bool) -> None:
+  """Refuses settings the loop cannot honour. The oracle position mode reserves each block's true length,
+  which only a forced script knows: in free (or sampled-after-script) decoding there is none, and main's
+  next position would silently fall at p + 2 (a length of -1)."""
+  if cfg.position_mode == "oracle" and (not forced or cfg.sample_after_script):
+    raise PastaError("position_mode='oracle' needs every block's true length, which only forced replay knows: "
+                     "use 'pred' or 'fixed' in free decoding")
+
+
 @functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "forced", "vocab_size", "pool_spec"))
 def prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, seed, *, cfg: InterpreterConfig,
                     forced: bool, vocab_size: int, pool_spec: tuple) -> InterpState:
   """Prefill (one model call over the padded prompts [B, P]) then the whole decode loop on device."""
+  check_runnable(cfg, forced)
   batch, prompt_len = prompt_tokens.shape
   num_layers, kv_heads, head_dim, dtype = pool_spec
   pool = KVPool(*(jnp.zeros((num_layers, batch, cfg.pool_slots, kv_heads, head_dim), dtype),) * 2)
