@@ -244,3 +244,19 @@ def test_list_markers_stay_in_main():
   before_promises = [segments[i - 1].text for i, s in enumerate(segments) if isinstance(s, T.Promise)]
   assert before_promises == ["Tips:\n1. ", "2. ", "3. "]
   assert T.strip_tags(segments) == answer
+
+
+def test_min_saving_forks_only_items_that_pay_for_their_promise():
+  from pasta_jax.data.structural import PROMISE_COST, annotate, block_saving
+  from pasta_jax.lang import text as T
+  count = lambda s: len(s.split())  # noqa: E731 (one token per word keeps the arithmetic visible)
+  long_item = "2. Eat well: fruit and greens, whole grains and lean protein every day.\n"
+  answer = "Tips:\n1. James Caan\n" + long_item + "3. Sleep\n"
+  # body 12 words - topic "Eat well" 2 words - the promise's own tokens
+  assert block_saving(long_item, count) == 12 - 2 - PROMISE_COST
+  for min_saving, forked in ((0, 3), (7, 1), (8, 0)):
+    annotated = annotate(answer, count, min_saving)
+    blocks = [] if annotated is None else [s for s in T.parse(annotated) if isinstance(s, T.Block)]
+    assert len(blocks) == forked, (min_saving, annotated)
+    if annotated is not None:
+      assert T.strip_tags(T.parse(annotated)) == answer  # what stays in main keeps every character

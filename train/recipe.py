@@ -6,8 +6,10 @@
 Stages (each one is skipped when its output exists, and a stage cut off mid-way resumes from its last
 Orbax checkpoint when the same command runs again, also after a restart):
   records        annotate the training pools structurally (`lima`, `alpaca_gpt4_1k`, `alpaca_5k`), keep
-                 the answers with blocks whose PASTA layout fits --seq-len, optionally keep only what the
-                 model-verified filter accepts (--verify), hold out a split -> records/{train,heldout}.jsonl
+                 the answers with lists whose PASTA layout fits --seq-len, optionally keep only what the
+                 model-verified filter accepts (--verify), then fork only the items that save main at
+                 least --min-saving tokens (others stay in main; an answer with none trains plain),
+                 hold out a split -> records/{train,heldout}.jsonl
   baseline_sft   Baseline-SFT (tags stripped) on exactly those records -> baseline_sft/model
   pasta_sft      Pasta-SFT on the same records -> pasta_sft/model
   bonbon         per lambda: N samples per prompt from the interpreter at T = 1, scored by speedup +
@@ -47,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--seq-len", type=int, default=192)
   parser.add_argument("--num-threads", type=int, default=16)
   parser.add_argument("--held-out", type=float, default=0.03, help="share of kept records held out")
+  parser.add_argument("--min-saving", type=int, default=8,
+                      help="an item forks only if that saves main at least this many tokens (its body minus "
+                           "its promise); answers whose items all fall short train as plain answers")
   parser.add_argument("--verify", action="store_true", help="keep only records the model-verified filter accepts")
   parser.add_argument("--epochs", type=int, default=2)
   parser.add_argument("--batch-size", type=int, default=8)
@@ -110,6 +115,10 @@ def stage_records(args, folder: Path) -> None:
       kept.append(record)
   if args.verify:
     kept = _verified(kept, model, counts)
+  # Which answers are kept does not depend on --min-saving (Baseline-SFT's records stay the same);
+  # it decides only which of their items fork.
+  kept = annotate_records(kept, model.tokenizer, min_saving=args.min_saving)
+  counts["kept as plain answers (no item saves --min-saving)"] = sum(not r.get("annotated") for r in kept)
   random.Random(args.seed).shuffle(kept)
   held = max(1, int(len(kept) * args.held_out))
   _write_jsonl(folder / "heldout.jsonl", kept[:held])

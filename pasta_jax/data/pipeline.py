@@ -248,8 +248,10 @@ def token_counter(tokenizer) -> Callable[[str], int]:
 
 
 def annotate_records(records: Sequence[Mapping[str, Any]], tokenizer, annotator: str = "structural", *,
-                     progress: bool = False) -> list[dict]:
+                     min_saving: int = 0, progress: bool = False) -> list[dict]:
   """Records with `annotated` computed from each `output` (any earlier annotation is replaced).
+
+  min_saving: an item forks only if that saves main at least this many tokens (`structural.annotate`).
 
   Records where the annotator finds no structure get no `annotated` field: SFT trains them as plain
   answers (`encode_example` falls back to `output`), which are valid tag-free examples.
@@ -260,7 +262,7 @@ def annotate_records(records: Sequence[Mapping[str, Any]], tokenizer, annotator:
   out = []
   for record in tqdm(records, desc=f"annotating ({annotator})", disable=not progress, leave=False):
     plain = {key: value for key, value in record.items() if key != "annotated"}
-    annotated = structural.annotate(record["output"], count_tokens) if record.get("output") else None
+    annotated = structural.annotate(record["output"], count_tokens, min_saving) if record.get("output") else None
     out.append(plain if annotated is None else {**plain, "annotated": annotated})
   return out
 

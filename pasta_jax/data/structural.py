@@ -9,6 +9,10 @@ Honest and mechanical (no model): it only uses the answer's layout.
     write the same thing (the duplicate blocks of the first trained model, cut by this);
   - lead text before the first item stays in main; without lead text the first item stays in main
     (main has something to say before its first promise);
+  - with `min_saving` > 0, an item forks only if its block saves main at least that many tokens: its body
+    minus what main writes to promise it (topic + PROMISE_COST tokens). Short items (a name, a few words)
+    stay in main as plain text, so a model trained on the result forks long items and writes lists of
+    short ones in sequence, where a fork only costs (`--min-saving` of train.recipe);
   - a `<sync/>` goes before a final paragraph that follows the last item, if there is one;
   - every character stays where it was, so `strip_tags(annotate(a)) == a` byte for byte.
 Answers with no block return None.
@@ -26,6 +30,7 @@ from pasta_jax.lang.tags import round_length
 ITEM = re.compile(r"^[ \t]*(?:[-*+•]|\d{1,3}[.)])[ \t]+\S")
 MARKER = re.compile(r"^[ \t]*(?:[-*+•]|\d{1,3}[.)])[ \t]+")
 WORD = re.compile(r"[A-Za-z0-9][\w'’-]*")
+PROMISE_COST = 3  # tokens main writes besides the topic: <promise>, the length token, the inserted <async>
 
 
 def split_items(text: str) -> list[tuple[str, str]]:
@@ -68,7 +73,13 @@ def topic_of(item: str, max_words: int = 6) -> str:
   return " ".join(words) if words else "item"
 
 
-def annotate(answer: str, count_tokens: Callable[[str], int]) -> str | None:
+def block_saving(item: str, count_tokens: Callable[[str], int]) -> int:
+  """Tokens a fork of this item saves main: its body minus the promise that replaces it."""
+  body = item[MARKER.match(item).end():]
+  return count_tokens(body) - count_tokens(topic_of(item)) - PROMISE_COST
+
+
+def annotate(answer: str, count_tokens: Callable[[str], int], min_saving: int = 0) -> str | None:
   """The promise-form annotation of `answer` (see module doc), or None if it gets no block."""
   pieces = split_items(answer)
   first_item = next((i for i, (kind, _) in enumerate(pieces) if kind == "item"), None)
@@ -78,7 +89,8 @@ def annotate(answer: str, count_tokens: Callable[[str], int]) -> str | None:
   last_item = max(i for i, (kind, _) in enumerate(pieces) if kind == "item")
   segments: list[T.Segment] = []
   for i, (kind, chunk) in enumerate(pieces):
-    if kind == "text" or (keep_first and i == first_item):
+    earns_block = kind == "item" and (min_saving <= 0 or block_saving(chunk, count_tokens) >= min_saving)
+    if not earns_block or (keep_first and i == first_item):
       if i > last_item and chunk.strip() and any(isinstance(s, T.Block) for s in segments):
         segments.append(T.Sync())  # the final paragraph sums up: it waits for the blocks
       segments.append(T.Text(chunk))
