@@ -96,7 +96,7 @@ def main(argv=None):
 
 
 def _apar_scripts(model, apar_text: str, lanes: int):
-  from pasta_jax.decode import tree
+  from pasta_jax.lang import apar_tree as tree
   vocab = model.tokenizer.tag_vocab()
   ids = tree_api.encode_apar_text(apar_text, api.LangTokenizer(model.tokenizer), vocab)
   return tree.thread_scripts(tree.parse_tree(ids, vocab), vocab, lanes, 64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pasta_jax import compile_cache
 from pasta_jax.errors import PastaError
 
 
@@ -17,6 +18,9 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="pasta", description="PASTA learned asynchronous decoding in JAX.")
+  parser.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
+                      help="compile from scratch: do not use JAX's persistent compilation cache "
+                           f"(default: on, in ~/.cache/pasta_jax/xla or ${compile_cache.ENV}; 'off' there too)")
   sub = parser.add_subparsers(dest="command", required=True)
   gen = sub.add_parser("generate", help="decode a prompt (plain, or PASTA with --pasta)")
   gen.add_argument("prompt")
@@ -48,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   try:
+    compile_cache.enable(compile_cache.cache_folder() if args.compile_cache else None)
     if args.command == "generate":
       from pasta_jax.commands.generate import run_generate
 

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pasta_jax.decode import tree
 from pasta_jax.decode.api import LangTokenizer, prompt_ids
 from pasta_jax.decode.tree_api import encode_apar_text, generate_apar
 from pasta_jax.errors import TagError
+from pasta_jax.lang import apar_tree as tree
 from tests.tiny import tiny_model
 
 MODEL = tiny_model()

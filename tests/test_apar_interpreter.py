@@ -68,7 +68,7 @@ def assert_same(jitted, oracle):
     assert [tuple(r) for r in got.records.tolist()] == [tuple(int(x) for x in r) for r in want.records]
     assert (got.steps, got.stalls, got.finished, got.truncated) == (
         want.steps, want.stalls, want.finished, want.truncated)
-    assert got.peak_live_slots == want.peak_live
+    assert (got.peak_live_slots, got.fork_refusals) == (want.peak_live, want.fork_refusals)
     assert {u: int(p) for u, p in enumerate(got.parents) if p >= 0} == want.parents
     table = {slot: (int(o), int(w), int(p), bool(v)) for slot, (o, w, p, v) in enumerate(got.slot_table)
              if slot in want.slot_table}
@@ -161,3 +161,14 @@ def test_fan_out_with_script_prefixes_matches_reference(data):
       rows = [r for r in out.records.tolist() if r[2] == u]
       assert [r[3] for r in rows[:len(script[u])]] == script[u]
       assert rows[0][4] == len(prompt)
+
+
+@pytest.mark.parametrize("limit", ["depth", "lanes"])
+def test_refused_forks_are_counted_like_the_reference(limit):
+  """A fork that the depth limit or a full lane table forbids is counted, not dropped in silence."""
+  params = toy_params(TOY, {VOCAB.apar_fork: 6.0, 1: 0.5}, seed=3)  # greedy: forks whenever it may
+  cfg = apar(max_steps=48, pool_slots=128, **({"max_depth": 1} if limit == "depth" else {"lanes": 2, "max_depth": 8}))
+  prompt_batch = [[3, 4, 5], [6, 7]]
+  outs = run_interpreter(toy_apply, params, prompt_batch, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)
+  assert_same(outs, reference(cfg, params, prompt_batch))
+  assert all(o.fork_refusals > 0 for o in outs)

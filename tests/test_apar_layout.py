@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pasta_jax.decode import tree
 from pasta_jax.decode.interpreter import run_interpreter
 from pasta_jax.decode.state import InterpreterConfig
+from pasta_jax.lang import apar_tree as tree
 from pasta_jax.lang.apar_layout import apar_layout
 from tests.test_replay import VOCAB, random_params
 
@@ -24,7 +24,7 @@ ANSWERS = {
 
 
 def tree_record_indices(records: np.ndarray, parents: np.ndarray) -> list[int]:
-  """Record indices in tree order (decode.tree.tree_order, by index instead of token)."""
+  """Record indices in tree order (lang.apar_tree.tree_order, by index instead of token)."""
   own = {u: [i for i in range(len(records)) if records[i, 2] == u] for u in set(records[:, 2].tolist())}
   kids: dict[int, list[int]] = {}
   for thread, parent in enumerate(parents.tolist()):

@@ -104,3 +104,14 @@ def test_structural_annotator_keeps_every_character():
   assert '<promise topic="First point here"' in annotated
   assert annotate("1. only\n2. items\n", len).count("<async>") == 1  # the first item stays in main
   assert annotate("No list at all.", len) is None
+
+
+def test_a_cut_answer_says_why(model, results):
+  tagged, _ = results
+  assert tagged.stop_reason == "end" and tagged.stop_note == ""
+  free = api.generate(model, ["Say it"], max_new_tokens=3, lanes=2)[0]  # a random model never ends in 3 steps
+  assert (free.finished, free.pool_full, free.stop_reason) == (False, False, "steps")
+  assert "step budget" in free.stop_note
+  import dataclasses
+  full = dataclasses.replace(free, pool_full=True)
+  assert full.stop_reason == "pool" and "KV pool filled" in full.stop_note

@@ -24,3 +24,24 @@ def test_oracle_positions_without_a_script_are_refused(after_script):
   with pytest.raises(PastaError, match="oracle"):
     run_interpreter(toy_apply, toy_params(TOY, {}), [[1, 2, 3]], cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC,
                     scripts=scripts)
+
+
+def test_compile_cache_keeps_executables_for_the_next_process(tmp_path):
+  """Every `pasta` command turns JAX's persistent cache on; the second process finds the first's entries."""
+  import subprocess
+  import sys
+  program = ("import sys, jax, jax.numpy as jnp; from pathlib import Path; from pasta_jax import compile_cache; "
+             "compile_cache.enable(Path(sys.argv[1])); print(jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(3)).sum())")
+  subprocess.run([sys.executable, "-c", program, str(tmp_path)], check=True, capture_output=True)
+  assert any(tmp_path.iterdir()), "the first run wrote no cache entry"
+
+
+def test_compile_cache_flag_and_setting(monkeypatch, tmp_path):
+  from pasta_jax import cli, compile_cache
+  assert cli.build_parser().parse_args(["--no-compile-cache", "plan", "x.json"]).compile_cache is False
+  assert cli.build_parser().parse_args(["plan", "x.json"]).compile_cache is True
+  monkeypatch.setenv(compile_cache.ENV, "off")
+  assert compile_cache.cache_folder() is None
+  monkeypatch.setenv(compile_cache.ENV, str(tmp_path))
+  assert compile_cache.cache_folder() == tmp_path
+  assert compile_cache.enable(None) is None

@@ -48,12 +48,31 @@ def test_changed_share_matches_an_independent_count():
   assert verdict.speedup > 1.2
 
 
-def test_keep_and_reject_rules():
+def test_keep_and_reject_rules(monkeypatch):
   record = {"instruction": "Name fruits.", "annotated": ANNOTATED}
-  strict = V.verify(record, MODEL, V.VerifyConfig(max_changed=0.0, min_speedup=0.0))
+  # The tiny model predicts the same either way (changed = 0, so a threshold of 0 rejected whatever the
+  # rule did): test the threshold on predictions that differ on every compared row instead (the PASTA
+  # forward "predicts" its row index, the plain forward 0).
+  real = V._predictions
+  monkeypatch.setattr(V, "_predictions",
+                      lambda model, layout: np.arange(len(layout.tokens)) * (layout.num_threads > 1))
+  changed = V.verify(record, MODEL, V.VerifyConfig(max_changed=1.01, min_speedup=0.0)).changed
+  assert changed == 1.0  # every compared row differs
+  strict = V.verify(record, MODEL, V.VerifyConfig(max_changed=changed, min_speedup=0.0))
   assert not strict.keep and "change without the blocks' context" in strict.reason
+  assert V.verify(record, MODEL, V.VerifyConfig(max_changed=changed + 1e-6, min_speedup=0.0)).keep
+  monkeypatch.setattr(V, "_predictions", real)
   slow = V.verify(record, MODEL, V.VerifyConfig(max_changed=1.01, min_speedup=10.0))
   assert not slow.keep and "theoretical speedup" in slow.reason
   assert V.verify(record, MODEL, V.VerifyConfig(max_changed=1.01, min_speedup=1.0)).keep
   plain = V.verify({"instruction": "Hi", "annotated": "no blocks here at all"}, MODEL)
   assert plain.changed == 0.0 and not plain.keep  # nothing changes, but no speedup either
+
+
+@pytest.mark.parametrize("near_miss", ["<sync />", "<promise topic='a' tokens='10'/>", "< async>", "</ASYNC>"])
+def test_near_miss_tags_are_rejected_not_trained_as_words(near_miss):
+  from pasta_jax.lang.text import near_misses
+  annotated = ANNOTATED.replace("<sync/>", near_miss) if near_miss == "<sync />" else ANNOTATED + near_miss
+  assert near_misses(annotated) == [near_miss] and near_misses(ANNOTATED) == []
+  verdict = V.verify({"instruction": "Name fruits.", "annotated": annotated}, MODEL)
+  assert not verdict.keep and near_miss in verdict.reason

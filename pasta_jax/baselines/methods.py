@@ -1,4 +1,4 @@
-"""The paper's baselines as `pasta eval` methods (registered into eval.methods' registry):
+"""The paper's baselines as `pasta eval` methods (BASELINE_METHODS; eval/registry.py lists them):
 
   apar          the model decodes freely in APAR mode (an APAR-trained model forks at its fork tokens)
   apar-forced   replays the APAR-format annotation (data/apar_format.py) of the record's reference
@@ -26,6 +26,8 @@ from pasta_jax.eval import methods as M
 
 
 def tree_output(result: tree_api.TreeResult, note: str = "") -> M.MethodOutput:
+  if result.fork_refusals:  # what the limits suppressed is reported with the answer
+    note = "; ".join(filter(None, [note, f"{result.fork_refusals} forks refused (depth limit or no free lane)"]))
   return M.MethodOutput(text=result.text, annotated=result.annotated, steps=result.steps, seconds=result.seconds,
                         theoretical_speedup=result.theoretical_speedup, parallelism=result.theoretical_speedup,
                         content_tokens=result.content_tokens, critical_path=float(result.critical_path or math.nan),
@@ -99,7 +101,7 @@ def _apar(spec, model, settings):
 
 
 def _apar_forced(spec, model, settings):
-  twin = M.build_method(M.MethodSpec("sequential-forced", spec.model_path), settings, lambda _: model)
+  twin = M.CORE_METHODS["sequential-forced"](M.MethodSpec("sequential-forced", spec.model_path), model, settings)
   return AparMethod(spec.label, model, settings, M.ForcedAnswer(model, settings.max_new_tokens, tagged=False),
                     reference=twin)
 
@@ -116,6 +118,6 @@ def _sot_forced(spec, model, settings):
   return SotMethod(spec.label, model, settings, use_router=False, forced=True)
 
 
-for _name, _factory in (("apar", _apar), ("apar-forced", _apar_forced), ("sot", _sot), ("sot-router", _sot_router),
-                       ("sot-forced", _sot_forced)):
-  M.register_method(_name, _factory)
+BASELINE_METHODS: dict[str, M.MethodFactory] = {
+  "apar": _apar, "apar-forced": _apar_forced, "sot": _sot, "sot-router": _sot_router, "sot-forced": _sot_forced,
+}

@@ -26,6 +26,7 @@ from pasta_jax.decode import api, tree_api
 from pasta_jax.decode.plain import bucket
 from pasta_jax.errors import PastaError
 from pasta_jax.judges.local import next_token_logits
+from pasta_jax.lang.schema import THREAD, TOKEN
 
 SKELETON_PROMPT = (
     "Plan an answer to the question below. Reply only with a numbered outline: {low} to {high} points, "
@@ -178,7 +179,7 @@ class SkeletonOfThought:
 
 def _after_suffix(records: np.ndarray, thread: int, skip: int, lang, vocab) -> str:
   """Thread's sampled text: its records after the forced suffix, end ids and tags dropped."""
-  own = records[records[:, 2] == thread, 3].tolist()[skip:]
+  own = records[records[:, THREAD] == thread, TOKEN].tolist()[skip:]
   return lang.decode([t for t in own if t not in vocab.eos_ids and t not in vocab.tag_ids])
 
 

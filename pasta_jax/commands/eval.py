@@ -47,20 +47,21 @@ def build_eval_parser(subparsers) -> argparse.ArgumentParser:
 def run_eval(args) -> int:
   from pasta_jax.data import sources
   from pasta_jax.eval import methods as M
+  from pasta_jax.eval import registry
   from pasta_jax.eval.report import speed_table, write_outputs
   from pasta_jax.eval.runner import evaluate
 
   check_numbers(args)
-  baseline_spec = M.parse_spec(args.baseline)
-  specs = [M.parse_spec(text) for text in args.methods]
+  baseline_spec = registry.parse_spec(args.baseline)
+  specs = [registry.parse_spec(text) for text in args.methods]
   records = sources.read_records(args.prompts, args.limit)
   settings = M.DecodeSettings(max_new_tokens=args.max_new_tokens, lanes=args.lanes, chat=args.chat, dtype=args.dtype)
   identity = dict(prompts=sources.dataset_name(args.prompts), model=args.model, **vars(settings))
   out = Path(args.out)
   judge, judge_note = make_judge(args.judge, out)
   load = lambda path: M.cached_model(path)
-  baseline = M.build_method(baseline_spec, settings, load, args.model)
-  methods = [M.build_method(spec, settings, load, args.model) for spec in specs]
+  baseline = registry.build_method(baseline_spec, settings, load, args.model)
+  methods = [registry.build_method(spec, settings, load, args.model) for spec in specs]
   results = evaluate(records, baseline, methods, out, identity=identity, judge=judge, judge_note=judge_note,
                      progress=args.progress)
   results["settings"].update(baseline=baseline.name, methods=[m.name for m in methods], limit=args.limit)

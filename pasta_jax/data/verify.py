@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping
 
 import jax
@@ -20,7 +21,8 @@ import numpy as np
 
 from pasta_jax.data.encode import end_id, prompt_token_ids
 from pasta_jax.decode.api import LangTokenizer
-from pasta_jax.lang import metrics
+from pasta_jax.errors import TagError
+from pasta_jax.lang import metrics, text
 from pasta_jax.lang.layout import layout_example, plain_layout
 from pasta_jax.lang.tokens import encode_answer, strip_token_ids
 from pasta_jax.model.gemma import Gemma
@@ -74,6 +76,9 @@ def content_rows(layout, vocab, num_prompt: int) -> list[int]:
 def verify(record: Mapping[str, str], model, config: VerifyConfig = VerifyConfig()) -> Verdict:
   """Checks one record's `annotated` answer (promise form) with `model`."""
   tokenizer, vocab = model.tokenizer, model.tokenizer.tag_vocab()
+  misses = text.near_misses(record["annotated"])
+  if misses:  # they would train as plain words: the annotation does not say what it means to
+    return Verdict(False, math.nan, math.nan, f"near-miss tags are plain text here: {', '.join(misses[:3])}")
   prompt = prompt_token_ids(tokenizer, record["instruction"], config.chat)
   ids = encode_answer(record["annotated"], LangTokenizer(tokenizer), vocab)
   end = end_id(tokenizer, vocab, config.chat)
@@ -81,7 +86,9 @@ def verify(record: Mapping[str, str], model, config: VerifyConfig = VerifyConfig
   pasta = layout_example(prompt, ids, vocab, eos_id=end)
   plain = plain_layout(prompt, strip_token_ids(ids, vocab), end)
   pasta_rows, plain_rows = content_rows(pasta, vocab, len(prompt)), content_rows(plain, vocab, len(prompt))
-  assert [int(pasta.tokens[i]) for i in pasta_rows] == [int(plain.tokens[i]) for i in plain_rows]
+  if [int(pasta.tokens[i]) for i in pasta_rows] != [int(plain.tokens[i]) for i in plain_rows]:
+    raise TagError(f"record {record.get('id', '?')!r}: its annotation's content is not its tag-free answer "
+                   "token for token (a tag splits a word?), so predictions cannot be compared")
   # Compare where both predict the same next content token (a block's last token predicts </async>
   # in the PASTA stream and is skipped).
   pairs = [(a, b) for a, b in zip(pasta_rows, plain_rows, strict=True)

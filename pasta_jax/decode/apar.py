@@ -133,6 +133,7 @@ def apply_samples(state: InterpState, plan: AparPlan, sampled: jax.Array, cfg: I
       status=status,
       finished=state.finished | finished,
       truncated=state.truncated | plan.out_of_room,
+      pool_full=state.pool_full | plan.out_of_room,
       stalls=state.stalls + plan.stalls,
       last_fed_step=jnp.where(jnp.any(plan.feed, axis=1), state.step, state.last_fed_step),
   )

@@ -66,6 +66,21 @@ class PastaResult:
   seconds: float  # wall time of the interpreter run (compile excluded)
   tokens: int  # every token of the annotated answer (tags and topics included, end id excluded)
   content_tokens: int  # main text + block contents, the sequential answer's token count
+  pool_full: bool = False  # cut because the KV pool had no room left (see stop_reason)
+
+  @property
+  def stop_reason(self) -> str:
+    """Why the run ended: "end" (the model finished), "pool" (the KV pool ran out of slots: every lane's
+    writes count against it, so a very parallel answer can fill it before the step budget ends), or
+    "steps" (the step budget, max_new_tokens, ran out)."""
+    return "end" if self.finished else "pool" if self.pool_full else "steps"
+
+  @property
+  def stop_note(self) -> str:
+    """One line for the user when the answer was cut ("" when it ended)."""
+    return {"end": "", "steps": f"cut by the step budget after {self.steps} steps: raise max_new_tokens",
+            "pool": f"cut when the KV pool filled ({self.tokens} tokens written by all lanes): raise "
+                    "max_new_tokens, which sizes the pool"}[self.stop_reason]
 
 
 # --- model plumbing ----------------------------------------------------------------------------------
@@ -310,7 +325,8 @@ def to_result(run: RunOutput, seconds: float, tokenizer: LangTokenizer, vocab: T
       text=clean_text(ids, annotated, tokenizer, vocab), annotated=annotated, records=run.records,
       threads=thread_traces(run.records, vocab), sync_steps=sync_steps(run.records, vocab), steps=run.steps,
       stalls=run.stalls, finished=run.finished, truncated=run.truncated, theoretical_speedup=speedup,
-      theoretical_parallelism=parallelism, seconds=seconds, tokens=len(body), content_tokens=content)
+      theoretical_parallelism=parallelism, seconds=seconds, tokens=len(body), content_tokens=content,
+      pool_full=run.pool_full)
 
 
 # --- the API -----------------------------------------------------------------------------------------

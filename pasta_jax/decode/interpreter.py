@@ -1,5 +1,5 @@
 """The jitted PASTA interpreter: one `lax.while_loop` over B requests x T lanes and one
-interleaved KV pool (docs/interpreter.md is the contract; `reference.py` is its oracle).
+interleaved KV pool (docs/interpreter.md is the contract; `reference/` is its oracle).
 
 Each step: decide who feeds (threads.plan_feeds), spawn and release syncs in the thread table,
 give the feeding lanes consecutive pool slots, run the model once on only the feeding lanes
@@ -74,15 +74,17 @@ def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Arr
       depth=jnp.broadcast_to(jnp.where(started & (lane_idx > 0), 1, 0), b_t).astype(jnp.int32),
       parent=jnp.full((batch, cfg.max_threads), -1, jnp.int32).at[:, 1:k].set(0),
       script=script, script_len=script_len, script_ptr=script_ptr,
-      finished=jnp.zeros((batch,), bool), truncated=jnp.zeros((batch,), bool),
-      stalls=jnp.zeros((batch,), jnp.int32), last_fed_step=jnp.zeros((batch,), jnp.int32),
+      finished=jnp.zeros((batch,), bool), truncated=jnp.zeros((batch,), bool), pool_full=jnp.zeros((batch,), bool),
+      stalls=jnp.zeros((batch,), jnp.int32), fork_refusals=jnp.zeros((batch,), jnp.int32),
+      last_fed_step=jnp.zeros((batch,), jnp.int32),
       step=jnp.int32(0), records=records, num_records=jnp.full((batch,), k, jnp.int32),
       record_logits=rec_logits, key=key,
   )
 
 
 def choose_tokens(logits, rows_lane, state: InterpState, cfg: InterpreterConfig, forced: bool):
-  """Constrained sample (or forced script token) for each query row. logits: [B, Q, V]."""
+  """Constrained sample (or forced script token) for each query row. logits: [B, Q, V].
+  Returns tokens [B, Q] and which rows had a fork refused by a limit (`sample_constrained`)."""
   batch, num_q, _ = logits.shape
   b = jnp.arange(batch)[:, None]
   thread = state.thread[b, rows_lane]
@@ -96,27 +98,36 @@ def choose_tokens(logits, rows_lane, state: InterpState, cfg: InterpreterConfig,
     # replays (the benchmarks' workload) would time a model without its most expensive matmul.
     model_choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not cfg.sample_after_script:
-      return jnp.where(model_choice < 0, model_choice, forced_token)
-    return jnp.where(ptr < state.script_len[b, thread], scripted, sample_constrained(logits, rows_lane, state, cfg))
+      return jnp.where(model_choice < 0, model_choice, forced_token), jnp.zeros_like(forced_token, bool)
+    sampled, refused = sample_constrained(logits, rows_lane, state, cfg)
+    scripted_now = ptr < state.script_len[b, thread]
+    return jnp.where(scripted_now, scripted, sampled), refused & ~scripted_now
   return sample_constrained(logits, rows_lane, state, cfg)
 
 
 def sample_constrained(logits, rows_lane, state: InterpState, cfg: InterpreterConfig):
-  """Sampled tokens [B, Q] under the tag constraints of each row's thread."""
+  """Sampled tokens [B, Q] under the tag constraints of each row's thread, and [B, Q] refused forks.
+
+  APAR forbids a fork at the depth limit or while no lane is free. Such a row counts as a refused fork
+  when [Fork] is its most likely token under the grammar alone (not right after a fork or child token):
+  what greedy decoding would have written. The sampled token itself is unchanged by the count."""
   batch, num_q, _ = logits.shape
   b = jnp.arange(batch)[:, None]
   tables = AllowedTokens.build(cfg.vocab, logits.shape[-1])
   if cfg.mode == "apar":
     fed = state.token[b, rows_lane]
-    no_fork = (fed == cfg.vocab.apar_fork) | (fed == cfg.vocab.apar_child) | \
-        (state.depth[b, rows_lane] >= cfg.max_depth) | ~apar.lane_free(state)[:, None]
-    allowed = tables.for_apar_rows(no_fork)
+    grammar_no_fork = (fed == cfg.vocab.apar_fork) | (fed == cfg.vocab.apar_child)
+    limited = (state.depth[b, rows_lane] >= cfg.max_depth) | ~apar.lane_free(state)[:, None]
+    allowed = tables.for_apar_rows(grammar_no_fork | limited)
+    top = jnp.argmax(constrain(logits, tables.for_apar_rows(grammar_no_fork)), axis=-1)
+    refused = limited & ~grammar_no_fork & (top == cfg.vocab.apar_fork)
   else:
     allowed = tables.for_rows(rows_lane == 0, state.in_promise[:, None])
+    refused = jnp.zeros(rows_lane.shape, bool)
   keys = jax.vmap(lambda bi, lanes: jax.vmap(lambda lane: lane_key(state.key, bi, state.step, lane))(lanes))(
       jnp.arange(batch), rows_lane)
   flat = sample_rows(constrain(logits, allowed).reshape(batch * num_q, -1), keys.reshape(-1), cfg.sampling)
-  return flat.reshape(batch, num_q)
+  return flat.reshape(batch, num_q), refused
 
 
 def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: InterpreterConfig,
@@ -130,13 +141,14 @@ def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: In
   mask = mask & row_ok[:, :, None]
   logits, pool = model_fn(params, state.token[b, rows_lane], state.position[b, rows_lane], mask, state.pool,
                           jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos)
-  chosen = choose_tokens(logits, rows_lane, state, cfg, forced)
+  chosen, refused = choose_tokens(logits, rows_lane, state, cfg, forced)
   scatter_lane = jnp.where(row_ok, rows_lane, cfg.lanes)  # padding rows are dropped
   sampled = jnp.full((batch, cfg.lanes), -1, jnp.int32).at[b, scatter_lane].set(chosen, mode="drop")
+  refused = jnp.zeros((batch, cfg.lanes), bool).at[b, scatter_lane].set(refused, mode="drop")
   lane_logits = None
   if cfg.record_logits:
     lane_logits = jnp.zeros((batch, cfg.lanes, logits.shape[-1])).at[b, scatter_lane].set(logits, mode="drop")
-  return sampled, lane_logits, pool
+  return sampled, refused, lane_logits, pool
 
 
 def model_on_feeders(model_fn, params, state, feed, slots, cfg: InterpreterConfig, forced: bool):
@@ -191,7 +203,7 @@ def interpreter_step(model_fn, params, state: InterpState, cfg: InterpreterConfi
   state = threads.release_sync(state, plan)
   inserted = spawn_record(state, plan)
   state, slots = threads.assign_slots(state, plan, cfg)
-  sampled, lane_logits, pool = model_on_feeders(model_fn, params, state, plan.feed, slots, cfg, forced)
+  sampled, _, lane_logits, pool = model_on_feeders(model_fn, params, state, plan.feed, slots, cfg, forced)
   state = dataclasses.replace(state, pool=pool)
   if forced:
     state = threads.advance_scripts(state, plan, cfg)
@@ -205,8 +217,8 @@ def apar_step(model_fn, params, state: InterpState, cfg: InterpreterConfig, forc
   state = apar.apply_spawn(state, plan, cfg)
   inserted = apar.spawn_records(state, plan)
   state = apar.assign_slots(state, plan)
-  sampled, lane_logits, pool = model_on_feeders(model_fn, params, state, plan.feed, plan.slots, cfg, forced)
-  state = dataclasses.replace(state, pool=pool)
+  sampled, refused, lane_logits, pool = model_on_feeders(model_fn, params, state, plan.feed, plan.slots, cfg, forced)
+  state = dataclasses.replace(state, pool=pool, fork_refusals=state.fork_refusals + refused.sum(axis=1))
   if forced:
     state = threads.advance_scripts(state, plan, cfg)
   state, recorded = apar.apply_samples(state, plan, sampled, cfg)
@@ -243,7 +255,7 @@ def prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len
   last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)  # [B, 1, V]
   key = jax.random.key(seed)
   state = init_state(pool, prompt_len, lengths, jnp.zeros_like(lengths), script, script_len, cfg, vocab_size, 0, key)
-  first = choose_tokens(last, jnp.zeros((batch, 1), jnp.int32), state, cfg, forced)[:, 0]
+  first = choose_tokens(last, jnp.zeros((batch, 1), jnp.int32), state, cfg, forced)[0][:, 0]
   state = init_state(pool, prompt_len, lengths, first, script, script_len, cfg, vocab_size, 1, key)
   if cfg.record_logits:
     state = dataclasses.replace(state, record_logits=state.record_logits.at[:, 0].set(last[:, 0]))
@@ -269,6 +281,8 @@ class RunOutput:
   stalls: int
   finished: bool
   truncated: bool
+  pool_full: bool = False  # truncated because the pool had no room (not by the step budget)
+  fork_refusals: int = 0  # APAR: forks the depth limit or a full lane table refused (sample_constrained)
   peak_live_slots: int = 0  # most pool slots valid at once (the prompt included)
   parents: np.ndarray | None = None  # [U] the thread that spawned each thread (-1: main / never spawned)
   slot_table: np.ndarray | None = None  # [S, 4] final (owner, write order, position, valid) per pool slot
@@ -332,8 +346,8 @@ def unpack(final: InterpState, cfg: InterpreterConfig) -> list[RunOutput]:
     outputs.append(RunOutput(
         records=np.asarray(final.records[b, :n]),
         logits=np.asarray(final.record_logits[b, :n]) if cfg.record_logits else None,
-        steps=int(final.last_fed_step[b]), stalls=int(final.stalls[b]),
-        finished=bool(final.finished[b]), truncated=bool(final.truncated[b]),
+        steps=int(final.last_fed_step[b]), stalls=int(final.stalls[b]), fork_refusals=int(final.fork_refusals[b]),
+        finished=bool(final.finished[b]), truncated=bool(final.truncated[b]), pool_full=bool(final.pool_full[b]),
         peak_live_slots=int(final.peak_live[b]), parents=np.asarray(final.parent[b]),
         slot_table=np.stack([np.asarray(final.slot_owner[b]), np.asarray(final.slot_order[b]),
                              np.asarray(final.slot_pos[b]), np.asarray(final.slot_valid[b], np.int32)], axis=1)))

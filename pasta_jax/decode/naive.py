@@ -108,7 +108,7 @@ def model_on_rows(model_fn: ModelFn, params, state: NaiveState, plan: threads.Fe
                           state.pool, slots.reshape(rows, 1), state.row_pos.reshape(rows, num_slots))
   logits = logits.reshape(batch, lanes, -1)  # [B, T, V]
   rows_lane = jnp.broadcast_to(jnp.arange(lanes, dtype=jnp.int32), (batch, lanes))
-  sampled = jnp.where(plan.feed, choose_tokens(logits, rows_lane, table, cfg, forced), -1)
+  sampled = jnp.where(plan.feed, choose_tokens(logits, rows_lane, table, cfg, forced)[0], -1)
   lane_logits = jnp.where(plan.feed[..., None], logits, 0.0) if cfg.record_logits else None
   return sampled, lane_logits, pool
 
@@ -244,7 +244,7 @@ def naive_prefill_and_run(model_fn, params, prompt_tokens, lengths, script, scri
   init = functools.partial(interpreter.init_state, None, prompt_len, lengths, script=script,
                            script_len=script_len, cfg=cfg, vocab_size=vocab_size, key=jax.random.key(seed))
   table = init(first=jnp.zeros_like(lengths), main_script_ptr=0)
-  first = choose_tokens(last, jnp.zeros((lengths.shape[0], 1), jnp.int32), table, cfg, forced)[:, 0]
+  first = choose_tokens(last, jnp.zeros((lengths.shape[0], 1), jnp.int32), table, cfg, forced)[0][:, 0]
   table = init(first=first, main_script_ptr=1)  # main's script starts after the prefill token
   if cfg.record_logits:
     table = dataclasses.replace(table, record_logits=table.record_logits.at[:, 0].set(last[:, 0]))

@@ -8,16 +8,16 @@ from typing import Literal
 import jax
 
 from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.lang import schema
 from pasta_jax.lang.tags import TagVocab
 from pasta_jax.model.gemma import KVPool
 
 # Lane status codes.
 FREE, RUNNING, CLOSING, DONE = 0, 1, 2, 3
 # Record columns: one row per token that becomes pending (docs/interpreter.md, What is recorded).
-STEP, LANE, THREAD, TOKEN, POSITION = range(5)
-PositionMode = Literal["pred", "fixed", "oracle"]
+STEP, LANE, THREAD, TOKEN, POSITION = schema.STEP, schema.LANE, schema.THREAD, schema.TOKEN, schema.POSITION
+PositionMode = schema.PositionMode
 Mode = Literal["pasta", "apar"]
-FIXED_BLOCK_LENGTH = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +49,7 @@ class InterpreterConfig:
       raise ValueError("initial_threads > 1 (a fan-out) needs mode='apar': PASTA threads start at promises")
     if self.max_depth < 0:
       raise ValueError(f"max_depth must be >= 0, got {self.max_depth}")
-    if self.position_mode not in ("pred", "fixed", "oracle"):
-      raise ValueError(f"unknown position mode {self.position_mode!r}; use pred, fixed or oracle")
+    schema.check_position_mode(self.position_mode)
 
   @property
   def max_records(self) -> int:
@@ -90,7 +89,9 @@ class InterpState:
   # Request outcome.
   finished: jax.Array  # [B] bool
   truncated: jax.Array  # [B] bool
+  pool_full: jax.Array  # [B] bool: stopped because a step found no room in the pool (or, APAR, a deadlock)
   stalls: jax.Array  # [B] int32
+  fork_refusals: jax.Array  # [B] int32 APAR: most likely token was [Fork], refused by a limit
   last_fed_step: jax.Array  # [B] int32
   step: jax.Array  # [] int32
   # Records.

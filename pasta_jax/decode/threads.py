@@ -15,12 +15,12 @@ import jax.numpy as jnp
 from pasta_jax.decode.state import (
   CLOSING,
   DONE,
-  FIXED_BLOCK_LENGTH,
   FREE,
   RUNNING,
   InterpreterConfig,
   InterpState,
 )
+from pasta_jax.lang import schema
 from pasta_jax.lang.tags import reserved_span
 from pasta_jax.visibility import UNBOUNDED
 
@@ -134,13 +134,9 @@ def next_main_position(state: InterpState, plan: FeedPlan, cfg: InterpreterConfi
                        length_table: jax.Array, spawned_thread: jax.Array) -> jax.Array:
   """p + 1, or p + 1 + R after main's promise (R per position mode)."""
   fed = state.token[:, 0]
-  if cfg.position_mode == "pred":
-    block = length_table[fed]
-  elif cfg.position_mode == "fixed":
-    block = jnp.full_like(fed, FIXED_BLOCK_LENGTH)
-  else:  # oracle: the scripted block's true length (its script is content + </async>)
-    true_len = jnp.take_along_axis(state.script_len, spawned_thread[:, None], axis=1)[:, 0] - 1
-    block = true_len
+  block = schema.block_length(  # oracle: the scripted block's true length (its script is content + </async>)
+      cfg.position_mode, lambda: length_table[fed],
+      lambda: jnp.take_along_axis(state.script_len, spawned_thread[:, None], axis=1)[:, 0] - 1)
   skip = jnp.where(plan.spawn, reserved_span(block), 0)
   return state.position[:, 0] + 1 + skip
 
@@ -173,6 +169,7 @@ def apply_samples(state: InterpState, plan: FeedPlan, sampled: jax.Array, cfg: I
       in_promise=in_promise,
       finished=state.finished | finished,
       truncated=state.truncated | plan.out_of_room,
+      pool_full=state.pool_full | plan.out_of_room,
       stalls=state.stalls + plan.stall,
       last_fed_step=jnp.where(fed_any, state.step, state.last_fed_step),
   )

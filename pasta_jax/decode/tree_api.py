@@ -17,10 +17,11 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from pasta_jax.decode import api, tree
+from pasta_jax.decode import api
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.state import THREAD, TOKEN
 from pasta_jax.errors import PastaError, TagError
+from pasta_jax.lang import apar_tree as tree
 from pasta_jax.lang.tags import TagVocab
 
 FORK_TAG, CHILD_OPEN, CHILD_CLOSE = "<fork/>", "<child>", "</child>"
@@ -43,6 +44,7 @@ class TreeResult:
   content_tokens: int  # tokens of the answer without FORK / CHILD / end ids
   critical_path: int  # steps with unlimited lanes
   theoretical_speedup: float  # content_tokens / critical_path
+  fork_refusals: int = 0  # forks the depth limit or a full lane table refused (counted, not silent)
 
 
 def encode_apar_text(text: str, tokenizer: api.LangTokenizer, vocab: TagVocab, where: str = "",
@@ -125,7 +127,7 @@ def to_tree_result(run, seconds: float, tokenizer: api.LangTokenizer, vocab: Tag
                     records=run.records, parents=run.parents, steps=run.steps, stalls=run.stalls,
                     finished=run.finished, truncated=run.truncated, peak_live_slots=run.peak_live_slots,
                     seconds=seconds, content_tokens=content, critical_path=path,
-                    theoretical_speedup=content / path if path else math.nan)
+                    theoretical_speedup=content / path if path else math.nan, fork_refusals=run.fork_refusals)
 
 
 def run_tree_ids(model, ids: Sequence[Sequence[int]], *, scripts=None, params=None, max_new_tokens: int = 256,

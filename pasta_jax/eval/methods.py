@@ -15,7 +15,7 @@ overhead over plain decoding (about 7% on CPU, `bench.interpreter`).
 
 A method's `reference` is what it is measured against: None means the run's baseline. Methods are
 named `name[:model_path]` (no path: the run's default model). The baselines (apar, apar-forced, sot,
-sot-router) live in pasta_jax/baselines/methods.py and plug in with `register_method`.
+sot-router) live in pasta_jax/baselines/methods.py; `eval/registry.py` lists every method by name.
 """
 
 from __future__ import annotations
@@ -194,39 +194,12 @@ def _pasta_forced(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
                            reference=twin)
 
 
-METHODS: dict[str, MethodFactory] = {
+CORE_METHODS: dict[str, MethodFactory] = {
   "sequential": _sequential,
   "pasta": _pasta,
   "pasta-forced": _pasta_forced,
   "sequential-forced": _sequential_forced,
-}
-
-
-def register_method(name: str, factory: MethodFactory) -> None:
-  """The extension point (APAR, SoT, SoT-router): `factory(spec, model, settings)` -> a Method."""
-  METHODS[name] = factory
-
-
-def _register_baselines() -> None:
-  import pasta_jax.baselines.methods  # noqa: F401  (registers apar, apar-forced, sot, sot-router)
-
-
-def parse_spec(text: str) -> MethodSpec:
-  """'name' or 'name:model_path' -> MethodSpec; unknown names raise MethodError listing the known ones."""
-  _register_baselines()
-  name, colon, path = text.strip().partition(":")
-  if name not in METHODS:
-    known = ", ".join(METHODS)
-    raise MethodError(f"unknown method {name!r}; known methods: {known} (write name or name:model_path)")
-  if colon and not path:
-    raise MethodError(f"method spec {text!r} has an empty model path after ':'")
-  return MethodSpec(name, path or None)
-
-
-def build_method(spec: MethodSpec, settings: DecodeSettings, load: Callable[[str | None], object],
-                 default_model: str | None = None) -> Method:
-  """The method for `spec`; `load(path)` gives a loaded model (None: the embedded one)."""
-  return METHODS[spec.name](spec, load(spec.model_path or default_model), settings)
+}  # the paper's baselines add theirs in baselines/methods.py; eval/registry.py holds them all
 
 
 @functools.lru_cache(maxsize=4)

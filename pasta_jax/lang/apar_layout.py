@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pasta_jax.decode.tree import Node, parse_tree
 from pasta_jax.errors import PastaError
+from pasta_jax.lang.apar_tree import Node, parse_tree
 from pasta_jax.lang.layout import Layout, stream_targets
 from pasta_jax.lang.tags import TagVocab
 from pasta_jax.visibility import HIDDEN

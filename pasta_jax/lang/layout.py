@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.errors import PastaError
+from pasta_jax.lang import schema
 from pasta_jax.lang.tags import TagVocab, reserved_span
 from pasta_jax.lang.tokens import (
   TokBlock,
@@ -49,8 +49,8 @@ from pasta_jax.lang.tokens import (
 )
 from pasta_jax.visibility import HIDDEN, UNBOUNDED, visible
 
-PositionMode = Literal["pred", "fixed", "oracle"]
-FIXED_BLOCK_LENGTH = 40  # the "fixed" ablation reserves reserved_span(40) = 42 positions per block
+PositionMode = schema.PositionMode
+FIXED_BLOCK_LENGTH = schema.FIXED_BLOCK_LENGTH
 NO_TARGET = 0
 
 
@@ -87,14 +87,11 @@ def mask(layout: Layout) -> jax.Array:
 
 
 def block_length(mode: PositionMode, promise: TokPromise, block: TokBlock) -> int:
-  """The block length R is reserved for (R = reserved_span of it)."""
-  if mode == "pred":
-    return promise.tokens
-  if mode == "fixed":
-    return FIXED_BLOCK_LENGTH
-  if mode == "oracle":
-    return len(block.content)
-  raise PastaError(f"unknown position mode {mode!r}; use pred, fixed or oracle")
+  """The block length R is reserved for (R = reserved_span of it): `schema.block_length`."""
+  try:
+    return schema.block_length(mode, lambda: promise.tokens, lambda: len(block.content))
+  except ValueError as err:
+    raise PastaError(str(err)) from None
 
 
 @dataclasses.dataclass

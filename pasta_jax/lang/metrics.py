@@ -30,11 +30,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from pasta_jax.lang.schema import LANE, POSITION, STEP, THREAD, TOKEN  # noqa: F401 (record columns, re-exported)
 from pasta_jax.lang.tags import TagVocab
 from pasta_jax.lang.tokens import TokBlock, TokPromise, TokSync, TokText, parse_tokens, split_end
-
-# Record columns of the interpreter (pasta_jax.decode.state): (step, lane, thread, token, position).
-STEP, LANE, THREAD, TOKEN, POSITION = range(5)
 
 
 @dataclasses.dataclass(frozen=True)

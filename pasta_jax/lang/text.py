@@ -42,6 +42,9 @@ TAG_PATTERN = re.compile(
     r'(?P<promise><promise topic="(?P<topic>' + _TOPIC + r')" tokens="(?P<tokens>' + _TOPIC + r')"/>)'
     r"|(?P<open><async>)|(?P<close></async>)|(?P<sync><sync/>)")
 ASYNC, ASYNC_END, SYNC = "<async>", "</async>", "<sync/>"
+# What looks like a tag but is not one (`<sync />`, `<promise topic='x' .../>`, `< async>`, ...): in the
+# promise form these are plain text, so a model would learn them as words. `near_misses` finds them.
+NEAR_MISS_PATTERN = re.compile(r"<\s*/?\s*(?:promise|async|sync)\b[^<>]*>", re.IGNORECASE)
 
 # The annotator's form (the later paper, Appendix A): `<async topic='x'>...</async>` and `<sync/>`.
 # LLM output, so a little lenient: either quote style, whitespace around `=` and before `>`, and
@@ -200,6 +203,11 @@ def check_segments(segments: Sequence[Segment]) -> None:
       _check_plain(seg.text, f"segment {i}")
     elif not isinstance(seg, Sync):
       raise TagError(f"segment {i}: not a PASTA-LANG segment: {seg!r}")
+
+
+def near_misses(text: str) -> list[str]:
+  """Spans of promise-form `text` that look like PASTA-LANG tags but are plain text (not exact tags)."""
+  return [m.group() for m in NEAR_MISS_PATTERN.finditer(text) if not TAG_PATTERN.fullmatch(m.group())]
 
 
 def _check_plain(text: str, name: str) -> None:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.errors import ConfigError, WeightsError
-from pasta_jax.model.config import GemmaConfig
+from pasta_jax.model.config import GemmaConfig, config_from_dict, config_to_dict
 
 META_FILE = "pasta_config.json"
 PARAMS_DIR = "params"
@@ -30,23 +30,6 @@ FORMAT = 1
 def is_checkpoint(path: str | os.PathLike) -> bool:
   from pasta_jax.paths import run_path
   return (run_path(path) / META_FILE).is_file()
-
-
-def config_to_dict(config: GemmaConfig) -> dict[str, Any]:
-  out = dataclasses.asdict(config)
-  out["layer_kinds"] = list(config.layer_kinds)
-  return out
-
-
-def config_from_dict(fields: dict[str, Any]) -> GemmaConfig:
-  known = {f.name for f in dataclasses.fields(GemmaConfig)}
-  unknown = sorted(set(fields) - known)
-  if unknown:
-    raise ConfigError(f"checkpoint config has fields this version does not know: {unknown}")
-  try:
-    return GemmaConfig(**{**fields, "layer_kinds": tuple(fields["layer_kinds"])})
-  except (TypeError, KeyError, ValueError) as e:
-    raise ConfigError(f"invalid checkpoint config: {e}") from None
 
 
 def describe_difference(a: GemmaConfig, b: GemmaConfig) -> str:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
+
+from pasta_jax.errors import ConfigError
 
 Family = Literal["gemma1", "gemma2", "gemma3"]
 LayerKind = Literal["global", "local"]
@@ -124,3 +126,20 @@ def get_config(name: str) -> GemmaConfig:
     return PRESETS[name]
   except KeyError:
     raise ValueError(f"unknown model config {name!r}; known: {', '.join(sorted(PRESETS))}") from None
+
+
+def config_to_dict(config: GemmaConfig) -> dict[str, Any]:
+  out = dataclasses.asdict(config)
+  out["layer_kinds"] = list(config.layer_kinds)
+  return out
+
+
+def config_from_dict(fields: dict[str, Any]) -> GemmaConfig:
+  known = {f.name for f in dataclasses.fields(GemmaConfig)}
+  unknown = sorted(set(fields) - known)
+  if unknown:
+    raise ConfigError(f"checkpoint config has fields this version does not know: {unknown}")
+  try:
+    return GemmaConfig(**{**fields, "layer_kinds": tuple(fields["layer_kinds"])})
+  except (TypeError, KeyError, ValueError) as e:
+    raise ConfigError(f"invalid checkpoint config: {e}") from None

@@ -33,8 +33,7 @@ import numpy as np
 
 from pasta_jax.errors import ConfigError, WeightsError
 from pasta_jax.model import weights
-from pasta_jax.model.checkpoint import config_from_dict, config_to_dict
-from pasta_jax.model.config import GemmaConfig
+from pasta_jax.model.config import GemmaConfig, config_from_dict, config_to_dict
 
 log = logging.getLogger(__name__)
 

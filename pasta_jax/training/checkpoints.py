@@ -15,8 +15,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from pasta_jax.errors import ConfigError
-from pasta_jax.model.checkpoint import config_from_dict, config_to_dict, describe_difference
-from pasta_jax.model.config import GemmaConfig
+from pasta_jax.model.checkpoint import describe_difference
+from pasta_jax.model.config import GemmaConfig, config_from_dict, config_to_dict
 from pasta_jax.paths import run_path
 from pasta_jax.training.config import TrainConfig
 from pasta_jax.training.state import TrainState

@@ -41,11 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.decode.sampling import SamplingConfig, lane_key, sample
+from pasta_jax.lang import schema
 from pasta_jax.lang.tags import TagVocab, reserved_span
 
 Record = tuple[int, int, int, int, int]  # (step, lane, thread, token, position)
-POSITION_MODES = ("pred", "fixed", "oracle")
-FIXED_LENGTH = 40  # the fixed-length ablation: R = 40 + 2 for every block
+POSITION_MODES = schema.POSITION_MODES
 
 # Lane states (docs/interpreter.md, State of one request).
 FREE, RUNNING, CLOSING, DONE = "free", "running", "closing", "done"
@@ -98,13 +98,10 @@ def content_length(fork_script: Sequence[int], vocab: TagVocab) -> int:
 
 def span_for(mode: str, length_token: int, vocab: TagVocab, fork_script: Sequence[int] | None) -> int:
   """R, the positions main skips after a `LENGTH` token (docs/interpreter.md, Position modes)."""
-  if mode == "pred":
-    return reserved_span(vocab.length_of(length_token))
-  if mode == "fixed":
-    return reserved_span(FIXED_LENGTH)
-  if fork_script is None:
+  if mode == "oracle" and fork_script is None:
     raise ValueError("position_mode='oracle' needs a script (forced replay only)")
-  return reserved_span(content_length(fork_script, vocab))
+  return reserved_span(schema.block_length(mode, lambda: vocab.length_of(length_token),
+                                           lambda: content_length(fork_script, vocab)))
 
 
 # --- results --------------------------------------------------------------------------------------
@@ -183,7 +180,7 @@ class ReferenceResult:
 
 # --- one request ----------------------------------------------------------------------------------
 @dataclasses.dataclass
-class _Lane:
+class Lane:
   state: str = FREE
   thread: int = -1
   token: int = -1  # pending token: the next input, not yet in the pool
@@ -191,7 +188,7 @@ class _Lane:
 
 
 @dataclasses.dataclass
-class _Settings:
+class Settings:
   model_fn: Callable
   params: object
   vocab: TagVocab
@@ -208,13 +205,13 @@ class _Settings:
   sample_after_script: bool = False
 
 
-class _Request:
+class Request:
   """State of one request (docs/interpreter.md, State of one request), with explicit visible sets."""
 
-  def __init__(self, cfg: _Settings, index: int, prompt: list[int], script: list[list[int]] | None):
+  def __init__(self, cfg: Settings, index: int, prompt: list[int], script: list[list[int]] | None):
     self.cfg, self.index, self.script = cfg, index, script
     self.vocab = cfg.vocab
-    self.lanes = [_Lane() for _ in range(cfg.lanes)]
+    self.lanes = [Lane() for _ in range(cfg.lanes)]
     self.next_thread = 1
     self.cursor: dict[int, int] = {}  # forced mode: next script index per thread
     self.in_promise = False  # main: after PROMISE, before its LENGTH
@@ -335,7 +332,7 @@ class _Request:
     lane = self.lanes[index]
     if lane.state == CLOSING:
       # It just wrote </async>: its logits are dropped (so never computed) and the lane is free.
-      self.lanes[index] = _Lane()
+      self.lanes[index] = Lane()
       return
     fed = lane.token
     row = self._model_row(slot)
@@ -414,56 +411,3 @@ def _bucket(n: int) -> int:
 
 
 # --- entry point ----------------------------------------------------------------------------------
-def run_reference(model_fn: Callable, params, prompts: list[list[int]], vocab: TagVocab, *, lanes: int,
-                  max_threads: int, pool_slots: int, max_steps: int, sampling: SamplingConfig,
-                  script: list[list[list[int]]] | None = None,
-                  position_mode: str = "pred", bucket: bool = True, mode: str = "pasta",
-                  max_depth: int = 3, initial_threads: int = 1,
-                  sample_after_script: bool = False) -> list[ReferenceResult]:
-  """Run each request alone, exactly as docs/interpreter.md says; B prompts -> B results.
-
-  model_fn: the signature of `Gemma(cfg).apply` / `toy_model.toy_apply`, called without a pool.
-  lanes: T (lane 0 = main); max_threads: U (thread ids 0 ... U-1, main included); pool_slots: S
-  (the prompt included); max_steps: the budget for steps 1, 2, ... (step 0 is not counted).
-  script: forced replay: script[b][u] is thread u's tokens (main's ending with an end id; a fork's
-  content ending with ASYNC_END, without the inserted ASYNC). The model still runs and its logits
-  are recorded. position_mode: 'pred' (R from LENGTH), 'fixed' (R = 42), 'oracle' (R = true
-  block length + 2; forced mode only). mode: "pasta", or "apar" (`reference_apar`; max_depth is
-  its fork depth limit, initial_threads its fan-out, sample_after_script makes scripts prefixes
-  that sampling continues). bucket: pad each model call to a power-of-two length
-  (fewer shapes to compile) with pad rows masked out both ways, which leaves the query's row
-  unchanged up to float summation order; False makes the literal unpadded call.
-  """
-  if position_mode not in POSITION_MODES:
-    raise ValueError(f"position_mode must be one of {POSITION_MODES}, got {position_mode!r}")
-  if position_mode == "oracle" and script is None:
-    raise ValueError("position_mode='oracle' needs a script (forced replay only)")
-  if script is not None and len(script) != len(prompts):
-    raise ValueError(f"script has {len(script)} requests, prompts has {len(prompts)}")
-  if lanes < 1 or max_threads < 1 or max_steps < 0:
-    raise ValueError(f"need lanes >= 1, max_threads >= 1, max_steps >= 0 (got {lanes}, {max_threads}, "
-                     f"{max_steps})")
-  if mode not in ("pasta", "apar"):
-    raise ValueError(f"mode must be pasta or apar, got {mode!r}")
-  cfg = _Settings(model_fn, params, vocab, lanes, max_threads, pool_slots, max_steps, sampling,
-                  position_mode, bucket, mode, max_depth, initial_threads, sample_after_script)
-  return [_run_one(cfg, b, list(prompt), None if script is None else script[b])
-          for b, prompt in enumerate(prompts)]
-
-
-def _run_one(cfg: _Settings, index: int, prompt: list[int], script) -> ReferenceResult:
-  """Start, then steps 1 ... max_steps until finished or truncated (docs/interpreter.md, Stop)."""
-  if not 0 < len(prompt) <= cfg.pool_slots:
-    raise ValueError(f"request {index}: prompt of {len(prompt)} tokens does not fit {cfg.pool_slots} slots")
-  if cfg.mode == "apar":
-    from pasta_jax.decode.reference_apar import AparRequest
-    request = AparRequest(cfg, index, prompt, script)
-  else:
-    request = _Request(cfg, index, prompt, script)
-  for step in range(1, cfg.max_steps + 1):
-    request.step(step)
-    if request.finished or request.truncated:
-      break
-  if not request.finished:
-    request.truncated = True  # the step budget ran out
-  return request.result()

@@ -24,7 +24,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from pasta_jax.decode.reference import DONE, FREE, RUNNING, ReferenceResult, _Lane, _Request, constrain_logits
+from pasta_jax.decode.reference.pasta import DONE, FREE, RUNNING, Lane, ReferenceResult, Request, constrain_logits
 from pasta_jax.decode.sampling import lane_key, sample
 from pasta_jax.lang.tags import TagVocab
 
@@ -41,6 +41,7 @@ def apar_constraint_mask(vocab: TagVocab, vocab_size: int, may_fork: bool) -> np
 @dataclasses.dataclass(frozen=True, eq=False)
 class AparReferenceResult(ReferenceResult):
   peak_live: int = 0
+  fork_refusals: int = 0  # rows at a limit whose most likely grammatical token was [Fork]
   parents: dict[int, int] = dataclasses.field(default_factory=dict)  # thread -> parent thread
   slot_table: dict[int, tuple[int, int, int, bool]] = dataclasses.field(default_factory=dict)
   # slot -> (owner, write order, position, valid) as the pool holds it at the end
@@ -64,7 +65,7 @@ class AparReferenceResult(ReferenceResult):
     return walk(0)
 
 
-class AparRequest(_Request):
+class AparRequest(Request):
   """One request in APAR mode (module doc)."""
 
   def __init__(self, cfg, index, prompt, script):
@@ -78,6 +79,7 @@ class AparRequest(_Request):
     self.live = set(range(len(prompt)))
     self.next_order = len(prompt)
     self.peak_live = len(prompt)
+    self.fork_refusals = 0
     self._fan_out(len(prompt))
 
   def _fan_out(self, prompt_len: int) -> None:
@@ -167,7 +169,7 @@ class AparRequest(_Request):
       if index == 0:
         lane.state = DONE
       else:
-        self.lanes[index] = _Lane()
+        self.lanes[index] = Lane()
       return
     lane.token, lane.position = token, position
 
@@ -184,9 +186,12 @@ class AparRequest(_Request):
     if scripted:
       return self._forced(thread)
     fed = self.fed_token
-    may_fork = (fed not in (self.vocab.apar_fork, self.vocab.apar_child) and self.depth[thread] < self.cfg.max_depth
-                and self.has_free)
-    allowed = apar_constraint_mask(self.vocab, row.shape[-1], may_fork)
+    grammar_may_fork = fed not in (self.vocab.apar_fork, self.vocab.apar_child)
+    under_limits = self.depth[thread] < self.cfg.max_depth and self.has_free
+    if grammar_may_fork and not under_limits:  # a refused fork is counted, not silent
+      top = int(np.argmax(constrain_logits(row, apar_constraint_mask(self.vocab, row.shape[-1], True))))
+      self.fork_refusals += top == self.vocab.apar_fork
+    allowed = apar_constraint_mask(self.vocab, row.shape[-1], grammar_may_fork and under_limits)
     key = lane_key(jax.random.key(self.cfg.sampling.seed), self.index, step, lane)
     return int(sample(constrain_logits(row, allowed), key, self.cfg.sampling))
 
@@ -204,4 +209,5 @@ class AparRequest(_Request):
     table = {slot: (owner, self.order[slot], position, slot in self.live)
              for slot, (_, owner, position) in enumerate(self.entries)}
     return AparReferenceResult(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ReferenceResult)},
-                               peak_live=self.peak_live, parents=dict(self.parents), slot_table=table)
+                               peak_live=self.peak_live, fork_refusals=self.fork_refusals, parents=dict(self.parents),
+                               slot_table=table)

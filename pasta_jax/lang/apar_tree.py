@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pasta_jax.decode.state import THREAD, TOKEN
 from pasta_jax.errors import TagError
+from pasta_jax.lang.schema import THREAD, TOKEN
 from pasta_jax.lang.tags import TagVocab
 
 
