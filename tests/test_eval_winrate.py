@@ -45,9 +45,13 @@ def test_raw_win_rates_by_hand():
   assert rates.standard_error == pytest.approx(np.std([1, 0, 0.5, 0.75, 0.75], ddof=1) / math.sqrt(5) * 100)
 
 
-def test_lc_of_ties_at_equal_lengths_is_fifty():
-  rates = W.win_rates([0.5] * 8, [100] * 8, [100] * 8)  # identical lengths: std of differences is 0
-  assert rates.lc_win_rate == pytest.approx(50.0)
+@pytest.mark.parametrize("p", [[0.7] * 20, [0.9, 0.5] * 10, [0.3] * 20, [0.5] * 8])
+def test_lc_at_equal_lengths_is_the_raw_win_rate(p):
+  """With no length difference there is nothing to control for: LC equals the raw rate (70, 70, 30, 50),
+  which a fit that ignored the judgements (always 50) or mis-signed the intercept would miss."""
+  rates = W.win_rates(p, [100] * len(p), [100] * len(p))  # identical lengths: std of differences is 0
+  assert rates.lc_win_rate == pytest.approx(rates.win_rate, abs=0.01)
+  assert rates.win_rate == pytest.approx(100 * sum(p) / len(p))
   assert rates.lc_note == ""
 
 
@@ -68,7 +72,7 @@ def test_lc_discounts_a_win_that_comes_from_length():
 
 
 def test_group_folds_follow_sklearn_group_kfold():
-  sklearn_model_selection = pytest.importorskip("sklearn.model_selection", reason="scikit-learn not installed")
+  from sklearn import model_selection as sklearn_model_selection  # a dev dependency: this check always runs
   n = 13
   folds = np.zeros(n, int)
   for k, (_, test) in enumerate(sklearn_model_selection.GroupKFold(n_splits=5).split(np.zeros(n), groups=range(n))):
@@ -81,8 +85,7 @@ def alpaca_glm():
   """The library's GLM module, reading our gamed rows and difficulties instead of the hub's CSV."""
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    glm = pytest.importorskip("alpaca_eval.metrics.glm_winrate",
-                              reason="alpaca-eval not installed (pip install -e '.[eval]'): no reference value")
+    from alpaca_eval.metrics import glm_winrate as glm  # a dev dependency: the reference value always exists
   return glm
 
 

@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--seq-len", type=int, default=192)
   parser.add_argument("--num-threads", type=int, default=16)
   parser.add_argument("--held-out", type=float, default=0.03, help="share of kept records held out")
-  parser.add_argument("--min-saving", type=int, default=8,
+  parser.add_argument("--min-saving", type=int, default=6,
                       help="an item forks only if that saves main at least this many tokens (its body minus "
                            "its promise); answers whose items all fall short train as plain answers")
   parser.add_argument("--verify", action="store_true", help="keep only records the model-verified filter accepts")
