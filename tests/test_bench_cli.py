@@ -38,3 +38,12 @@ def test_default_data_loads(name):
   for flag in DATA_FLAGS:
     if hasattr(args, flag):  # the very call the bench's main makes to read it
       assert sources.read_records(getattr(args, flag), 2), f"bench.{name} --{flag} default gives no records"
+
+
+@pytest.mark.parametrize("name, command", [("generate", "generate"), ("eval", "eval")])
+def test_infer_entry_points_are_the_cli_commands(name, command, capsys):
+  module = importlib.import_module(f"infer.{name}")
+  with pytest.raises(SystemExit) as exit_info:
+    module.main(["--help"])
+  assert exit_info.value.code == 0
+  assert f"usage: pasta {command}" in capsys.readouterr().out
