@@ -81,17 +81,17 @@ def test_no_lower_layer_imports_a_higher_one():
 
 def test_no_import_circles():
   graph = {module_name(p): project_imports(p) - {module_name(p)} for p in SOURCES}
-  state: dict[str, int] = {}
+  state: dict[str, str] = {}  # "open" while on the depth-first path, then "done"
   circles = []
 
   def visit(node, stack):
-    state[node] = 1
-    for nxt in sorted(graph.get(nxt_ := node, ())):
-      if state.get(nxt) == 1:
+    state[node] = "open"
+    for nxt in sorted(graph.get(node, ())):
+      if state.get(nxt) == "open":
         circles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
       elif nxt not in state:
         visit(nxt, stack + [nxt])
-    state[nxt_] = 2
+    state[node] = "done"
 
   for node in sorted(graph):
     if node not in state:

@@ -30,7 +30,9 @@ from pasta_jax.lang.tags import round_length
 ITEM = re.compile(r"^[ \t]*(?:[-*+•]|\d{1,3}[.)])[ \t]+\S")
 MARKER = re.compile(r"^[ \t]*(?:[-*+•]|\d{1,3}[.)])[ \t]+")
 WORD = re.compile(r"[A-Za-z0-9][\w'’-]*")
-PROMISE_COST = 3  # tokens main writes besides the topic: <promise>, the length token, the inserted <async>
+# What a fork costs besides its topic: main writes <promise> and the length token, and the fork's own
+# inserted <async> lies on the critical path too (an estimate: the end-of-block tokens are not counted)
+PROMISE_COST = 3
 
 
 def split_items(text: str) -> list[tuple[str, str]]:
