@@ -18,9 +18,9 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="pasta", description="PASTA learned asynchronous decoding in JAX.")
-  parser.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
-                      help="compile from scratch: do not use JAX's persistent compilation cache "
-                           f"(default: on, in ~/.cache/pasta_jax/xla or ${compile_cache.ENV}; 'off' there too)")
+  parser.add_argument("--compile-cache", action="store_true",
+                      help="keep compiled executables in JAX's persistent cache (~/.cache/pasta_jax/xla, or "
+                           f"${compile_cache.ENV}) so a second run skips compiling; off by default")
   sub = parser.add_subparsers(dest="command", required=True)
   gen = sub.add_parser("generate", help="decode a prompt (plain, or PASTA with --pasta)")
   gen.add_argument("prompt")
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   try:
-    compile_cache.enable(compile_cache.cache_folder() if args.compile_cache else None)
+    compile_cache.enable(compile_cache.cache_folder(requested=args.compile_cache))
     if args.command == "generate":
       from pasta_jax.commands.generate import run_generate
 

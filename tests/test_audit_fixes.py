@@ -27,7 +27,7 @@ def test_oracle_positions_without_a_script_are_refused(after_script):
 
 
 def test_compile_cache_keeps_executables_for_the_next_process(tmp_path):
-  """Every `pasta` command turns JAX's persistent cache on; the second process finds the first's entries."""
+  """With the cache on, the second process finds the first's entries."""
   import subprocess
   import sys
   program = ("import sys, jax, jax.numpy as jnp; from pathlib import Path; from pasta_jax import compile_cache; "
@@ -38,10 +38,12 @@ def test_compile_cache_keeps_executables_for_the_next_process(tmp_path):
 
 def test_compile_cache_flag_and_setting(monkeypatch, tmp_path):
   from pasta_jax import cli, compile_cache
-  assert cli.build_parser().parse_args(["--no-compile-cache", "plan", "x.json"]).compile_cache is False
-  assert cli.build_parser().parse_args(["plan", "x.json"]).compile_cache is True
+  assert cli.build_parser().parse_args(["--compile-cache", "plan", "x.json"]).compile_cache is True
+  assert cli.build_parser().parse_args(["plan", "x.json"]).compile_cache is False
+  monkeypatch.delenv(compile_cache.ENV, raising=False)
+  assert compile_cache.cache_folder() is None and compile_cache.cache_folder(requested=True) is not None
   monkeypatch.setenv(compile_cache.ENV, "off")
-  assert compile_cache.cache_folder() is None
+  assert compile_cache.cache_folder(requested=True) is None
   monkeypatch.setenv(compile_cache.ENV, str(tmp_path))
   assert compile_cache.cache_folder() == tmp_path
   assert compile_cache.enable(None) is None
