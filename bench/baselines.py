@@ -22,8 +22,9 @@ from bench.interpreter import DATA
 from pasta_jax.data.apar_format import apar_annotate
 from pasta_jax.data.sources import read_records
 from pasta_jax.data.structural import annotate
-from pasta_jax.decode import api, tree_api
-from pasta_jax.decode.plain import bucket
+from pasta_jax.decode import api
+from pasta_jax.decode.apar_text import encode_apar_text
+from pasta_jax.decode.loop import bucket
 from pasta_jax.errors import TagError
 from pasta_jax.lang.metrics import geometric_mean
 from pasta_jax.model.load import load_model
@@ -44,7 +45,7 @@ def candidates(model, path: str, answer_tokens: int, prompt_bucket: int, limit: 
       continue
     try:
       api.forced_scripts(pasta, lang, vocab)
-      tree_api.encode_apar_text(apar, lang, vocab)
+      encode_apar_text(apar, lang, vocab)
     except TagError:
       continue
     yield row["id"], prompt, plain, pasta, apar
@@ -57,7 +58,7 @@ def measure(model, prompt, plain, pasta, apar, args) -> dict:
   kw = dict(max_new_tokens=args.new_tokens, lanes=args.lanes)
   seq = second_of_two(lambda: api.generate(model, [prompt], forced_answers=[plain], **kw)[0])
   par = second_of_two(lambda: api.generate(model, [prompt], forced_answers=[pasta], **kw)[0])
-  tree = second_of_two(lambda: tree_api.generate_apar(model, [prompt], forced_answers=[apar], **kw)[0])
+  tree = second_of_two(lambda: api.generate(model, [prompt], method="apar", forced_answers=[apar], **kw)[0])
   ok = seq.finished and par.finished and tree.finished and par.text == tree.text == seq.text == plain
   return dict(tokens=seq.content_tokens, pasta_forks=len(par.threads) - 1, apar_forks=len(tree.thread_texts) - 1,
               pasta_speedup=seq.seconds / par.seconds, pasta_theory=par.theoretical_speedup,

@@ -43,6 +43,25 @@ def second_of_two(fn):
   return fn()
 
 
+def plain_step(model, ids, text: str, repeats: int = 1, **kw) -> tuple[float, float]:
+  """(seconds per step, prefill seconds) of plain decoding (`method="sequential"`) on prompt ids `ids`,
+  replaying the tag-free `text` and its first half in the same pool and step budget: the slope and the
+  intercept of the two lengths. Each time is the median of `repeats` runs, each the second of two."""
+  from pasta_jax.decode import api
+  lang = api.LangTokenizer(model.tokenizer)
+  tokens = lang.encode(text)
+  half = lang.decode(tokens[: len(tokens) // 2])
+
+  def run(answer):
+    results = [second_of_two(lambda: api.generate_ids(model, [ids], method="sequential", forced_answers=[answer],
+                                                      **kw)[0]) for _ in range(repeats)]
+    return sorted(r.seconds for r in results)[len(results) // 2], results[0].steps
+
+  (full_s, full_n), (half_s, half_n) = run(text), run(half)
+  step = (full_s - half_s) / max(full_n - half_n, 1)
+  return step, max(full_s - full_n * step, 0.0)
+
+
 def table(rows: list[dict], columns: tuple[str, ...], width: int = 12) -> str:
   """Fixed-width text table; floats with 3 decimals."""
   lines = [" ".join(f"{c:>{width}}" for c in columns)]

@@ -18,24 +18,24 @@ import numpy as np
 
 from bench.common import copy_bandwidth, median_time
 from pasta_jax.decode import api
-from pasta_jax.decode.plain import PlainDecoder
-from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.model.load import embedded_gguf_path, load_model
 
 PROMPT = "Explain why the sky is blue, in a few short paragraphs."
 
 
 def ours(model, prompt_ids, new_tokens, runs, dtype):
-  decoder = PlainDecoder(api.model_fn(model.config, dtype), model.config.num_layers,
-                         model.config.num_kv_heads, model.config.head_dim, eos_ids=(), pool_dtype=dtype)
-  params = api.decode_params(model.params, dtype)
-  sampling = SamplingConfig()
-
+  """Plain greedy decoding through the one interpreter (`method="sequential"`, end ids never sampled, as
+  transformers' min_new_tokens): tokens/s of the device run (prefill included) and the tokens. The prefill
+  samples the first token, each of `new_tokens - 1` steps one more."""
   def run():
-    return decoder.generate(params, [prompt_ids], new_tokens, sampling)
+    [result] = api.generate_ids(model, [prompt_ids], method="sequential", max_new_tokens=new_tokens - 1, dtype=dtype,
+                                ignore_eos=True)
+    return result
 
-  seconds, _ = median_time(run, runs)
-  return new_tokens / seconds, run()[0]
+  run()  # compiles
+  results = [run() for _ in range(runs)]
+  seconds = sorted(r.seconds for r in results)[runs // 2]
+  return new_tokens / seconds, results[0].records[:, 3].tolist()
 
 
 def hf(gguf_path, prompt_ids, new_tokens, runs, device):

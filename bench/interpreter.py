@@ -4,8 +4,8 @@ LIMA answers (truncated to their first ~200 tokens) are annotated structurally (
 blocks, `pasta_jax.data.structural`). For each answer:
   - realized speedup: time(tag-free twin replayed sequentially) / time(annotated answer replayed),
     both through the same interleaved interpreter, against the theoretical speedup of the trace;
-  - sequential overhead: the twin's interpreter step time / a plain decode's step time (PlainDecoder,
-    end ids disabled, same prompt), both net of prefill: plain decoding is timed at two lengths, the
+  - sequential overhead: the twin's step time / a plain decode's step time (`method="sequential"`, the
+    same twin replayed, same prompt), both net of prefill: plain decoding is timed at two lengths, the
     slope is its step time and the intercept the prefill, which is taken off the twin's time too;
   - naive vs interleaved (`decode.naive`, same scripts): time ratio and KV-pool bytes ratio.
 Every time is the second of two runs (the first compiles and warms up). Prompts are kept to one
@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
-import jax.numpy as jnp
 from tqdm import tqdm
 
-from bench.common import second_of_two, table
+from bench.common import plain_step, second_of_two, table
 from pasta_jax.data.sources import resolve_path
 from pasta_jax.data.structural import annotate
 from pasta_jax.decode import api, naive
-from pasta_jax.decode.plain import PlainDecoder, bucket
-from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.decode.loop import bucket
 from pasta_jax.errors import TagError
 from pasta_jax.lang.metrics import geometric_mean
 from pasta_jax.lang.text import strip_tags
@@ -65,24 +62,15 @@ def candidates(model, path: str, answer_tokens: int, prompt_bucket: int, limit: 
     raise SystemExit(f"no answer in {path} has a prompt of padded length {prompt_bucket} and a block to fork")
 
 
-def measure(model, params, plain: PlainDecoder, prompt, ids, annotated, args) -> dict:
+def measure(model, prompt, ids, annotated, args) -> dict:
   kw = dict(max_new_tokens=args.new_tokens, lanes=args.lanes)
   twin_text = strip_tags(annotated)
   ann = second_of_two(lambda: api.generate(model, [prompt], forced_answers=[annotated], **kw)[0])
   twin = second_of_two(lambda: api.generate(model, [prompt], forced_answers=[twin_text], **kw)[0])
 
-  def plain_run(tokens):
-    start = time.perf_counter()
-    out = plain.generate(params, [ids], tokens, SamplingConfig())
-    return out, time.perf_counter() - start
-
   # Two plain lengths give the per-step slope and the prefill (intercept), so the twin's step time is
   # taken net of prefill too, however many steps its answer needs.
-  half = args.new_tokens // 2
-  _, plain_full = second_of_two(lambda: plain_run(args.new_tokens))
-  _, plain_half = second_of_two(lambda: plain_run(half))
-  plain_step = (plain_full - plain_half) / (args.new_tokens - half)
-  prefill = max(plain_full - args.new_tokens * plain_step, 0.0)
+  step, prefill = plain_step(model, ids, twin_text, **kw)
   lang_tok = api.LangTokenizer(model.tokenizer)
   scripts = [api.forced_scripts(annotated, lang_tok, model.tokenizer.tag_vocab())]
   prep = api.prepare(model, [ids], scripts=scripts, **kw)
@@ -94,7 +82,7 @@ def measure(model, params, plain: PlainDecoder, prompt, ids, annotated, args) ->
       tokens=twin.content_tokens, blocks=len(ann.threads) - 1, steps=ann.steps, twin_steps=twin.steps,
       stalls=ann.stalls, t_ann=ann.seconds, t_twin=twin.seconds, realized=twin.seconds / ann.seconds,
       theoretical=ann.theoretical_speedup,
-      seq_overhead=((twin.seconds - prefill) / twin.steps) / plain_step,
+      seq_overhead=((twin.seconds - prefill) / twin.steps) / step,
       naive_time=naive_seconds / ann.seconds, naive_kv=naive_bytes / interleaved_bytes, ok=ok)
 
 
@@ -117,15 +105,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None):
   args = parse_args(argv)
   model = load_model(args.model or "base")
-  dtype = jnp.float32
-  params = api.decode_params(model.params, dtype)  # the plain decoder's; api.prepare finds them cached
-  cfg = model.config
-  plain = PlainDecoder(api.model_fn(cfg, dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eos_ids=(),
-                       pool_dtype=dtype)
   items = list(candidates(model, args.data, args.answer_tokens, args.prompt_bucket, args.limit))
   rows = []
   for answer_id, prompt, ids, annotated in tqdm(items, desc="answers"):
-    rows.append(dict(id=answer_id, **measure(model, params, plain, prompt, ids, annotated, args)))
+    rows.append(dict(id=answer_id, **measure(model, prompt, ids, annotated, args)))
   print(table(rows, COLUMNS))
   means = {k: geometric_mean(r[k] for r in rows) for k in ("realized", "theoretical", "seq_overhead", "naive_time",
                                                             "naive_kv")}

@@ -1,9 +1,11 @@
 """The interpreter's per-step bookkeeping on any device, with no weights file: a step of the interpreter
-against a step of the plain decoder, with random Gemma-3-270M-shaped weights.
+against a step of plain decoding, with random Gemma-3-270M-shaped weights. Both run the one step driver
+(decode/step.py): PASTA's rules on one lane against the sequential rules (no tags, no constraints), so
+the ratio is what PASTA's thread table costs a step.
 
 The interpreter force-replays a synthetic answer (bench.synthetic's) with 1 block (sequential mode:
 one lane) and with 4 blocks, with lane buckets on (the default: a `lax.switch` computes only the
-rows that lanes feed) and off (always all lanes). Its step time is taken net of the plain decoder's
+rows that lanes feed) and off (always all lanes). Its step time is taken net of plain decoding's
 prefill; the plain step is the slope between two lengths. Medians of --repeats runs, each the second
 of two.
 
@@ -14,16 +16,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
-from bench.common import second_of_two
+from bench.common import plain_step, second_of_two
 from bench.synthetic import TEXT, SyntheticTokenizer, answers
 from pasta_jax.decode import api
-from pasta_jax.decode.plain import PlainDecoder
-from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.model.config import get_config
 from pasta_jax.model.gemma import Gemma
 from pasta_jax.model.load import LoadedModel
@@ -34,25 +33,6 @@ def random_model(name: str) -> LoadedModel:
   dummy = jnp.zeros((1, 4), jnp.int32)
   params = jax.jit(Gemma(config).init)(jax.random.key(0), dummy, dummy, jnp.ones((1, 4, 4), bool))
   return LoadedModel(config, params, SyntheticTokenizer(), f"random:{name}")
-
-
-def plain_step(model, prompt, tokens: int, repeats: int, dtype) -> tuple[float, float]:
-  """(seconds per step, prefill seconds) of the plain decoder: slope and intercept of two lengths."""
-  cfg = model.config
-  decoder = PlainDecoder(api.model_fn(cfg, dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eos_ids=(),
-                         pool_dtype=dtype)
-  params = api.decode_params(model.params, dtype)
-
-  def seconds(n):
-    def run():
-      start = time.perf_counter()
-      decoder.generate(params, prompt, n, SamplingConfig())
-      return time.perf_counter() - start
-    return statistics.median(second_of_two(run) for _ in range(repeats))
-
-  full, half = seconds(tokens), seconds(tokens // 2)
-  step = (full - half) / (tokens - tokens // 2)
-  return step, max(full - tokens * step, 0.0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,9 +50,10 @@ def main(argv=None):
   dtype = jnp.dtype(args.dtype)
   model = random_model(args.config)
   prompt = [model.tokenizer.encode("question: " + TEXT)]
-  step, prefill = plain_step(model, prompt, args.tokens, args.repeats, dtype)
+  step, prefill = plain_step(model, prompt[0], answers(args.tokens, 1)[0], args.repeats,
+                             max_new_tokens=args.tokens + 64, dtype=dtype)
   print(f"device: {jax.devices()[0].device_kind}; {args.config} random weights, {args.dtype}")
-  print(f"plain decoder: {1e3 * step:.3f} ms/step, prefill {1e3 * prefill:.2f} ms")
+  print(f"plain decoding (sequential rules): {1e3 * step:.3f} ms/step, prefill {1e3 * prefill:.2f} ms")
   print(f"{'blocks':>6} {'lane_buckets':>12} {'steps':>6} {'ms/step':>8} {'vs plain':>9}")
   ratios = {}
   for blocks in (1, 4):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import second_of_two
-from pasta_jax.decode import api, tree_api
+from pasta_jax.decode import api
 from pasta_jax.lang.tags import TagVocab, round_length
 from pasta_jax.model.config import get_config
 from pasta_jax.model.gemma import Gemma
@@ -82,8 +82,8 @@ def main(argv=None):
     seq = second_of_two(lambda plain=plain: api.generate_ids(model, prompt, forced_answers=[plain], **kw)[0])
     par = second_of_two(lambda pasta=pasta: api.generate_ids(model, prompt, forced_answers=[pasta], **kw)[0])
     apar_lanes = max(args.lanes, blocks + 1)
-    apar_kw = dict(kw, lanes=apar_lanes, scripts=[_apar_scripts(model, apar, apar_lanes)])
-    tree = second_of_two(lambda apar_kw=apar_kw: tree_api.run_tree_ids(model, prompt, **apar_kw)[0])
+    apar_kw = dict(kw, lanes=apar_lanes, forced_answers=[apar], method="apar")
+    tree = second_of_two(lambda apar_kw=apar_kw: api.generate_ids(model, prompt, **apar_kw)[0])
     assert seq.text == par.text == tree.text, "the three replays must write the same text"
     r_pasta, r_apar = seq.seconds / par.seconds, seq.seconds / tree.seconds
     ratios.append((blocks, r_pasta / par.theoretical_speedup, r_apar / tree.theoretical_speedup))
@@ -93,13 +93,6 @@ def main(argv=None):
   pasta_eff = min(r for b, r, _ in ratios if b > 1)
   apar_eff = min(r for b, _, r in ratios if b > 1)
   print(f"RESULT min_pasta_realized_over_theoretical={pasta_eff:.3f} min_apar_realized_over_theoretical={apar_eff:.3f}")
-
-
-def _apar_scripts(model, apar_text: str, lanes: int):
-  from pasta_jax.lang import apar_tree as tree
-  vocab = model.tokenizer.tag_vocab()
-  ids = tree_api.encode_apar_text(apar_text, api.LangTokenizer(model.tokenizer), vocab)
-  return tree.thread_scripts(tree.parse_tree(ids, vocab), vocab, lanes, 64)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ import importlib
 
 _EXPORTS = {
     "generate": "pasta_jax.decode.api",
+    "Result": "pasta_jax.decode.api",
     "PastaResult": "pasta_jax.decode.api",
+    "stream": "pasta_jax.decode.api",
     "SamplingConfig": "pasta_jax.decode.sampling",
     "load_model": "pasta_jax.model.load",
 }

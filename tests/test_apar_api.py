@@ -8,8 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pasta_jax.decode import api
 from pasta_jax.decode.api import LangTokenizer, prompt_ids
-from pasta_jax.decode.tree_api import encode_apar_text, generate_apar
+from pasta_jax.decode.apar_text import encode_apar_text
 from pasta_jax.errors import TagError
 from pasta_jax.lang import apar_tree as tree
 from tests.tiny import tiny_model
@@ -29,7 +30,7 @@ def strip(text: str) -> str:
 @pytest.mark.parametrize("lanes", [3, 4])
 @pytest.mark.parametrize("answer", [LIST, NESTED, "no forks at all"])
 def test_forced_apar_answers_replay_in_tree_order(answer, lanes):
-  (result,) = generate_apar(MODEL, ["q"], forced_answers=[answer], lanes=lanes)
+  (result,) = api.generate(MODEL, ["q"], method="apar", forced_answers=[answer], lanes=lanes)
   assert result.finished and not result.truncated
   assert result.annotated == answer and result.text == strip(answer)
   assert len(result.thread_texts) == 1 + answer.count("<fork/>")
@@ -39,13 +40,13 @@ def test_forced_apar_answers_replay_in_tree_order(answer, lanes):
 def test_a_forced_deadlock_stops_cleanly(answer, lanes):
   """Every running lane waits on a fork no lane can take: the run stops at once as truncated,
   keeping what was written (the step budget is not spent spinning)."""
-  (result,) = generate_apar(MODEL, ["q"], forced_answers=[answer], lanes=lanes)
+  (result,) = api.generate(MODEL, ["q"], method="apar", forced_answers=[answer], lanes=lanes)
   assert result.truncated and not result.finished and result.steps < 40
   assert strip(answer).startswith(result.text.split(" B:")[0].split("\n1.")[0])
 
 
 def test_peak_live_slots_below_sequential_on_a_list():
-  (apar,) = generate_apar(MODEL, ["q"], forced_answers=[LIST], lanes=4)
+  (apar,) = api.generate(MODEL, ["q"], method="apar", forced_answers=[LIST], lanes=4)
   prompt = len(prompt_ids(MODEL.tokenizer, ["q"], chat=True)[0])
   sequential_peak = prompt + len(LANG.encode(strip(LIST)))  # plain decoding keeps every token
   assert apar.peak_live_slots < sequential_peak
@@ -58,7 +59,7 @@ def test_peak_live_slots_below_sequential_on_a_list():
                                            min_size=1, max_size=4).map("".join), max_leaves=8),
        st.integers(2, 5))
 def test_thread_numbering_matches_the_interpreter(answer, lanes):
-  (result,) = generate_apar(MODEL, ["q"], forced_answers=[answer], lanes=lanes, max_threads=16)
+  (result,) = api.generate(MODEL, ["q"], method="apar", forced_answers=[answer], lanes=lanes, max_threads=16)
   if lanes > answer.count("<fork/>"):  # a lane for every thread: no stall can deadlock
     assert not result.truncated
   if not result.truncated:
@@ -72,7 +73,7 @@ def test_malformed_apar_text_names_the_place(bad, needle):
   with pytest.raises(TagError, match=needle):
     encode_apar_text(bad, LANG, VOCAB)
   with pytest.raises(TagError, match="forced answer 0"):
-    generate_apar(MODEL, ["q"], forced_answers=[bad])
+    api.generate(MODEL, ["q"], method="apar", forced_answers=[bad])
 
 
 def test_critical_path_by_hand():

@@ -13,10 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pasta_jax.decode.interpreter import run_interpreter
+from pasta_jax.decode.loop import run_interpreter
 from pasta_jax.decode.reference import run_reference
+from pasta_jax.decode.rules import AparRules
 from pasta_jax.decode.sampling import SamplingConfig
-from pasta_jax.decode.state import InterpreterConfig
+from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
 from tests.programs import PLAIN_TOKENS, VOCAB, VOCAB_SIZE, prompts
 
@@ -27,9 +28,10 @@ SAMPLING_PARAMS = toy_params(TOY, {VOCAB.apar_fork: 2.5, 1: 1.5}, seed=2)
 FORK, EOS = VOCAB.apar_fork, 1
 
 
-def apar(**kw) -> InterpreterConfig:
-  return InterpreterConfig(vocab=VOCAB, mode="apar", **{"lanes": 4, "max_threads": 16, "pool_slots": 256,
-                                                          "max_steps": 200, **kw})
+def apar(max_depth: int = 3, initial_threads: int = 1, sample_after_script: bool = False, **kw) -> InterpreterConfig:
+  rules = AparRules(max_depth=max_depth, initial_threads=initial_threads, sample_after_script=sample_after_script)
+  return InterpreterConfig(vocab=VOCAB, rules=rules, **{"lanes": 4, "max_threads": 16, "pool_slots": 256,
+                                                        "max_steps": 200, **kw})
 
 
 CONFIGS = {
@@ -59,7 +61,7 @@ def apar_scripts(draw) -> list[list[int]]:
 def reference(cfg: InterpreterConfig, params, prompt_batch, scripts=None):
   return run_reference(toy_apply, params, prompt_batch, cfg.vocab, lanes=cfg.lanes, max_threads=cfg.max_threads,
                        pool_slots=cfg.pool_slots, max_steps=cfg.max_steps, sampling=cfg.sampling,
-                       script=scripts, mode="apar", max_depth=cfg.max_depth)
+                       script=scripts, mode="apar", max_depth=cfg.rules.max_depth)
 
 
 def assert_same(jitted, oracle):

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pasta_jax.decode.interpreter import run_interpreter
-from pasta_jax.decode.state import InterpreterConfig
+from pasta_jax.decode.loop import run_interpreter
+from pasta_jax.decode.rules import AparRules
+from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.lang import apar_tree as tree
 from pasta_jax.lang.apar_layout import apar_layout
 from tests.test_replay import VOCAB, random_params
@@ -55,7 +56,7 @@ def test_apar_training_forward_equals_decode_replay(answer, family):
   logits = np.asarray(logits[0])
 
   scripts = tree.thread_scripts(tree.parse_tree(ids, VOCAB), VOCAB, lanes=4, max_threads=8)
-  cfg = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=8, pool_slots=64, max_steps=64, mode="apar",
+  cfg = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=8, pool_slots=64, max_steps=64, rules=AparRules(),
                           record_logits=True)
   pool_spec = (config.num_layers, config.num_kv_heads, config.head_dim, jnp.float32)
   [run] = run_interpreter(model.apply, params, [PROMPT], cfg, vocab_size=config.vocab_size, pool_spec=pool_spec,

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 
 from pasta_jax.decode import api
-from pasta_jax.decode.interpreter import run_interpreter
-from pasta_jax.decode.plain import PlainDecoder
-from pasta_jax.decode.sampling import SamplingConfig
-from pasta_jax.decode.state import InterpreterConfig
+from pasta_jax.decode.config import InterpreterConfig
+from pasta_jax.decode.loop import run_interpreter
+from pasta_jax.decode.rules import SequentialRules
 from pasta_jax.lang.layout import layout_example
 from pasta_jax.lang.metrics import annotated_from_records
 from pasta_jax.lang.tags import TagVocab
@@ -43,6 +42,25 @@ def random_params(name: str, seed: int = 0):
   keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
   leaves = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
   return cfg, model, jax.tree.unflatten(tree, leaves)
+
+
+def greedy_without_cache(apply, params, prompt: list[int], n: int, eos_ids, width: int = 64) -> list[int]:
+  """The oracle of plain decoding: each token from a full causal forward over everything so far, no KV cache
+  and no interpreter; the sequence is padded to `width` so one shape compiles."""
+  tokens = list(prompt)
+  forward = jax.jit(lambda ids: apply(params, ids, jnp.arange(width)[None], causal_mask(1, width))[0])
+  for _ in range(n):
+    logits = forward(jnp.asarray(tokens + [0] * (width - len(tokens)))[None])
+    tokens.append(int(jnp.argmax(logits[0, len(tokens) - 1])))
+    if tokens[-1] in eos_ids:
+      break
+  return tokens[len(prompt):]
+
+
+def run_plain(apply, params, cfg, prompts, n: int, vocab, pool_spec):
+  """Plain decoding through the one step driver: the sequential rules on one lane."""
+  icfg = InterpreterConfig(vocab=vocab, lanes=1, max_threads=1, pool_slots=64, max_steps=n - 1, rules=SequentialRules())
+  return run_interpreter(apply, params, prompts, icfg, vocab_size=cfg.vocab_size, pool_spec=pool_spec)
 
 
 def scripts_of(answer: list[int]) -> list[list[int]]:
@@ -133,15 +151,16 @@ def test_untagged_answer_decodes_as_plain(name):
   params["params"]["embedder"] = emb.at[400:].set(0.0)
   prompts = [[2, 7, 8, 9], [2, 11, 12, 13, 14, 15, 16]]
   n = 40
-  plain = PlainDecoder(model.apply, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eos_ids=(EOS,))
-  want = plain.generate(params, prompts, n, SamplingConfig())
+  want = [greedy_without_cache(model.apply, params, p, n, (EOS,)) for p in prompts]
   icfg = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=8, pool_slots=64, max_steps=n - 1)
   pool_spec = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
   got = run_interpreter(model.apply, params, prompts, icfg, vocab_size=cfg.vocab_size, pool_spec=pool_spec)
-  for w, g in zip(want, got):
+  plain = run_plain(model.apply, params, cfg, prompts, n, VOCAB, pool_spec)
+  for w, g, p in zip(want, got, plain):
     main = [t for (_, _, thread, t, _) in g.records.tolist() if thread == 0]
     assert not set(main) & VOCAB.tag_ids
     assert main == w
+    assert p.records[:, 3].tolist() == w  # the sequential rules: the same tokens
   assert want[0] != want[1]  # the continuations depend on the prompt: the comparison is not vacuous
 
 
@@ -195,11 +214,13 @@ def test_real_270m_untagged_answer_decodes_as_plain(real_model):
 
   fn = api.model_fn(cfg, jnp.float32)
   prompts = [model.tokenizer.encode(p, add_bos=True) for p in ("The capital of France is", "Water boils at")]
-  plain = PlainDecoder(fn, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eos_ids=model.tokenizer.eos_ids)
   params = api.decode_params(model.params, jnp.float32)
-  want = plain.generate(params, prompts, 24, SamplingConfig())
+  want = [greedy_without_cache(Gemma(cfg).apply, model.params, p, 24, model.tokenizer.eos_ids, width=32)
+          for p in prompts]
   icfg = InterpreterConfig(vocab=model.tokenizer.tag_vocab(), lanes=4, max_threads=8, pool_slots=64, max_steps=23)
-  got = run_interpreter(fn, params, prompts, icfg, vocab_size=cfg.vocab_size,
-                        pool_spec=api.pool_spec(cfg, jnp.float32))
-  for w, g in zip(want, got):
+  pool_spec = api.pool_spec(cfg, jnp.float32)
+  got = run_interpreter(fn, params, prompts, icfg, vocab_size=cfg.vocab_size, pool_spec=pool_spec)
+  plain = run_plain(fn, params, cfg, prompts, 24, model.tokenizer.tag_vocab(), pool_spec)
+  for w, g, p in zip(want, got, plain):
     assert [t for (_, _, thread, t, _) in g.records.tolist() if thread == 0] == w
+    assert p.records[:, 3].tolist() == w

@@ -69,10 +69,10 @@ def training_records(args, tokenizer) -> tuple[list[dict], list[dict]]:
 
 def sample_held_out(model_dir, prompts: list[str], out_dir, tokens: int, apar: bool = False) -> str:
   """Decodes held-out prompts with the trained model (PASTA or, for apar_sft, APAR mode)."""
-  from pasta_jax.decode import api, tree_api
+  from pasta_jax.decode import api
   model = load_model(model_dir)
   if apar:
-    results = tree_api.generate_apar(model, prompts, max_new_tokens=tokens, chat=True)
+    results = api.generate(model, prompts, method="apar", max_new_tokens=tokens, chat=True)
   else:
     results = api.generate(model, prompts, max_new_tokens=tokens, chat=True)
   lines, well_formed = [], 0

@@ -20,12 +20,12 @@ import jax.numpy as jnp
 from pasta_jax.baselines import sot
 from pasta_jax.data.apar_format import apar_annotate
 from pasta_jax.data.encode import record_prompt
-from pasta_jax.decode import tree_api
+from pasta_jax.decode import api
 from pasta_jax.errors import PastaError, TagError
 from pasta_jax.eval import methods as M
 
 
-def tree_output(result: tree_api.TreeResult, note: str = "") -> M.MethodOutput:
+def tree_output(result: api.Result, note: str = "") -> M.MethodOutput:
   if result.fork_refusals:  # what the limits suppressed is reported with the answer
     note = "; ".join(filter(None, [note, f"{result.fork_refusals} forks refused (depth limit or no free lane)"]))
   return M.MethodOutput(text=result.text, annotated=result.annotated, steps=result.steps, seconds=result.seconds,
@@ -59,9 +59,9 @@ class AparMethod:
     s = self.settings
     answer, note, budget = self.answer(record)
     try:
-      [result] = tree_api.generate_apar(self.model, [record_prompt(record)], max_new_tokens=budget, lanes=s.lanes,
-                                        chat=s.chat, dtype=jnp.dtype(s.dtype),
-                                        forced_answers=None if answer is None else [answer])
+      [result] = api.generate(self.model, [record_prompt(record)], method="apar", max_new_tokens=budget,
+                              lanes=s.lanes, chat=s.chat, dtype=jnp.dtype(s.dtype),
+                              forced_answers=None if answer is None else [answer])
     except TagError as err:
       raise M.MethodError(f"prompt {record['id']}: its APAR answer cannot be replayed: {err}") from None
     return tree_output(result, note)

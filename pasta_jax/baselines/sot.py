@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from pasta_jax.decode import api, tree_api
-from pasta_jax.decode.plain import bucket
+from pasta_jax.decode import api
+from pasta_jax.decode.loop import bucket
 from pasta_jax.errors import PastaError
 from pasta_jax.judges.local import next_token_logits
 from pasta_jax.lang.schema import THREAD, TOKEN
@@ -151,10 +151,10 @@ class SkeletonOfThought:
       return dataclasses.replace(normal, skeleton=skel.text, steps=normal.steps + skel.steps,
                                  seconds=normal.seconds + skel.seconds)
     shared, suffixes = expansion_inputs(tok, question, skel.text, points, cfg.chat)
-    [expand] = tree_api.run_tree_ids(
-        self.model, [shared], scripts=[suffixes], max_new_tokens=cfg.point_tokens + max(map(len, suffixes)),
-        lanes=bucket(len(points), minimum=1), max_threads=max(len(points), 1), dtype=jnp.dtype(cfg.dtype),
-        max_depth=0, initial_threads=len(points), sample_after_script=True)
+    [expand] = api.generate_ids(
+        self.model, [shared], method="sot", scripts=[suffixes],
+        max_new_tokens=cfg.point_tokens + max(map(len, suffixes)), lanes=bucket(len(points), minimum=1),
+        max_threads=max(len(points), 1), dtype=jnp.dtype(cfg.dtype))
     lang = api.LangTokenizer(tok)
     expansions = [_after_suffix(expand.records, u, len(suffixes[u]), lang, tok.tag_vocab())
                   for u in range(len(points))]
@@ -167,8 +167,8 @@ class SkeletonOfThought:
                      finished=skel.finished and expand.finished)
 
   def _decode(self, ids, budget: int, scripts=None):
-    return tree_api.run_tree_ids(self.model, ids, scripts=scripts, max_new_tokens=budget, lanes=1, max_threads=1,
-                                 dtype=jnp.dtype(self.config.dtype), max_depth=0)
+    return api.generate_ids(self.model, ids, method="apar", scripts=scripts, max_new_tokens=budget, lanes=1,
+                            max_threads=1, dtype=jnp.dtype(self.config.dtype), max_depth=0)
 
   def _normal(self, question: str, note: str) -> SotResult:
     [answer] = self._decode([_chat_ids(self.model.tokenizer, question, self.config.chat)], self.config.answer_tokens)

@@ -8,7 +8,6 @@ import time
 import jax.numpy as jnp
 
 from pasta_jax.decode import api
-from pasta_jax.decode.plain import PlainDecoder, trim
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.errors import PastaError
 from pasta_jax.model.load import load_model
@@ -44,25 +43,20 @@ def run_generate(args) -> int:
     from pasta_jax.commands.pasta_view import run_pasta
 
     return run_pasta(model, prompt_ids, args, sampling, dtype)
-  cfg = model.config
-  params = api.decode_params(model.params, dtype)
-  decoder = PlainDecoder(api.model_fn(cfg, dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                         eos_ids=model.tokenizer.eos_ids, pool_dtype=dtype)
   start = time.perf_counter()
   first_token_at = None
-  shown = ""
-  tokens: list[int] = []
-  for out in decoder.stream(params, [prompt_ids], args.max_new_tokens, sampling, chunk=8):
+  shown, tokens = "", 0
+  for [result] in api.stream_ids(model, [prompt_ids], method="sequential", chunk_steps=8,
+                                 max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=dtype):
     if first_token_at is None:
       first_token_at = time.perf_counter() - start
-    tokens = trim(out[0], model.tokenizer.eos_ids)
-    text = model.tokenizer.decode([t for t in tokens if t not in model.tokenizer.eos_ids])
-    sys.stdout.write(text[len(shown):])
+    tokens = len(result.records)
+    sys.stdout.write(result.text[len(shown):])
     sys.stdout.flush()
-    shown = text
+    shown = result.text
   total = time.perf_counter() - start
   decode_time = max(total - first_token_at, 1e-9)
-  rate = (len(tokens) - 1) / decode_time if len(tokens) > 1 else 0.0
-  print(f"\n\n[{len(tokens)} tokens; time to first token {first_token_at:.2f}s (includes compile on the first run); "
+  rate = (tokens - 1) / decode_time if tokens > 1 else 0.0
+  print(f"\n\n[{tokens} tokens; time to first token {first_token_at:.2f}s (includes compile on the first run); "
         f"{rate:.1f} tok/s after it]", file=sys.stderr)
   return 0

@@ -1,4 +1,4 @@
-"""APAR-format data by the APAR paper's rules (Appendix B), in APAR's text form (decode/tree_api.py):
+"""APAR-format data by the APAR paper's rules (Appendix B), in APAR's text form (decode/apar_text.py):
 `root<fork/><child>detail</child>next root…`.
 
 1. Ordered list: numbered items `N. title: details` (the details may run over continuation lines).
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Literal
 
 from pasta_jax.data.structural import split_items
-from pasta_jax.decode.tree_api import CHILD_CLOSE, CHILD_OPEN, FORK_TAG
+from pasta_jax.decode.apar_text import CHILD_CLOSE, CHILD_OPEN, FORK_TAG
 
 Kind = Literal["ordered_list", "paragraph", "unstructured"]
 NUMBERED = re.compile(r"^(\s*\d+\.\s+)([^\n:]+?:)(.*)$", re.S)

@@ -72,7 +72,7 @@ def encode_example(record: Mapping[str, Any], tokenizer, vocab: TagVocab, config
   lang = LangTokenizer(tokenizer)
   end = end_id(tokenizer, vocab, config.chat)
   if config.objective == "apar_sft":
-    from pasta_jax.decode.tree_api import encode_apar_text
+    from pasta_jax.decode.apar_text import encode_apar_text
     from pasta_jax.lang.apar_layout import apar_layout
     text = record.get("apar") or record.get("output") or ""
     tree_ids = encode_apar_text(text, lang, vocab, f"record {record.get('id', '?')!r}: ", end_id=end)

@@ -1,86 +1,69 @@
-"""The public PASTA decode API: `generate(model, prompts)` -> one `PastaResult` per prompt.
+"""The public decode API: `generate(model, prompts, method=...)` -> one `Result` per prompt.
 
-It tokenizes (Gemma chat turns by default), sizes a bucketed pool, runs the jitted interleaved
-interpreter (`interpreter.prefill_and_run`) and turns its records into clean text, the annotated
-text, a per-thread trace and speed metrics. Forced mode replays given annotated answers (promise
-form) as per-thread scripts instead of sampling.
+One entry for every method the interpreter runs: "pasta" (PASTA-LANG tags fork threads), "apar"
+(APAR's fork/child tokens), "sot" (Skeleton-of-Thought's point fan-out: give the point prompts as
+`scripts`; the skeleton stage is `pasta_jax.baselines.sot`) and "sequential" (plain decoding, one
+lane). It tokenizes (Gemma chat turns by default), sizes a bucketed pool, runs the jitted loop
+(`loop.prefill_and_run`, `step.decode_step` with the method's rules) and turns the records into
+text, the tagged text, a trace and speed metrics (`result.py`). `forced_answers` replays given
+answers (promise form, or APAR's text form for "apar") instead of sampling; `stream` returns the
+results so far after each chunk of steps, the loop staying on device in between.
 
 Compiles are rare by construction: one Gemma module per (config, dtype) keeps `model_fn` stable (a
 jit static argument), prompts and the pool are bucketed to powers of two, and forced scripts are
 padded to the pool size, so only the prompt bucket and the pool bucket select a compiled loop. The
-compiled executable is built ahead of time and cached, so `seconds` is the device run alone.
+compiled executable is built ahead of time and kept in a bounded cache (`COMPILED`), so `seconds`
+is the device run alone.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pasta_jax.decode import interpreter
-from pasta_jax.decode.interpreter import RunOutput
-from pasta_jax.decode.plain import bucket
+from pasta_jax.decode import loop
+from pasta_jax.decode.apar_text import encode_apar_text
+from pasta_jax.decode.config import InterpreterConfig
+from pasta_jax.decode.loop import RunOutput, bucket
+from pasta_jax.decode.result import PastaResult, Result, ThreadTrace, content_ids, pasta_result, tree_result
+from pasta_jax.decode.rules import AparRules, PastaRules, Rules, SequentialRules, SotRules
 from pasta_jax.decode.sampling import SamplingConfig
-from pasta_jax.decode.state import LANE, STEP, THREAD, TOKEN, InterpreterConfig, PositionMode
+from pasta_jax.decode.state import PositionMode
+from pasta_jax.decode.tokenizing import LangTokenizer, chat_text, prompt_ids
 from pasta_jax.errors import PastaError, TagError
-from pasta_jax.lang import metrics
-from pasta_jax.lang import text as T
+from pasta_jax.lang import apar_tree as tree
 from pasta_jax.lang import tokens as tok
 from pasta_jax.lang.tags import TagVocab
 
+__all__ = ["GREEDY", "METHODS", "LangTokenizer", "PastaResult", "Result", "ThreadTrace", "chat_text", "content_ids",
+           "generate", "generate_ids", "prompt_ids", "stream",
+           "stream_ids"]
+
 GREEDY = SamplingConfig()  # frozen: safe as a default argument
 POOL_MARGIN = 1.25  # pool room per requested new token: forks' <async>/</async> and tags take slots too
+METHODS = ("pasta", "apar", "sot", "sequential")
+PASTA = PastaRules()
 
 
-@dataclasses.dataclass(frozen=True)
-class ThreadTrace:
-  """One thread of a run. Steps are interpreter steps (step 0 samples main's first token)."""
-
-  thread: int  # 0 = main, forks numbered in spawn order
-  lane: int
-  spawn_step: int  # main: 0; a fork: the step its `<async>` is recorded (and fed)
-  finish_step: int | None  # main: its end token's record; a fork: its `</async>` record; None if cut off
-  tokens: int  # content tokens (no `<async>` / `</async>` / end id)
-  fed_steps: tuple[int, ...]  # steps at which this thread fed a token (for charts)
-
-
-@dataclasses.dataclass(frozen=True)
-class PastaResult:
-  text: str  # the clean answer: tags and topics removed, blocks spliced in
-  annotated: str  # promise form (rendered leniently if the run was cut off)
-  records: np.ndarray  # [N, 5] (step, lane, thread, token, position)
-  threads: tuple[ThreadTrace, ...]
-  sync_steps: tuple[int, ...]  # steps at which main's `<sync/>` fed
-  steps: int
-  stalls: int
-  finished: bool
-  truncated: bool
-  theoretical_speedup: float  # lang.metrics on the annotated answer (nan if it is malformed)
-  theoretical_parallelism: float
-  seconds: float  # wall time of the interpreter run (compile excluded)
-  tokens: int  # every token of the annotated answer (tags and topics included, end id excluded)
-  content_tokens: int  # main text + block contents, the sequential answer's token count
-  pool_full: bool = False  # cut because the KV pool had no room left (see stop_reason)
-
-  @property
-  def stop_reason(self) -> str:
-    """Why the run ended: "end" (the model finished), "pool" (the KV pool ran out of slots: every lane's
-    writes count against it, so a very parallel answer can fill it before the step budget ends), or
-    "steps" (the step budget, max_new_tokens, ran out)."""
-    return "end" if self.finished else "pool" if self.pool_full else "steps"
-
-  @property
-  def stop_note(self) -> str:
-    """One line for the user when the answer was cut ("" when it ended)."""
-    return {"end": "", "steps": f"cut by the step budget after {self.steps} steps: raise max_new_tokens",
-            "pool": f"cut when the KV pool filled ({self.tokens} tokens written by all lanes): raise "
-                    "max_new_tokens, which sizes the pool"}[self.stop_reason]
+def rules_for(method: str, *, max_depth: int = 3, fan_out: int = 1, ignore_eos: bool = False) -> Rules:
+  """The rule object of a method name (decode/rules/)."""
+  if method == "pasta":
+    return PastaRules()
+  if method == "apar":
+    return AparRules(max_depth=max_depth)
+  if method == "sot":
+    return SotRules(initial_threads=fan_out)
+  if method == "sequential":
+    return SequentialRules(ignore_eos=ignore_eos)
+  raise PastaError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
 
 
 # --- model plumbing ----------------------------------------------------------------------------------
@@ -113,40 +96,6 @@ def decode_params(params, dtype):
   return converted
 
 
-class LangTokenizer:
-  """The model tokenizer as a `lang.tokens.Tokenizer` (no BOS; tag spellings in text stay text)."""
-
-  def __init__(self, tokenizer):
-    self.inner = tokenizer
-    self.hf = tok.HFTokenizer(tokenizer.hf) if getattr(tokenizer, "hf", None) is not None else None
-
-  def encode(self, text: str) -> list[int]:
-    return self.hf.encode(text) if self.hf else list(self.inner.encode(text, add_bos=False))
-
-  def decode(self, ids: Sequence[int]) -> str:
-    return self.hf.decode(ids) if self.hf else self.inner.decode(list(ids))
-
-
-def chat_text(tokenizer, text: str) -> str:
-  if hasattr(tokenizer, "format_chat"):
-    return tokenizer.format_chat(text)
-  from pasta_jax.model.tokenizer import chat_prompt  # tokenizer-like test doubles
-  return chat_prompt(text)
-
-
-def prompt_ids(tokenizer, prompts: Sequence[str], chat: bool) -> list[list[int]]:
-  if isinstance(prompts, str):
-    raise PastaError("prompts must be a list of strings, not one string")
-  if not prompts:
-    raise PastaError("no prompts given")
-  out = []
-  for i, text in enumerate(prompts):
-    if not text or not text.strip():
-      raise PastaError(f"empty prompt (prompt {i}): give some text to continue")
-    out.append(tokenizer.encode(chat_text(tokenizer, text) if chat else text, add_bos=True))
-  return out
-
-
 # --- forced scripts ----------------------------------------------------------------------------------
 def forced_scripts(answer: str, tokenizer: LangTokenizer, vocab: TagVocab, where: str = "") -> list[list[int]]:
   """Promise-form answer -> per-thread scripts: main (blocks removed) + end id; each fork: content + </async>."""
@@ -165,6 +114,13 @@ def scripts_from_ids(ids: Sequence[int], vocab: TagVocab) -> list[list[int]]:
     else:
       main += list(seg.all_ids)
   return [main + [vocab.eos_ids[0]]] + forks
+
+
+def apar_scripts(answer: str, tokenizer: LangTokenizer, vocab: TagVocab, lanes: int, max_threads: int,
+                 where: str = "") -> list[list[int]]:
+  """APAR text form -> per-thread scripts (tree.thread_scripts: main first, children in spawn order)."""
+  return tree.thread_scripts(tree.parse_tree(encode_apar_text(answer, tokenizer, vocab, where), vocab), vocab, lanes,
+                             max_threads)
 
 
 # --- preparation and the run -------------------------------------------------------------------------
@@ -190,20 +146,20 @@ def pool_size(prompt_len: int, new_tokens: int, lanes: int) -> int:
 
 
 def pad_scripts(scripts, batch: int, max_threads: int, length: int):
-  """interpreter.pad_scripts, then padded to `length` (the pool size) so its shape never varies."""
-  script, script_len = interpreter.pad_scripts(scripts, batch, max_threads)
+  """loop.pad_scripts, then padded to `length` (the pool size) so its shape never varies."""
+  script, script_len = loop.pad_scripts(scripts, batch, max_threads)
   if script.shape[-1] > length:
     raise PastaError(f"a forced thread of {script.shape[-1]} tokens does not fit a pool of {length} slots")
   return np.pad(script, ((0, 0), (0, 0), (0, length - script.shape[-1]))), script_len
 
 
-def prepare(model, ids: Sequence[Sequence[int]], *, params=None, max_new_tokens: int = 256, lanes: int = 8,
-            max_threads: int = 64, sampling: SamplingConfig = GREEDY, position_mode: PositionMode = "pred",
-            dtype=jnp.float32, scripts=None, **modes) -> Prepared:
+def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params=None,
+            max_new_tokens: int = 256, lanes: int = 8, max_threads: int = 64, sampling: SamplingConfig = GREEDY,
+            position_mode: PositionMode = "pred", dtype=jnp.float32, scripts=None, record_logits: bool = False,
+            lane_buckets: bool = True) -> Prepared:
   """Pads prompts (and scripts) and sizes the pool and step budget for `ids` (prompt token ids).
 
   params: training-layout params (default `model.params`); they are converted (and cached) by `decode_params`.
-  modes: further InterpreterConfig fields (mode="apar", max_depth, initial_threads, sample_after_script).
   """
   if max_new_tokens < 1:
     raise PastaError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -219,34 +175,41 @@ def prepare(model, ids: Sequence[Sequence[int]], *, params=None, max_new_tokens:
   slots = pool_size(prompt_len, new, lanes)
   try:
     cfg = InterpreterConfig(vocab=vocab, lanes=lanes, max_threads=max_threads, pool_slots=slots, max_steps=new,
-                            sampling=sampling, position_mode=position_mode, **modes)
+                            sampling=sampling, position_mode=position_mode, rules=rules, record_logits=record_logits,
+                            lane_buckets=lane_buckets)
   except ValueError as err:
-    raise PastaError(f"bad interpreter settings: {err}") from None
-  interpreter.check_runnable(cfg, forced=scripts is not None)
-  tokens, lengths = interpreter.pad_prompts(ids, slots)
+    raise PastaError(f"bad {rules.name} settings: {err}") from None
+  loop.check_runnable(cfg, forced=scripts is not None)
+  tokens, lengths = loop.pad_prompts(ids, slots)
   script, script_len = pad_scripts(scripts, len(ids), max_threads, slots)
   return Prepared(cfg, model_fn(model.config, jnp.dtype(dtype)),
                   decode_params(model.params if params is None else params, dtype), model.config.vocab_size,
                   pool_spec(model.config, dtype), tokens, lengths, script, script_len, scripts is not None, vocab)
 
 
-_COMPILED: dict = {}
+class CompileCache:
+  """Ahead-of-time compiled loops by (runner, static config, argument shapes): least recently used out."""
+
+  def __init__(self, maxsize: int = 16):
+    self.maxsize, self.entries = maxsize, collections.OrderedDict()
+
+  def get(self, prep: Prepared, runner):
+    cfg = loop.static_config(prep.cfg)
+    static = dict(cfg=cfg, forced=prep.forced, vocab_size=prep.vocab_size, pool_spec=prep.pool_spec)
+    args = dynamic_args(prep)
+    leaves, treedef = jax.tree.flatten(args)
+    key = (runner, prep.model_fn, cfg, prep.forced, prep.vocab_size, prep.pool_spec, treedef,
+           tuple((x.shape, str(x.dtype)) for x in leaves))
+    if key in self.entries:
+      self.entries.move_to_end(key)
+    else:
+      self.entries[key] = runner.lower(prep.model_fn, *args, **static).compile()
+      while len(self.entries) > self.maxsize:
+        self.entries.popitem(last=False)
+    return self.entries[key]
 
 
-def _shape_key(tree) -> tuple:
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple((x.shape, str(x.dtype)) for x in leaves)
-
-
-def compiled(prep: Prepared, runner=interpreter.prefill_and_run):
-  """The AOT-compiled loop for this shape and static config (cached: compile once, time runs alone)."""
-  cfg = interpreter.static_config(prep.cfg)
-  static = dict(cfg=cfg, forced=prep.forced, vocab_size=prep.vocab_size, pool_spec=prep.pool_spec)
-  args = dynamic_args(prep)
-  key = (runner, prep.model_fn, cfg, prep.forced, prep.vocab_size, prep.pool_spec, _shape_key(args))
-  if key not in _COMPILED:
-    _COMPILED[key] = runner.lower(prep.model_fn, *args, **static).compile()
-  return _COMPILED[key]
+COMPILED = CompileCache()
 
 
 def dynamic_args(prep: Prepared) -> tuple:
@@ -254,109 +217,110 @@ def dynamic_args(prep: Prepared) -> tuple:
           jnp.asarray(prep.script_len), jnp.uint32(prep.cfg.sampling.seed))
 
 
-def run_prepared(prep: Prepared, runner=interpreter.prefill_and_run) -> tuple[list[RunOutput], float]:
+def run_prepared(prep: Prepared, runner=loop.prefill_and_run) -> tuple[list[RunOutput], float]:
   """Runs the compiled loop; returns the per-request outputs and the wall time of the run."""
-  executable = compiled(prep, runner)
+  executable = COMPILED.get(prep, runner)
   args = dynamic_args(prep)
   jax.block_until_ready(args)
   start = time.perf_counter()
   final = jax.block_until_ready(executable(*args))
   seconds = time.perf_counter() - start
-  return interpreter.unpack(final, prep.cfg), seconds
+  return loop.unpack(final, prep.cfg), seconds
 
 
-# --- records -> result -------------------------------------------------------------------------------
-def thread_traces(records: np.ndarray, vocab: TagVocab) -> tuple[ThreadTrace, ...]:
-  """Per-thread spawn/finish steps, lanes, token counts and fed steps (docs/interpreter.md, records)."""
-  out = []
-  for u in sorted(set(records[:, THREAD].tolist())):
-    rows = records[records[:, THREAD] == u]
-    toks = rows[:, TOKEN].tolist()
-    if u == 0:  # main's k-th token feeds when its (k+1)-th is recorded; its end token never feeds
-      fed = tuple(int(s) for s in rows[1:, STEP])
-      ended = bool(toks) and toks[-1] in vocab.eos_ids
-      finish = int(rows[-1, STEP]) if ended else None
-      content = len(content_ids(toks, vocab))
-    else:  # a fork's `<async>` feeds at its record step, every later token one step after its record
-      fed = tuple(int(s) if t == vocab.async_open else int(s) + 1 for s, t in zip(rows[:, STEP], toks))
-      closed = toks[-1] == vocab.async_close
-      finish = int(rows[-1, STEP]) if closed else None
-      content = len([t for t in toks if t not in (vocab.async_open, vocab.async_close)])
-    out.append(ThreadTrace(thread=int(u), lane=int(rows[0, LANE]), spawn_step=int(rows[0, STEP]),
-                           finish_step=finish, tokens=content, fed_steps=fed))
-  return tuple(out)
-
-
-def content_ids(ids: Sequence[int], vocab: TagVocab) -> list[int]:
-  """Ids without tags, promise topics and end ids (lenient: works on cut-off answers too)."""
-  content, in_topic = [], False
-  for t in ids:
-    in_topic = (in_topic or t == vocab.promise) and not vocab.is_length(t)
-    if not in_topic and t not in vocab.tag_ids and t not in vocab.eos_ids:
-      content.append(t)
-  return content
-
-
-def sync_steps(records: np.ndarray, vocab: TagVocab) -> tuple[int, ...]:
-  main = records[records[:, THREAD] == 0]
-  return tuple(int(main[k + 1, STEP]) for k in range(len(main) - 1) if main[k, TOKEN] == vocab.sync)
-
-
-def clean_text(ids: Sequence[int], annotated: str, tokenizer: LangTokenizer, vocab: TagVocab) -> str:
-  """strip_tags of the annotated text; for a cut-off (malformed) answer, its content tokens decoded."""
-  try:
-    return T.strip_tags(annotated)
-  except TagError:
-    return tokenizer.decode(content_ids(ids, vocab))
-
-
-def to_result(run: RunOutput, seconds: float, tokenizer: LangTokenizer, vocab: TagVocab) -> PastaResult:
-  ids = metrics.annotated_from_records(run.records, vocab)
-  body, _ = tok.split_end(ids, vocab)
-  try:
-    annotated = tok.decode_answer(ids, tokenizer, vocab)
-    answer = metrics.answer_metrics(ids, vocab)
-    speedup, parallelism, content = answer.theoretical_speedup(), answer.theoretical_parallelism, answer.content_tokens
-  except TagError:  # a run cut off mid-block: render what there is
-    annotated = tok.decode_answer(ids, tokenizer, vocab, strict=False)
-    speedup = parallelism = math.nan
-    content = len(content_ids(ids, vocab))
-  return PastaResult(
-      text=clean_text(ids, annotated, tokenizer, vocab), annotated=annotated, records=run.records,
-      threads=thread_traces(run.records, vocab), sync_steps=sync_steps(run.records, vocab), steps=run.steps,
-      stalls=run.stalls, finished=run.finished, truncated=run.truncated, theoretical_speedup=speedup,
-      theoretical_parallelism=parallelism, seconds=seconds, tokens=len(body), content_tokens=content,
-      pool_full=run.pool_full)
+def to_result(run: RunOutput, seconds: float, tokenizer: LangTokenizer, prep: Prepared) -> Result:
+  build = tree_result if isinstance(prep.cfg.rules, AparRules) else pasta_result
+  return build(run, seconds, tokenizer, prep.vocab, prep.cfg.rules.name)
 
 
 # --- the API -----------------------------------------------------------------------------------------
-def generate_ids(model, ids: Sequence[Sequence[int]], *, params=None, forced_answers: Sequence[str] | None = None,
-                 **kw) -> list[PastaResult]:
-  """`generate` on prompt token ids (BOS and chat turns already in). `params` overrides model.params."""
+def prepare_method(model, ids: Sequence[Sequence[int]], *, method: str = "pasta", forced_answers=None, scripts=None,
+                   lanes: int = 8, max_threads: int = 64, max_depth: int = 3, return_logits: bool = False,
+                   ignore_eos: bool = False, **kw) -> Prepared:
+  """`prepare` for a method name, with its forced answers (or raw per-thread `scripts`) turned into scripts."""
   if model.tokenizer is None:
-    raise PastaError("this model has no tokenizer; PASTA decoding needs one for its tags")
-  vocab = model.tokenizer.tag_vocab()
-  lang_tok = LangTokenizer(model.tokenizer)
-  scripts = None
+    raise PastaError(f"this model has no tokenizer; {method} decoding needs one for its tags and end ids")
+  if method == "sequential":
+    lanes = max_threads = 1
   if forced_answers is not None:
+    if scripts is not None:
+      raise PastaError("give forced_answers or scripts, not both")
     if len(forced_answers) != len(ids):
       raise PastaError(f"got {len(forced_answers)} forced answers for {len(ids)} prompts")
-    scripts = [forced_scripts(a, lang_tok, vocab, f"forced answer {i}: ") for i, a in enumerate(forced_answers)]
-  prep = prepare(model, ids, params=params, scripts=scripts, **kw)
+    vocab, lang = model.tokenizer.tag_vocab(), LangTokenizer(model.tokenizer)
+    if method in ("apar", "sot"):
+      scripts = [apar_scripts(a, lang, vocab, lanes, max_threads, f"forced answer {i}: ")
+                 for i, a in enumerate(forced_answers)]
+    else:
+      scripts = [forced_scripts(a, lang, vocab, f"forced answer {i}: ") for i, a in enumerate(forced_answers)]
+  if method == "sequential" and scripts is not None and any(len(s) > 1 for s in scripts):
+    raise PastaError("method='sequential' replays tag-free answers; this one has blocks (use method='pasta')")
+  fan_out = len(scripts[0]) if method == "sot" and scripts else 1
+  if method == "sot" and (scripts is None or len({len(s) for s in scripts}) != 1):
+    raise PastaError("method='sot' expands points: give each prompt the same number of point prompts as `scripts` "
+                     "(pasta_jax.baselines.sot builds them from a skeleton)")
+  if ignore_eos and method != "sequential":
+    raise PastaError("ignore_eos is for method='sequential' (a tagged method ends its threads with end ids)")
+  rules = rules_for(method, max_depth=max_depth, fan_out=fan_out, ignore_eos=ignore_eos)
+  return prepare(model, ids, rules=rules, scripts=scripts, lanes=lanes, max_threads=max_threads,
+                 record_logits=return_logits, **kw)
+
+
+def generate_ids(model, ids: Sequence[Sequence[int]], *, method: str = "pasta", **kw) -> list[Result]:
+  """`generate` on prompt token ids (BOS and chat turns already in). Also takes `params` (training-layout
+  params overriding model.params) and `scripts` (per request, per thread token ids to force)."""
+  prep = prepare_method(model, ids, method=method, **kw)
   runs, seconds = run_prepared(prep)
-  return [to_result(r, seconds, lang_tok, vocab) for r in runs]
+  lang = LangTokenizer(model.tokenizer)
+  return [to_result(r, seconds, lang, prep) for r in runs]
 
 
-def generate(model, prompts: list[str], *, max_new_tokens: int = 256, lanes: int = 8, max_threads: int = 64,
-             sampling: SamplingConfig = GREEDY, chat: bool = True, position_mode: PositionMode = "pred",
-             dtype=jnp.float32, forced_answers: list[str] | None = None) -> list[PastaResult]:
-  """PASTA-decodes each prompt (a batch; requests never interact) with the interleaved interpreter.
+def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_tokens: int = 256, lanes: int = 8,
+             max_threads: int = 64, sampling: SamplingConfig = GREEDY, chat: bool = True,
+             position_mode: PositionMode = "pred", dtype=jnp.float32, forced_answers: Sequence[str] | None = None,
+             max_depth: int = 3, return_logits: bool = False, params=None) -> list[Result]:
+  """Decodes each prompt (a batch; requests never interact) with `method` through the one interpreter.
 
-  forced_answers: annotated answers in promise form, one per prompt, replayed instead of sampled
-  (a malformed one raises TagError naming the place). Their length overrides max_new_tokens.
+  method: "pasta", "apar", "sequential" ("sot" needs point prompts: `generate_ids(..., scripts=...)`, or
+  `pasta_jax.baselines.sot.SkeletonOfThought` for the whole two-stage method).
+  forced_answers: one per prompt, replayed instead of sampled (promise form; APAR's text form for "apar");
+  a malformed one raises TagError naming the place. Their length overrides max_new_tokens.
+  return_logits: keep the logits behind every recorded token (`Result.logits`, [N, V]).
+  max_depth: APAR's fork depth limit (main = 0).
   """
   if model.tokenizer is None:
-    raise PastaError("this model has no tokenizer; PASTA decoding needs one for its tags")
+    raise PastaError(f"this model has no tokenizer; {method} decoding needs one for its tags and end ids")
   ids = prompt_ids(model.tokenizer, prompts, chat)
-  return generate_ids(model, ids, forced_answers=forced_answers, max_new_tokens=max_new_tokens, lanes=lanes,
-                      max_threads=max_threads, sampling=sampling, position_mode=position_mode, dtype=dtype)
+  return generate_ids(model, ids, method=method, forced_answers=forced_answers, max_new_tokens=max_new_tokens,
+                      lanes=lanes, max_threads=max_threads, sampling=sampling, position_mode=position_mode,
+                      dtype=dtype, max_depth=max_depth, return_logits=return_logits, params=params)
+
+
+def stream(model, prompts: Sequence[str], *, method: str = "pasta", chunk_steps: int = 16, chat: bool = True,
+           **kw) -> Iterator[list[Result]]:
+  """`generate`, yielding every request's result so far after prefill and after each chunk of
+  `chunk_steps` steps (the loop state stays on device between chunks). The last yield is final."""
+  if model.tokenizer is None:
+    raise PastaError(f"this model has no tokenizer; {method} decoding needs one for its tags and end ids")
+  return stream_ids(model, prompt_ids(model.tokenizer, prompts, chat), method=method, chunk_steps=chunk_steps, **kw)
+
+
+def stream_ids(model, ids: Sequence[Sequence[int]], *, method: str = "pasta", chunk_steps: int = 16,
+               **kw) -> Iterator[list[Result]]:
+  """`stream` on prompt token ids."""
+  if chunk_steps < 1:
+    raise PastaError(f"chunk_steps must be at least 1, got {chunk_steps}")
+  prep = prepare_method(model, ids, method=method, **kw)
+  cfg = loop.static_config(prep.cfg)
+  lang = LangTokenizer(model.tokenizer)
+  run = dict(cfg=cfg, forced=prep.forced, vocab_size=prep.vocab_size)
+  begin = time.perf_counter()
+  state = loop.start(prep.model_fn, *dynamic_args(prep), pool_spec=prep.pool_spec, **run)
+  while True:
+    done = int(state.step) >= cfg.max_steps or not bool(jnp.any(state.live))
+    shown = loop.finish(state) if done else state
+    seconds = time.perf_counter() - begin
+    yield [to_result(r, seconds, lang, prep) for r in loop.unpack(shown, prep.cfg)]
+    if done:
+      return
+    state = loop.run_steps(prep.model_fn, prep.params, state, steps=chunk_steps, **run)

@@ -1,6 +1,6 @@
 """The naive batched PASTA interpreter of the paper's Appendix B: one KV row per lane.
 
-It exists only to be measured against the interleaved interpreter (`interpreter.py`). The pool is
+It exists only to be measured against the interleaved interpreter (`loop.py`, `step.py`). The pool is
 `[layers, B*T, S, kv_heads, head_dim]`: row `b*T + t` is lane `t` of request `b` and holds exactly
 what that lane's thread may see, so a row's attention mask is just its valid slots (no horizon
 table). Every step runs the model on all B*T rows, one query each, inactive rows masked: that
@@ -40,10 +40,13 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from pasta_jax.decode import interpreter, threads
-from pasta_jax.decode.interpreter import RunOutput, choose_tokens
-from pasta_jax.decode.plain import ModelFn
-from pasta_jax.decode.state import CLOSING, InterpreterConfig, InterpState
+from pasta_jax.decode import loop
+from pasta_jax.decode.config import InterpreterConfig
+from pasta_jax.decode.loop import RunOutput
+from pasta_jax.decode.pool import inserted_rows
+from pasta_jax.decode.rules import pasta as threads
+from pasta_jax.decode.state import CLOSING, InterpState
+from pasta_jax.decode.step import ModelFn, advance_scripts, append_records, choose_tokens
 from pasta_jax.model.gemma import KVPool
 
 
@@ -185,31 +188,16 @@ def naive_step(model_fn, params, state: NaiveState, cfg: InterpreterConfig, leng
   closing = plan.feed & (table.status == CLOSING)  # these write `</async>` this step
   spawned_thread = table.next_thread
   table = threads.apply_spawn(table, plan, cfg)  # fork lane: `<async>` pending, fed from the next step
-  spawn_row = interpreter.spawn_record(table, plan)
+  spawn_row = inserted_rows(table, plan.spawn_lane[:, None]), plan.spawn[:, None]
   state = reveal_synced(dataclasses.replace(state, table=table), plan)
   state, slots = write_row_slots(state, plan)
   sampled, lane_logits, pool = model_on_rows(model_fn, params, state, plan, slots, cfg, forced)
   state = dataclasses.replace(state, pool=pool)
-  table = threads.advance_scripts(state.table, plan, cfg) if forced else state.table
+  table = advance_scripts(state.table, plan.feed, cfg) if forced else state.table
   table, recorded = threads.apply_samples(table, plan, sampled, cfg, length_table, spawned_thread)
-  table = interpreter.append_records(table, spawn_row, recorded, lane_logits, cfg)
+  table = append_records(table, spawn_row, recorded, lane_logits, cfg)
   state = copy_prefix_to_forks(state, plan)  # before the closes: a new fork must not get their slots
   return dataclasses.replace(copy_forks_to_main(state, closing), table=table)
-
-
-def prefill_main(model_fn, params, prompt_tokens, lengths, cfg: InterpreterConfig, pool_spec: tuple):
-  """Causal prefill of the padded prompts [B, P] into a B-row pool. Returns (last logits [B, 1, V],
-  pool [layers, B, S, K, hd], slot validity [B, S])."""
-  batch, prompt_len = prompt_tokens.shape
-  num_layers, kv_heads, head_dim, dtype = pool_spec
-  pool = KVPool(*(jnp.zeros((num_layers, batch, cfg.pool_slots, kv_heads, head_dim), dtype),) * 2)
-  positions = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len)).astype(jnp.int32)
-  slot_idx = jnp.broadcast_to(jnp.arange(cfg.pool_slots), (batch, cfg.pool_slots)).astype(jnp.int32)
-  valid = slot_idx < lengths[:, None]
-  mask = (slot_idx[:, None, :] <= positions[:, :, None]) & valid[:, None, :]  # [B, P, S]
-  logits, pool = model_fn(params, prompt_tokens, positions, mask, pool, positions, slot_idx)
-  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)
-  return last, pool, valid
 
 
 def init_naive(main_pool: KVPool, valid, table: InterpState, cfg: InterpreterConfig) -> NaiveState:
@@ -238,16 +226,12 @@ def init_naive(main_pool: KVPool, valid, table: InterpState, cfg: InterpreterCon
 def naive_prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, seed, *,
                           cfg: InterpreterConfig, forced: bool, vocab_size: int, pool_spec: tuple):
   """Prefill main's rows, sample main's first token (step 0), then the whole loop on device.
-  Returns the final thread table (an InterpState) for `interpreter.unpack`."""
-  prompt_len = prompt_tokens.shape[1]
-  last, main_pool, valid = prefill_main(model_fn, params, prompt_tokens, lengths, cfg, pool_spec)
-  init = functools.partial(interpreter.init_state, None, prompt_len, lengths, script=script,
-                           script_len=script_len, cfg=cfg, vocab_size=vocab_size, key=jax.random.key(seed))
-  table = init(first=jnp.zeros_like(lengths), main_script_ptr=0)
-  first = choose_tokens(last, jnp.zeros((lengths.shape[0], 1), jnp.int32), table, cfg, forced)[0][:, 0]
-  table = init(first=first, main_script_ptr=1)  # main's script starts after the prefill token
-  if cfg.record_logits:
-    table = dataclasses.replace(table, record_logits=table.record_logits.at[:, 0].set(last[:, 0]))
+  Returns the final thread table (an InterpState) for `loop.unpack`."""
+  loop.check_runnable(cfg, forced)
+  last, main_pool = loop.prefill(model_fn, params, prompt_tokens, lengths, cfg.pool_slots, pool_spec)
+  valid = jnp.arange(cfg.pool_slots)[None, :] < lengths[:, None]
+  table = loop.initial_state(None, last, prompt_tokens.shape[1], lengths, script, script_len, seed, cfg, forced,
+                             vocab_size)
   length_table = jnp.asarray(cfg.vocab.length_table(vocab_size))
 
   def cond(s: NaiveState):
@@ -267,10 +251,10 @@ def run_naive(model_fn: ModelFn, params, prompts: Sequence[Sequence[int]], cfg: 
   pool_spec = (num_layers, kv_heads, head_dim, dtype); every lane gets a row of cfg.pool_slots.
   `cfg.lane_buckets` is ignored: the naive interpreter always computes all B*T rows.
   """
-  tokens, lengths = interpreter.pad_prompts(prompts, cfg.pool_slots)
-  script, script_len = interpreter.pad_scripts(scripts, len(prompts), cfg.max_threads)
+  tokens, lengths = loop.pad_prompts(prompts, cfg.pool_slots)
+  script, script_len = loop.pad_scripts(scripts, len(prompts), cfg.max_threads)
   final = naive_prefill_and_run(model_fn, params, jnp.asarray(tokens), jnp.asarray(lengths),
                                 jnp.asarray(script), jnp.asarray(script_len), jnp.uint32(cfg.sampling.seed),
-                                cfg=interpreter.static_config(cfg), forced=scripts is not None,
+                                cfg=loop.static_config(cfg), forced=scripts is not None,
                                 vocab_size=vocab_size, pool_spec=pool_spec)
-  return interpreter.unpack(final, cfg)
+  return loop.unpack(final, cfg)

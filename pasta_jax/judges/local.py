@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.decode.api import LangTokenizer, prompt_ids
-from pasta_jax.decode.plain import bucket
+from pasta_jax.decode.loop import bucket
 from pasta_jax.errors import PastaError
 from pasta_jax.judges import prompt
 from pasta_jax.judges.base import Verdict

@@ -59,7 +59,7 @@ def _lay_out(rows: _Rows, node: Node, thread: int, position: int, view: dict[int
 
 def apar_layout(prompt_ids: Sequence[int], tree_ids: Sequence[int], vocab: TagVocab, *, eos_id: int | None = None,
                 length: int | None = None, num_threads: int | None = None, pad_id: int = 0) -> Layout:
-  """Prompt ids + tree-order answer ids (decode.tree_api.encode_apar_text) -> the APAR layout.
+  """Prompt ids + tree-order answer ids (decode.apar_text.encode_apar_text) -> the APAR layout.
 
   Children must end with an end id (their `</child>`); main's end id is `eos_id` (default the
   vocab's first). Raises TagError naming the token for a malformed tree.

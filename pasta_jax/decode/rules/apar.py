@@ -17,11 +17,15 @@ differ (docs/interpreter.md, APAR mode):
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from pasta_jax.decode.state import DONE, FREE, RUNNING, InterpreterConfig, InterpState
+from pasta_jax.decode.constraints import AllowedTokens, constrain
+from pasta_jax.decode.pool import inserted_rows, kth_true, lowest_free_slots, write_slots
+from pasta_jax.decode.rules.base import InterpreterConfig, Rules, StepFeed
+from pasta_jax.decode.state import DONE, FREE, RUNNING, InterpState
 from pasta_jax.visibility import UNBOUNDED, visible
 
 
@@ -37,12 +41,6 @@ class AparPlan:
   out_of_room: jax.Array  # [B] bool: fewer free slots than feeding lanes, or a deadlock
 
 
-def _kth(mask: jax.Array, k: jax.Array) -> jax.Array:
-  """Index of the (k+1)-th True of each row of `mask` [B, N], for k [B, M]; N where there is none."""
-  counts = jnp.cumsum(mask, axis=1)
-  return jax.vmap(lambda c, kk: jnp.searchsorted(c, kk + 1, side="left"))(counts, k).astype(jnp.int32)
-
-
 def plan_apar(state: InterpState, cfg: InterpreterConfig) -> AparPlan:
   lanes = jnp.arange(cfg.lanes)
   running = state.live[:, None] & (state.status == RUNNING)
@@ -54,7 +52,7 @@ def plan_apar(state: InterpState, cfg: InterpreterConfig) -> AparPlan:
   num_spawns = spawns_ok.sum(axis=1, keepdims=True)
   free_rank = jnp.cumsum(free, axis=1) - 1
   target = free & (free_rank < num_spawns)
-  parent_lane = jnp.minimum(_kth(spawns_ok, jnp.where(target, free_rank, 0)), cfg.lanes - 1)
+  parent_lane = jnp.minimum(kth_true(spawns_ok, jnp.where(target, free_rank, 0)), cfg.lanes - 1)
   feed = (running & ~(forking & ~spawns_ok)) | target
   needed = feed.sum(axis=1)
   # Every running lane waits on a fork that no lane can take: nothing will ever free one. Stop.
@@ -62,8 +60,7 @@ def plan_apar(state: InterpState, cfg: InterpreterConfig) -> AparPlan:
   room = ((~state.slot_valid).sum(axis=1) >= needed) & ~deadlock
   feed = feed & room[:, None]
   target = target & room[:, None]
-  offsets = jnp.cumsum(feed, axis=1) - 1
-  slots = jnp.where(feed, _kth(~state.slot_valid, jnp.maximum(offsets, 0)), cfg.pool_slots)
+  slots = lowest_free_slots(feed, state, cfg.pool_slots)
   stalls = jnp.where(room, (forking & ~spawns_ok).sum(axis=1), 0)
   return AparPlan(feed, target, parent_lane, state.next_thread[:, None] + free_rank, stalls.astype(jnp.int32),
                   slots.astype(jnp.int32), state.live & ~room & jnp.any(running, axis=1))
@@ -104,22 +101,6 @@ def apply_spawn(state: InterpState, plan: AparPlan, cfg: InterpreterConfig) -> I
   )
 
 
-def assign_slots(state: InterpState, plan: AparPlan) -> InterpState:
-  """Feeding lanes write the lowest free slots in lane order, with consecutive write orders."""
-  b = jnp.arange(state.token.shape[0])[:, None]
-  orders = state.next_slot[:, None] + jnp.cumsum(plan.feed, axis=1) - 1
-
-  def put(array, value):
-    return array.at[b, plan.slots].set(value, mode="drop")
-
-  valid = put(state.slot_valid, True)
-  return dataclasses.replace(
-      state, slot_owner=put(state.slot_owner, state.thread), slot_order=put(state.slot_order, orders),
-      slot_pos=put(state.slot_pos, state.position), slot_valid=valid,
-      next_slot=state.next_slot + plan.feed.sum(axis=1),
-      peak_live=jnp.maximum(state.peak_live, valid.sum(axis=1).astype(jnp.int32)))
-
-
 def apply_samples(state: InterpState, plan: AparPlan, sampled: jax.Array, cfg: InterpreterConfig):
   """Sampled tokens [B, T] become pending; an end id finishes its thread. Returns (state, recorded)."""
   ended = plan.feed & jnp.isin(sampled, jnp.asarray(cfg.vocab.eos_ids))
@@ -149,9 +130,45 @@ def release_unseen(state: InterpState) -> InterpState:
   return dataclasses.replace(state, slot_valid=state.slot_valid & needed)
 
 
-def spawn_records(state: InterpState, plan: AparPlan) -> tuple[jax.Array, jax.Array]:
-  """[B, T, 5] rows of the inserted APAR_CHILD tokens (after apply_spawn) and which to keep."""
-  batch, lanes = state.token.shape
-  rows = jnp.stack([jnp.full((batch, lanes), state.step), jnp.broadcast_to(jnp.arange(lanes), (batch, lanes)),
-                    state.thread, state.token, state.position], axis=2)
-  return rows, plan.target
+@dataclasses.dataclass(frozen=True)
+class AparRules(Rules):
+  """APAR (Liu et al. 2024): any thread forks at APAR_FORK, a child never syncs, finished children's
+  slots are released early."""
+
+  name: ClassVar[str] = "apar"
+  max_depth: int = 3  # a thread at this depth (main = 0) may not fork
+
+  def validate(self, cfg: InterpreterConfig) -> None:
+    super().validate(cfg)
+    if self.max_depth < 0:
+      raise ValueError(f"max_depth must be >= 0, got {self.max_depth}")
+
+  def max_records(self, cfg: InterpreterConfig) -> int:
+    # Released slots are reused: each step records one sampled token per feeding lane, plus one
+    # inserted child per spawn.
+    return cfg.max_steps * cfg.lanes + cfg.max_threads + 1
+
+  def before_model(self, state: InterpState, cfg: InterpreterConfig, length_table: jax.Array):
+    plan = plan_apar(state, cfg)
+    state = apply_spawn(state, plan, cfg)
+    batch, lanes = state.token.shape
+    inserted = inserted_rows(state, jnp.broadcast_to(jnp.arange(lanes, dtype=jnp.int32), (batch, lanes)))
+    state = write_slots(state, plan.feed, plan.slots)
+    return state, StepFeed(plan.feed, plan.slots, inserted, plan.target, plan)
+
+  def allowed(self, state: InterpState, rows_lane: jax.Array, logits: jax.Array, cfg: InterpreterConfig):
+    """No fork right after a fork or child token (grammar), at the depth limit or while no lane is free
+    (limits). A row counts as a refused fork when [Fork] is its most likely token under the grammar alone:
+    what greedy decoding would have written. The sampled token itself is unchanged by the count."""
+    b = jnp.arange(rows_lane.shape[0])[:, None]
+    tables = AllowedTokens.build(cfg.vocab, logits.shape[-1])
+    fed = state.token[b, rows_lane]
+    grammar_no_fork = (fed == cfg.vocab.apar_fork) | (fed == cfg.vocab.apar_child)
+    limited = (state.depth[b, rows_lane] >= self.max_depth) | ~lane_free(state)[:, None]
+    top = jnp.argmax(constrain(logits, tables.for_apar_rows(grammar_no_fork)), axis=-1)
+    refused = limited & ~grammar_no_fork & (top == cfg.vocab.apar_fork)
+    return tables.for_apar_rows(grammar_no_fork | limited), refused
+
+  def after_model(self, state: InterpState, step: StepFeed, sampled: jax.Array, cfg: InterpreterConfig,
+                  length_table: jax.Array):
+    return apply_samples(state, step.plan, sampled, cfg)

@@ -1,4 +1,4 @@
-"""Thread transitions of one interpreter step, as array ops over [B, T] (docs/interpreter.md).
+"""PASTA's rules: the thread transitions of one step, as array ops over [B, T] (docs/interpreter.md).
 
 `plan_feeds` decides who feeds (stall, sync wait, implicit final sync, pool room); `apply_spawn`
 and `release_sync` update the thread table before attention; `apply_samples` turns sampled tokens
@@ -8,18 +8,15 @@ into the next pending tokens, closes forks and frees lanes after attention.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from pasta_jax.decode.state import (
-  CLOSING,
-  DONE,
-  FREE,
-  RUNNING,
-  InterpreterConfig,
-  InterpState,
-)
+from pasta_jax.decode.constraints import AllowedTokens
+from pasta_jax.decode.pool import append_slots, inserted_rows, write_slots
+from pasta_jax.decode.rules.base import InterpreterConfig, Rules, StepFeed
+from pasta_jax.decode.state import CLOSING, DONE, FREE, RUNNING, InterpState
 from pasta_jax.lang import schema
 from pasta_jax.lang.tags import reserved_span
 from pasta_jax.visibility import UNBOUNDED
@@ -70,14 +67,6 @@ def plan_feeds(state: InterpState, cfg: InterpreterConfig, length_table: jax.Arr
                   main_done & room, stall & room, out_of_room)
 
 
-def advance_scripts(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig) -> InterpState:
-  """Forced replay: each thread that samples this step moves one token along its script."""
-  b = jnp.arange(state.token.shape[0])[:, None]
-  took = plan.feed & (state.status != CLOSING)
-  ptr = state.script_ptr.at[b, jnp.where(took, state.thread, cfg.max_threads)].add(1, mode="drop")
-  return dataclasses.replace(state, script_ptr=ptr)
-
-
 def apply_spawn(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig) -> InterpState:
   """Starts a fork on the spawn lane: `<async>` pending at p + 1, main's view up to its promise."""
   b = jnp.arange(state.token.shape[0])
@@ -107,27 +96,6 @@ def release_sync(state: InterpState, plan: FeedPlan) -> InterpState:
   spawned = jnp.arange(state.horizon.shape[-1])[None, :] < state.next_thread[:, None]  # [B, U]
   main_row = jnp.where(plan.sync_release[:, None] & spawned, UNBOUNDED, state.horizon[:, 0, :])
   return dataclasses.replace(state, horizon=state.horizon.at[:, 0, :].set(main_row))
-
-
-def assign_slots(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig) -> tuple[InterpState, jax.Array]:
-  """Feeding lanes take consecutive slots in lane order; writes the slots' metadata."""
-  offsets = jnp.cumsum(plan.feed, axis=1) - 1
-  slots = jnp.where(plan.feed, state.next_slot[:, None] + offsets, cfg.pool_slots).astype(jnp.int32)
-  b = jnp.arange(slots.shape[0])[:, None]
-
-  def put(array, value):
-    return array.at[b, slots].set(value, mode="drop")
-
-  state = dataclasses.replace(
-      state,
-      slot_owner=put(state.slot_owner, state.thread),
-      slot_order=put(state.slot_order, slots),
-      slot_pos=put(state.slot_pos, state.position),
-      slot_valid=put(state.slot_valid, True),
-      next_slot=state.next_slot + plan.feed.sum(axis=1),
-      peak_live=jnp.maximum(state.peak_live, state.next_slot + plan.feed.sum(axis=1)),
-  )
-  return state, slots
 
 
 def next_main_position(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig,
@@ -174,3 +142,36 @@ def apply_samples(state: InterpState, plan: FeedPlan, sampled: jax.Array, cfg: I
       last_fed_step=jnp.where(fed_any, state.step, state.last_fed_step),
   )
   return state, sampled_ok
+
+
+@dataclasses.dataclass(frozen=True)
+class PastaRules(Rules):
+  """PASTA-LANG: main forks at a promise's LENGTH, forks close at `</async>`, main waits at `<sync/>`."""
+
+  name: ClassVar[str] = "pasta"
+
+  def validate(self, cfg: InterpreterConfig) -> None:
+    super().validate(cfg)
+    if self.initial_threads != 1:
+      raise ValueError("PASTA threads start at promises: initial_threads must be 1 (a fan-out is SotRules)")
+
+  def before_model(self, state: InterpState, cfg: InterpreterConfig, length_table: jax.Array):
+    plan = plan_feeds(state, cfg, length_table)
+    spawned_thread = state.next_thread
+    state = release_sync(apply_spawn(state, plan, cfg), plan)
+    inserted = inserted_rows(state, plan.spawn_lane[:, None])  # the fork's `<async>`, fed this step
+    slots = append_slots(plan.feed, state, cfg.pool_slots)
+    state = write_slots(state, plan.feed, slots)
+    return state, StepFeed(plan.feed, slots, inserted, plan.spawn[:, None], (plan, spawned_thread))
+
+  def allowed(self, state: InterpState, rows_lane: jax.Array, logits: jax.Array, cfg: InterpreterConfig):
+    tables = AllowedTokens.build(cfg.vocab, logits.shape[-1])
+    return tables.for_rows(rows_lane == 0, state.in_promise[:, None]), jnp.zeros(rows_lane.shape, bool)
+
+  def script_end(self, rows_lane: jax.Array, cfg: InterpreterConfig) -> jax.Array:
+    return jnp.where(rows_lane == 0, cfg.vocab.eos_ids[0], cfg.vocab.async_close).astype(jnp.int32)
+
+  def after_model(self, state: InterpState, step: StepFeed, sampled: jax.Array, cfg: InterpreterConfig,
+                  length_table: jax.Array):
+    plan, spawned_thread = step.plan
+    return apply_samples(state, plan, sampled, cfg, length_table, spawned_thread)

@@ -1,0 +1,39 @@
+"""The static configuration of one compiled interpreter: shapes, sampling, and the method's rules."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pasta_jax.decode.rules.base import Rules
+from pasta_jax.decode.rules.pasta import PastaRules
+from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.lang import schema
+from pasta_jax.lang.tags import TagVocab
+
+
+@dataclasses.dataclass(frozen=True)
+class InterpreterConfig:
+  """Static shape and behaviour of one compiled interpreter (a jit static argument)."""
+
+  vocab: TagVocab
+  lanes: int = 8  # T: lane 0 is main
+  max_threads: int = 64  # U: thread ids per request (main + forks)
+  pool_slots: int = 1024  # S: prompt + everything written
+  max_steps: int = 1024
+  sampling: SamplingConfig = SamplingConfig()
+  position_mode: schema.PositionMode = "pred"
+  record_logits: bool = False  # keep each record's logits (parity checks against other implementations)
+  lane_buckets: bool = True  # compute only as many query rows as lanes feed (1, 2, 4, ...)
+  rules: Rules = PastaRules()  # the method: PastaRules, AparRules, SotRules, SequentialRules (decode/rules/)
+
+  def __post_init__(self):
+    if self.lanes < 1 or self.max_threads < 1 or self.pool_slots < 1:
+      raise ValueError(f"lanes, max_threads and pool_slots must be positive: {self}")
+    if not isinstance(self.rules, Rules):
+      raise ValueError(f"rules must be a decode.rules object (PastaRules(), AparRules(), ...), got {self.rules!r}")
+    self.rules.validate(self)
+    schema.check_position_mode(self.position_mode)
+
+  @property
+  def max_records(self) -> int:
+    return self.rules.max_records(self)

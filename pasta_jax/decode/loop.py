@@ -1,0 +1,254 @@
+"""The decode loop: one prefill, then `decode_step` in a `lax.while_loop` on device, whole or in chunks.
+
+`prefill_and_run` is the whole run in one device call (what `api` compiles ahead of time and times);
+`start` + `run_steps` are the same loop cut into chunks of steps, so a caller can stream (the state
+stays on device between chunks). Shapes are bucketed to powers of two, so few programs compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pasta_jax.decode.config import InterpreterConfig
+from pasta_jax.decode.state import FREE, RUNNING, InterpState
+from pasta_jax.decode.step import ModelFn, choose_tokens, decode_step
+from pasta_jax.errors import PastaError
+from pasta_jax.model.gemma import KVPool
+from pasta_jax.visibility import HIDDEN, UNBOUNDED, visible
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+  """Smallest power of two >= n (and >= minimum): the shape buckets that bound recompiles."""
+  return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def prefill(model_fn: ModelFn, params, prompt_tokens, lengths, pool_slots: int, pool_spec: tuple):
+  """One model call over the padded prompts [B, P] into an empty pool of `pool_slots` slots, under the
+  visibility rule (main's causal view). Returns the logits at each prompt's last token [B, 1, V] and the
+  pool. Padding rows write nowhere (slot S), so decode writes start right at each prompt's length."""
+  batch, prompt_len = prompt_tokens.shape
+  num_layers, kv_heads, head_dim, dtype = pool_spec
+  pool = KVPool(*(jnp.zeros((num_layers, batch, pool_slots, kv_heads, head_dim), dtype),) * 2)
+  idx = jnp.arange(prompt_len)
+  positions = jnp.broadcast_to(idx, (batch, prompt_len)).astype(jnp.int32)
+  horizon = idx[:, None]  # [P, U=1]: the prompt is main's (thread 0); row p sees main's slots <= p
+  slot_valid = jnp.arange(pool_slots)[None, :] < lengths[:, None]
+  slot_idx = jnp.broadcast_to(jnp.arange(pool_slots), (batch, pool_slots)).astype(jnp.int32)
+  mask = visible(jnp.broadcast_to(horizon, (batch,) + horizon.shape), jnp.zeros_like(slot_idx), slot_idx, slot_valid)
+  prefill_slots = jnp.where(idx[None, :] < lengths[:, None], positions, pool_slots)
+  logits, pool = model_fn(params, prompt_tokens, positions, mask, pool, prefill_slots, slot_idx)
+  return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1), pool
+
+
+def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Array, script, script_len,
+               cfg: InterpreterConfig, vocab_size: int, main_script_ptr: int, key: jax.Array) -> InterpState:
+  """State after prefill: prompt b in slots 0..len_b-1, main pending its first token.
+
+  With `initial_threads` k > 1 (APAR fan-out), threads 1..k-1 also start, on lanes 1..k-1: each
+  sees the prompt and itself, sits at the prompt's end, and has its script's first token pending.
+  """
+  batch = lengths.shape[0]
+  b_t = (batch, cfg.lanes)
+  slot_idx = jnp.arange(cfg.pool_slots)
+  lane_idx = jnp.arange(cfg.lanes)[None, :]
+  k = cfg.rules.initial_threads
+  started = lane_idx < k
+  threads = jnp.arange(cfg.max_threads)
+  own = threads[None, None, :] == jnp.arange(cfg.lanes)[None, :, None]  # [1, T, U]
+  prompt_view = jnp.where(threads == 0, (lengths - 1)[:, None, None], HIDDEN)  # [B, 1, U]
+  horizon = jnp.where(own & started[..., None], UNBOUNDED,
+                      jnp.where(started[..., None], prompt_view, HIDDEN)).astype(jnp.int32)
+  fan_first = script[:, jnp.minimum(jnp.arange(cfg.lanes), cfg.max_threads - 1), 0]  # [B, T]
+  token = jnp.where(lane_idx == 0, first[:, None], jnp.where(started, fan_first, 0)).astype(jnp.int32)
+  num_rec = cfg.max_records
+  records = jnp.zeros((batch, num_rec, 5), jnp.int32)
+  lanes = jnp.broadcast_to(jnp.arange(k), (batch, k))
+  first_rows = jnp.stack([jnp.zeros_like(lanes), lanes, lanes, token[:, :k],
+                          jnp.broadcast_to(lengths[:, None], (batch, k))], axis=2)
+  records = records.at[:, :k].set(first_rows)
+  rec_logits = jnp.zeros((batch, num_rec if cfg.record_logits else 1, vocab_size if cfg.record_logits else 1))
+  script_ptr = jnp.zeros((batch, cfg.max_threads), jnp.int32).at[:, 0].set(main_script_ptr)
+  script_ptr = script_ptr.at[:, 1:k].set(1)
+  return InterpState(
+      pool=pool,
+      slot_owner=jnp.zeros((batch, cfg.pool_slots), jnp.int32),
+      slot_order=jnp.broadcast_to(slot_idx, (batch, cfg.pool_slots)).astype(jnp.int32),
+      slot_pos=jnp.broadcast_to(slot_idx, (batch, cfg.pool_slots)).astype(jnp.int32),
+      slot_valid=slot_idx[None, :] < lengths[:, None],
+      next_slot=lengths.astype(jnp.int32),
+      peak_live=lengths.astype(jnp.int32),
+      status=jnp.broadcast_to(jnp.where(started, RUNNING, FREE), b_t).astype(jnp.int32),
+      thread=jnp.broadcast_to(jnp.where(started, lane_idx, 0), b_t).astype(jnp.int32),
+      token=token,
+      position=jnp.where(started, lengths[:, None], 0).astype(jnp.int32),
+      horizon=horizon,
+      in_promise=first == cfg.vocab.promise,
+      next_thread=jnp.full((batch,), k, jnp.int32),
+      depth=jnp.broadcast_to(jnp.where(started & (lane_idx > 0), 1, 0), b_t).astype(jnp.int32),
+      parent=jnp.full((batch, cfg.max_threads), -1, jnp.int32).at[:, 1:k].set(0),
+      script=script, script_len=script_len, script_ptr=script_ptr,
+      finished=jnp.zeros((batch,), bool), truncated=jnp.zeros((batch,), bool), pool_full=jnp.zeros((batch,), bool),
+      stalls=jnp.zeros((batch,), jnp.int32), fork_refusals=jnp.zeros((batch,), jnp.int32),
+      last_fed_step=jnp.zeros((batch,), jnp.int32),
+      step=jnp.int32(0), records=records, num_records=jnp.full((batch,), k, jnp.int32),
+      record_logits=rec_logits, key=key,
+  )
+
+
+def check_runnable(cfg: InterpreterConfig, forced: bool) -> None:
+  """Refuses settings the loop cannot honour. The oracle position mode reserves each block's true length,
+  which only a forced script knows: in free (or sampled-after-script) decoding there is none, and main's
+  next position would silently fall at p + 2 (a length of -1)."""
+  if cfg.position_mode == "oracle" and (not forced or cfg.rules.sample_after_script):
+    raise PastaError("position_mode='oracle' needs every block's true length, which only forced replay knows: "
+                     "use 'pred' or 'fixed' in free decoding")
+
+
+def initial_state(pool, last, prompt_len: int, lengths, script, script_len, seed, cfg: InterpreterConfig,
+                  forced: bool, vocab_size: int) -> InterpState:
+  """The state after prefill: main's first token chosen from the last prompt logits [B, 1, V] (step 0)."""
+  init = functools.partial(init_state, pool, prompt_len, lengths, script=script, script_len=script_len, cfg=cfg,
+                           vocab_size=vocab_size, key=jax.random.key(seed))
+  state = init(first=jnp.zeros_like(lengths), main_script_ptr=0)
+  first = choose_tokens(last, jnp.zeros((lengths.shape[0], 1), jnp.int32), state, cfg, forced)[0][:, 0]
+  state = init(first=first, main_script_ptr=1)  # main's script starts after the prefill token
+  if cfg.record_logits:
+    state = dataclasses.replace(state, record_logits=state.record_logits.at[:, 0].set(last[:, 0]))
+  return state
+
+
+def run_loop(model_fn: ModelFn, params, state: InterpState, limit, cfg: InterpreterConfig, forced: bool,
+             vocab_size: int) -> InterpState:
+  """`decode_step` until step `limit` (or the step budget), or until no request is live."""
+  length_table = jnp.asarray(cfg.vocab.length_table(vocab_size))
+  limit = jnp.minimum(limit, cfg.max_steps)
+
+  def cond(s: InterpState):
+    return (s.step < limit) & jnp.any(s.live)
+
+  return jax.lax.while_loop(cond, lambda s: decode_step(model_fn, params, s, cfg, length_table, forced), state)
+
+
+def finish(state: InterpState) -> InterpState:
+  """A request that did not finish by the end of the loop is truncated (by the step budget)."""
+  return dataclasses.replace(state, truncated=state.truncated | ~state.finished)
+
+
+STATIC = ("model_fn", "cfg", "forced", "vocab_size", "pool_spec")
+
+
+def start_state(model_fn, params, prompt_tokens, lengths, script, script_len, seed, *, cfg: InterpreterConfig,
+                forced: bool, vocab_size: int, pool_spec: tuple) -> InterpState:
+  """Prefill and main's first token: the state before step 1."""
+  check_runnable(cfg, forced)
+  last, pool = prefill(model_fn, params, prompt_tokens, lengths, cfg.pool_slots, pool_spec)
+  return initial_state(pool, last, prompt_tokens.shape[1], lengths, script, script_len, seed, cfg, forced, vocab_size)
+
+
+start = jax.jit(start_state, static_argnames=STATIC)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC)
+def prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, seed, *, cfg: InterpreterConfig,
+                    forced: bool, vocab_size: int, pool_spec: tuple) -> InterpState:
+  """Prefill, then the whole decode loop on device: one call."""
+  state = start_state(model_fn, params, prompt_tokens, lengths, script, script_len, seed, cfg=cfg,
+                            forced=forced, vocab_size=vocab_size, pool_spec=pool_spec)
+  return finish(run_loop(model_fn, params, state, cfg.max_steps, cfg, forced, vocab_size))
+
+
+@functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "forced", "vocab_size", "steps"),
+                   donate_argnames=("state",))
+def run_steps(model_fn, params, state: InterpState, *, cfg: InterpreterConfig, forced: bool, vocab_size: int,
+              steps: int) -> InterpState:
+  """Up to `steps` more steps in one device call (a chunk of a streamed run)."""
+  return run_loop(model_fn, params, state, state.step + steps, cfg, forced, vocab_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOutput:
+  """Host-side result of one request: records and counters (see docs/interpreter.md)."""
+
+  records: np.ndarray  # [N, 5] (step, lane, thread, token, position)
+  logits: np.ndarray | None  # [N, V] aligned with records (zeros for inserted `<async>`)
+  steps: int
+  stalls: int
+  finished: bool
+  truncated: bool
+  pool_full: bool = False  # truncated because the pool had no room (not by the step budget)
+  fork_refusals: int = 0  # APAR: forks the depth limit or a full lane table refused (sample_constrained)
+  peak_live_slots: int = 0  # most pool slots valid at once (the prompt included)
+  parents: np.ndarray | None = None  # [U] the thread that spawned each thread (-1: main / never spawned)
+  slot_table: np.ndarray | None = None  # [S, 4] final (owner, write order, position, valid) per pool slot
+
+
+def pad_scripts(scripts: Sequence[Sequence[Sequence[int]]] | None, batch: int, max_threads: int):
+  """Per-request, per-thread scripts -> [B, U, L] tokens and [B, U] lengths."""
+  if scripts is None:
+    return np.zeros((batch, max_threads, 1), np.int32), np.zeros((batch, max_threads), np.int32)
+  if len(scripts) != batch:
+    raise PastaError(f"got {len(scripts)} scripts for {batch} prompts")
+  # Threads past max_threads can never spawn (main stalls on them until the step budget ends the
+  # request as truncated), so their scripts are never read.
+  scripts = [list(s)[:max_threads] for s in scripts]
+  length = bucket(max(1, max(len(t) for s in scripts for t in s)))  # bucketed: few compiled shapes
+  tokens = np.zeros((batch, max_threads, length), np.int32)
+  lens = np.zeros((batch, max_threads), np.int32)
+  for b, per_thread in enumerate(scripts):
+    for u, toks in enumerate(per_thread):
+      tokens[b, u, : len(toks)] = toks
+      lens[b, u] = len(toks)
+  return tokens, lens
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pool_slots: int) -> tuple[np.ndarray, np.ndarray]:
+  """Prompts -> tokens [B, P] (P bucketed to a power of two) and lengths [B], with clear errors."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise PastaError("empty prompt: give at least one token of prompt")
+  longest = max(len(p) for p in prompts)
+  prompt_len = bucket(longest)
+  if prompt_len > pool_slots:
+    raise PastaError(f"a prompt of {longest} tokens (padded to {prompt_len}) does not fit a pool of "
+                     f"{pool_slots} slots")
+  tokens = np.zeros((len(prompts), prompt_len), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, : len(p)] = p
+  return tokens, np.array([len(p) for p in prompts], np.int32)
+
+
+def static_config(cfg: InterpreterConfig) -> InterpreterConfig:
+  """The jit-static part of a config: the seed travels as a traced value, so a new seed reuses the loop."""
+  return dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, seed=0))
+
+
+def run_interpreter(model_fn: ModelFn, params, prompts: Sequence[Sequence[int]], cfg: InterpreterConfig, *,
+                    vocab_size: int, pool_spec: tuple, scripts=None) -> list[RunOutput]:
+  """Runs B prompts through the jitted interpreter; `scripts` (per request, per thread) forces tokens."""
+  tokens, lengths = pad_prompts(prompts, cfg.pool_slots)
+  script, script_len = pad_scripts(scripts, len(prompts), cfg.max_threads)
+  final = prefill_and_run(model_fn, params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(script),
+                          jnp.asarray(script_len), jnp.uint32(cfg.sampling.seed), cfg=static_config(cfg),
+                          forced=scripts is not None, vocab_size=vocab_size, pool_spec=pool_spec)
+  return unpack(final, cfg)
+
+
+def unpack(final: InterpState, cfg: InterpreterConfig) -> list[RunOutput]:
+  final = jax.device_get(final)
+  outputs = []
+  for b in range(final.records.shape[0]):
+    n = int(final.num_records[b])
+    outputs.append(RunOutput(
+        records=np.asarray(final.records[b, :n]),
+        logits=np.asarray(final.record_logits[b, :n]) if cfg.record_logits else None,
+        steps=int(final.last_fed_step[b]), stalls=int(final.stalls[b]), fork_refusals=int(final.fork_refusals[b]),
+        finished=bool(final.finished[b]), truncated=bool(final.truncated[b]), pool_full=bool(final.pool_full[b]),
+        peak_live_slots=int(final.peak_live[b]), parents=np.asarray(final.parent[b]),
+        slot_table=np.stack([np.asarray(final.slot_owner[b]), np.asarray(final.slot_order[b]),
+                             np.asarray(final.slot_pos[b]), np.asarray(final.slot_valid[b], np.int32)], axis=1)))
+  return outputs

@@ -1,0 +1,168 @@
+"""The one result type of every decoding method, built on the host from a run's records."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from pasta_jax.decode.apar_text import decode_tree
+from pasta_jax.decode.loop import RunOutput
+from pasta_jax.decode.state import LANE, STEP, THREAD, TOKEN
+from pasta_jax.errors import TagError
+from pasta_jax.lang import apar_tree as tree
+from pasta_jax.lang import metrics
+from pasta_jax.lang import text as T
+from pasta_jax.lang import tokens as tok
+from pasta_jax.lang.tags import TagVocab
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadTrace:
+  """One thread of a run. Steps are interpreter steps (step 0 samples main's first token)."""
+
+  thread: int  # 0 = main, forks numbered in spawn order
+  lane: int
+  spawn_step: int  # main: 0; a fork: the step its `<async>` is recorded (and fed)
+  finish_step: int | None  # main: its end token's record; a fork: its `</async>` record; None if cut off
+  tokens: int  # content tokens (no `<async>` / `</async>` / end id)
+  fed_steps: tuple[int, ...]  # steps at which this thread fed a token (for charts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """One request's answer and trace, for every method (`api.generate(method=...)`).
+
+  PASTA and sequential answers are in promise form; APAR and SoT answers in APAR's text form, with
+  `thread_texts` (each thread's own text) and `parents` (the thread tree)."""
+
+  text: str  # the clean answer: tags and topics removed, blocks spliced in (APAR: tree order)
+  annotated: str  # the tagged answer (rendered leniently if the run was cut off)
+  records: np.ndarray  # [N, 5] (step, lane, thread, token, position)
+  threads: tuple[ThreadTrace, ...]
+  sync_steps: tuple[int, ...]  # steps at which main's `<sync/>` fed (PASTA)
+  steps: int
+  stalls: int
+  finished: bool
+  truncated: bool
+  theoretical_speedup: float  # content tokens / critical path of the answer (nan if it is malformed)
+  theoretical_parallelism: float
+  seconds: float  # wall time of the run (compile excluded)
+  tokens: int  # every token of the answer (tags and topics included, end id excluded)
+  content_tokens: int  # the answer's text tokens: the sequential answer's token count
+  pool_full: bool = False  # cut because the KV pool had no room left (see stop_reason)
+  method: str = "pasta"
+  critical_path: float = math.nan  # steps with unlimited lanes
+  fork_refusals: int = 0  # forks a limit refused (APAR's depth limit or a full lane table)
+  peak_live_slots: int = 0  # most KV slots live at once, the prompt included
+  parents: np.ndarray | None = None  # [U] the thread that spawned each thread (-1: main / none)
+  thread_texts: tuple[str, ...] = ()  # each thread's own text, in thread order (APAR, SoT)
+  logits: np.ndarray | None = None  # [N, V] behind each record (zeros for inserted tokens), on request
+
+  @property
+  def stop_reason(self) -> str:
+    """Why the run ended: "end" (the model finished), "pool" (the KV pool ran out of slots: every lane's
+    writes count against it, so a very parallel answer can fill it before the step budget ends), or
+    "steps" (the step budget, max_new_tokens, ran out)."""
+    return "end" if self.finished else "pool" if self.pool_full else "steps"
+
+  @property
+  def stop_note(self) -> str:
+    """One line for the user when the answer was cut ("" when it ended)."""
+    return {"end": "", "steps": f"cut by the step budget after {self.steps} steps: raise max_new_tokens",
+            "pool": f"cut when the KV pool filled ({self.tokens} tokens written by all lanes): raise "
+                    "max_new_tokens, which sizes the pool"}[self.stop_reason]
+
+
+PastaResult = TreeResult = Result  # the names earlier code used
+
+
+def thread_traces(records: np.ndarray, vocab: TagVocab) -> tuple[ThreadTrace, ...]:
+  """Per-thread spawn/finish steps, lanes, token counts and fed steps (docs/interpreter.md, records)."""
+  out = []
+  for u in sorted(set(records[:, THREAD].tolist())):
+    rows = records[records[:, THREAD] == u]
+    toks = rows[:, TOKEN].tolist()
+    if u == 0:  # main's k-th token feeds when its (k+1)-th is recorded; its end token never feeds
+      fed = tuple(int(s) for s in rows[1:, STEP])
+      ended = bool(toks) and toks[-1] in vocab.eos_ids
+      finish = int(rows[-1, STEP]) if ended else None
+      content = len(content_ids(toks, vocab))
+    else:  # a fork's `<async>` feeds at its record step, every later token one step after its record
+      fed = tuple(int(s) if t == vocab.async_open else int(s) + 1 for s, t in zip(rows[:, STEP], toks))
+      closed = toks[-1] == vocab.async_close
+      finish = int(rows[-1, STEP]) if closed else None
+      content = len([t for t in toks if t not in (vocab.async_open, vocab.async_close)])
+    out.append(ThreadTrace(thread=int(u), lane=int(rows[0, LANE]), spawn_step=int(rows[0, STEP]),
+                           finish_step=finish, tokens=content, fed_steps=fed))
+  return tuple(out)
+
+
+def content_ids(ids: Sequence[int], vocab: TagVocab) -> list[int]:
+  """Ids without tags, promise topics and end ids (lenient: works on cut-off answers too)."""
+  content, in_topic = [], False
+  for t in ids:
+    in_topic = (in_topic or t == vocab.promise) and not vocab.is_length(t)
+    if not in_topic and t not in vocab.tag_ids and t not in vocab.eos_ids:
+      content.append(t)
+  return content
+
+
+def sync_steps(records: np.ndarray, vocab: TagVocab) -> tuple[int, ...]:
+  main = records[records[:, THREAD] == 0]
+  return tuple(int(main[k + 1, STEP]) for k in range(len(main) - 1) if main[k, TOKEN] == vocab.sync)
+
+
+def clean_text(ids: Sequence[int], annotated: str, tokenizer, vocab: TagVocab) -> str:
+  """strip_tags of the annotated text; for a cut-off (malformed) answer, its content tokens decoded."""
+  try:
+    return T.strip_tags(annotated)
+  except TagError:
+    return tokenizer.decode(content_ids(ids, vocab))
+
+
+def pasta_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, method: str = "pasta") -> Result:
+  """A PASTA (or sequential) run -> its Result: annotated answer in promise form, metrics, trace."""
+  ids = metrics.annotated_from_records(run.records, vocab)
+  body, _ = tok.split_end(ids, vocab)
+  try:
+    annotated = tok.decode_answer(ids, tokenizer, vocab)
+    answer = metrics.answer_metrics(ids, vocab)
+    speedup, parallelism, content = answer.theoretical_speedup(), answer.theoretical_parallelism, answer.content_tokens
+    path = float(answer.critical_path)
+  except TagError:  # a run cut off mid-block: render what there is
+    annotated = tok.decode_answer(ids, tokenizer, vocab, strict=False)
+    speedup = parallelism = path = math.nan
+    content = len(content_ids(ids, vocab))
+  return Result(
+      text=clean_text(ids, annotated, tokenizer, vocab), annotated=annotated, records=run.records,
+      threads=thread_traces(run.records, vocab), sync_steps=sync_steps(run.records, vocab), steps=run.steps,
+      stalls=run.stalls, finished=run.finished, truncated=run.truncated, theoretical_speedup=speedup,
+      theoretical_parallelism=parallelism, seconds=seconds, tokens=len(body), content_tokens=content,
+      pool_full=run.pool_full, method=method, critical_path=path, fork_refusals=run.fork_refusals,
+      peak_live_slots=run.peak_live_slots, parents=run.parents, logits=run.logits)
+
+
+def tree_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, method: str = "apar") -> Result:
+  """An APAR (or SoT) run -> its Result: text in tree order, APAR text form, per-thread texts."""
+  ids = tree.tree_order(run.records, run.parents, vocab)
+  text, annotated = decode_tree(ids, tokenizer, vocab)
+  threads = sorted(set(run.records[:, THREAD].tolist()))
+  own = [[t for t in run.records[run.records[:, THREAD] == u, TOKEN].tolist() if t not in vocab.tag_ids
+          and t not in vocab.eos_ids] for u in threads]
+  content = sum(len(x) for x in own)
+  try:
+    path = tree.critical_path(tree.parse_tree(ids, vocab), vocab)
+  except TagError:
+    path = 0
+  return Result(
+      text=text, annotated=annotated, records=run.records, threads=(), sync_steps=(), steps=run.steps,
+      stalls=run.stalls, finished=run.finished, truncated=run.truncated,
+      theoretical_speedup=content / path if path else math.nan,
+      theoretical_parallelism=content / path if path else math.nan, seconds=seconds,
+      tokens=len([t for t in ids if t not in vocab.eos_ids]), content_tokens=content, pool_full=run.pool_full,
+      method=method, critical_path=float(path) if path else math.nan, fork_refusals=run.fork_refusals,
+      peak_live_slots=run.peak_live_slots, parents=run.parents,
+      thread_texts=tuple(tokenizer.decode(x) for x in own), logits=run.logits)

@@ -1,0 +1,9 @@
+"""One small rule object per decoding method (see base.py); the step driver is `decode/step.py`."""
+
+from pasta_jax.decode.rules.apar import AparRules
+from pasta_jax.decode.rules.base import Rules, StepFeed
+from pasta_jax.decode.rules.pasta import PastaRules
+from pasta_jax.decode.rules.sequential import SequentialRules
+from pasta_jax.decode.rules.sot import SotRules
+
+__all__ = ["AparRules", "PastaRules", "Rules", "SequentialRules", "SotRules", "StepFeed"]

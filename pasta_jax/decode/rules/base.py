@@ -1,0 +1,87 @@
+"""What a decoding method is, to the one step driver (`decode/step.py`): a small, frozen rule object.
+
+The driver owns what every method shares: the pool and its slot metadata, the one visibility rule,
+the model call over lane-count buckets, sampling, forced scripts, stop counters and records. A rule
+object says only what differs, as array functions over the [B, T] thread table:
+
+  before_model  who feeds this step, spawns and view changes, which pool slot each feeding lane
+                writes, and the tokens the interpreter inserts (a fork's `<async>`, APAR's child);
+  allowed       which tokens each query row may sample (tag constraints), and which rows had a
+                fork refused by a limit (counted, never silent);
+  script_end    what a forced thread writes once its script has run out;
+  after_model   how sampled tokens become pending tokens: closes, releases, finishes.
+
+Everything a rule needs that the driver does not (APAR's depth limit, SoT's fan-out) is a field of
+the rule, so the shared config and the shared path carry no method's special case. A new method is a
+new rule object; docs/interpreter.md ("Adding a method") walks through one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Protocol
+
+import jax
+
+from pasta_jax.decode.state import InterpState
+from pasta_jax.lang.tags import TagVocab
+
+
+class InterpreterConfig(Protocol):
+  """What rules read of `decode.config.InterpreterConfig` (a protocol: the config holds the rules)."""
+
+  vocab: TagVocab
+  lanes: int
+  max_threads: int
+  pool_slots: int
+  max_steps: int
+  position_mode: str
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepFeed:
+  """What a rule's `before_model` hands the driver for this step."""
+
+  feed: jax.Array  # [B, T] bool: the lane feeds its pending token
+  slots: jax.Array  # [B, T] int32: the pool slot each feeding lane writes (S where none)
+  inserted: jax.Array  # [B, K, 5] records of tokens the interpreter inserts this step (before the lanes')
+  inserted_keep: jax.Array  # [B, K] bool: which of those rows are real
+  plan: Any  # the rule's own plan, handed back to `after_model`
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+  """Base of every method's rules. Subclasses are frozen dataclasses: hashable, so a jit static."""
+
+  name: ClassVar[str] = "rules"
+  initial_threads: int = 1  # threads that start together after the prompt (main + a fan-out)
+  sample_after_script: bool = False  # forced scripts are prefixes: a thread samples once its script ends
+
+  def validate(self, cfg: InterpreterConfig) -> None:
+    """Raises ValueError for settings this method cannot honour."""
+    if not 1 <= self.initial_threads <= min(cfg.lanes, cfg.max_threads):
+      raise ValueError(f"initial_threads={self.initial_threads} must be in [1, min(lanes, max_threads)]")
+
+  def max_records(self, cfg: InterpreterConfig) -> int:
+    """Records one request can make: every record but the last per lane becomes a pool write, and one
+    step records at most one token per lane (methods that free slots override this)."""
+    return cfg.pool_slots + cfg.lanes + 1
+
+  def before_model(self, state: InterpState, cfg: InterpreterConfig, length_table: jax.Array
+                   ) -> tuple[InterpState, StepFeed]:
+    raise NotImplementedError
+
+  def allowed(self, state: InterpState, rows_lane: jax.Array, logits: jax.Array, cfg: InterpreterConfig
+              ) -> tuple[jax.Array | None, jax.Array]:
+    """([B, Q, V] bool allowed tokens, or None for no constraint; [B, Q] bool refused forks)."""
+    raise NotImplementedError
+
+  def script_end(self, rows_lane: jax.Array, cfg: InterpreterConfig) -> jax.Array:
+    """[B, Q] the token a thread writes once its forced script is spent: an end id."""
+    return jax.numpy.full(rows_lane.shape, cfg.vocab.eos_ids[0], jax.numpy.int32)
+
+  def after_model(self, state: InterpState, step: StepFeed, sampled: jax.Array, cfg: InterpreterConfig,
+                  length_table: jax.Array) -> tuple[InterpState, jax.Array]:
+    """Sampled tokens [B, T] (-1 where a lane did not feed) -> (state, [B, T] bool lanes that recorded)."""
+    raise NotImplementedError

@@ -1,0 +1,132 @@
+"""The one decode step, shared by every method: its rules (`cfg.rules`, decode/rules/) say what differs.
+
+  rules.before_model -> the model on the feeding lanes only (a `lax.switch` over lane-count buckets
+  1, 2, 4, ..., under the one visibility rule) -> sample under rules.allowed, or read the forced
+  script -> rules.after_model -> records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pasta_jax.decode.config import InterpreterConfig
+from pasta_jax.decode.constraints import constrain
+from pasta_jax.decode.sampling import lane_key, sample_rows
+from pasta_jax.decode.state import CLOSING, InterpState
+from pasta_jax.visibility import visible
+
+ModelFn = Callable  # (params, tokens, positions, mask, pool, slots, kv_positions) -> (logits, pool)
+
+
+def choose_tokens(logits, rows_lane, state: InterpState, cfg: InterpreterConfig, forced: bool):
+  """Constrained sample (or forced script token) for each query row. logits: [B, Q, V].
+  Returns tokens [B, Q] and which rows had a fork refused by a limit (`rules.allowed`)."""
+  if not forced:
+    return sample_constrained(logits, rows_lane, state, cfg)
+  b = jnp.arange(logits.shape[0])[:, None]
+  thread = state.thread[b, rows_lane]
+  ptr = state.script_ptr[b, thread]
+  scripted_now = ptr < state.script_len[b, thread]
+  scripted = jnp.take_along_axis(state.script[b, thread], jnp.minimum(ptr, state.script.shape[-1] - 1)[..., None],
+                                 axis=-1)[..., 0]
+  if cfg.rules.sample_after_script:
+    sampled, refused = sample_constrained(logits, rows_lane, state, cfg)
+    return jnp.where(scripted_now, scripted, sampled), refused & ~scripted_now
+  forced_token = jnp.where(scripted_now, scripted, cfg.rules.script_end(rows_lane, cfg))
+  # The model still runs: without a use of the logits XLA would drop the output head, and forced
+  # replays (the benchmarks' workload) would time a model without its most expensive matmul.
+  model_choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jnp.where(model_choice < 0, model_choice, forced_token), jnp.zeros_like(forced_token, bool)
+
+
+def sample_constrained(logits, rows_lane, state: InterpState, cfg: InterpreterConfig):
+  """Sampled tokens [B, Q] under the rules' constraints, and [B, Q] refused forks."""
+  batch, num_q, _ = logits.shape
+  allowed, refused = cfg.rules.allowed(state, rows_lane, logits, cfg)
+  if allowed is not None:
+    logits = constrain(logits, allowed)
+  keys = jax.vmap(lambda bi, lanes: jax.vmap(lambda lane: lane_key(state.key, bi, state.step, lane))(lanes))(
+      jnp.arange(batch), rows_lane)
+  flat = sample_rows(logits.reshape(batch * num_q, -1), keys.reshape(-1), cfg.sampling)
+  return flat.reshape(batch, num_q), refused
+
+
+def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: InterpreterConfig,
+             num_q: int, forced: bool):
+  """Runs the model on the first `num_q` feeding lanes of each request; returns per-lane tokens."""
+  batch = feed.shape[0]
+  b = jnp.arange(batch)[:, None]
+  rows_lane = jnp.argsort(~feed, axis=1, stable=True)[:, :num_q].astype(jnp.int32)  # feeders first
+  row_ok = feed[b, rows_lane]
+  mask = visible(state.horizon[b, rows_lane], state.slot_owner, state.slot_order, state.slot_valid)
+  mask = mask & row_ok[:, :, None]
+  logits, pool = model_fn(params, state.token[b, rows_lane], state.position[b, rows_lane], mask, state.pool,
+                          jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos)
+  chosen, refused = choose_tokens(logits, rows_lane, state, cfg, forced)
+  scatter_lane = jnp.where(row_ok, rows_lane, cfg.lanes)  # padding rows are dropped
+  sampled = jnp.full((batch, cfg.lanes), -1, jnp.int32).at[b, scatter_lane].set(chosen, mode="drop")
+  refused = jnp.zeros((batch, cfg.lanes), bool).at[b, scatter_lane].set(refused, mode="drop")
+  lane_logits = None
+  if cfg.record_logits:
+    lane_logits = jnp.zeros((batch, cfg.lanes, logits.shape[-1])).at[b, scatter_lane].set(logits, mode="drop")
+  return sampled, refused, lane_logits, pool
+
+
+def model_on_feeders(model_fn, params, state, feed, slots, cfg: InterpreterConfig, forced: bool):
+  """Lane-count buckets: one compiled branch per Q in 1, 2, 4, ..., T; the step picks the smallest."""
+  sizes = [1 << i for i in range((cfg.lanes - 1).bit_length())] + [cfg.lanes]
+  sizes = sorted(set(sizes)) if cfg.lane_buckets else [cfg.lanes]
+  branches = [functools.partial(run_rows, model_fn, params, num_q=q, forced=forced, cfg=cfg) for q in sizes]
+  if len(branches) == 1:
+    return branches[0](state, feed, slots)
+  need = jnp.max(feed.sum(axis=1))
+  index = jnp.searchsorted(jnp.asarray(sizes), need).astype(jnp.int32)
+  return jax.lax.switch(jnp.minimum(index, len(sizes) - 1), branches, state, feed, slots)
+
+
+def advance_scripts(state: InterpState, feed: jax.Array, cfg: InterpreterConfig) -> InterpState:
+  """Forced replay: each thread that samples this step (it feeds, and is not closing) moves one token
+  along its script."""
+  b = jnp.arange(state.token.shape[0])[:, None]
+  took = feed & (state.status != CLOSING)
+  ptr = state.script_ptr.at[b, jnp.where(took, state.thread, cfg.max_threads)].add(1, mode="drop")
+  return dataclasses.replace(state, script_ptr=ptr)
+
+
+def append_records(state: InterpState, inserted, recorded, lane_logits, cfg) -> InterpState:
+  """Appends this step's records: the inserted tokens (a spawn's `<async>` or APAR_CHILD, in lane
+  order), then the lanes' new pending tokens in lane order. inserted: ([B, K, 5] rows, [B, K] keep)."""
+  batch = recorded.shape[0]
+  b = jnp.arange(batch)
+  lanes = jnp.broadcast_to(jnp.arange(cfg.lanes), (batch, cfg.lanes))
+  lane_rows = jnp.stack([jnp.full((batch, cfg.lanes), state.step), lanes, state.thread, state.token,
+                         state.position], axis=2)
+  inserted_rows, inserted_keep = inserted
+  rows = jnp.concatenate([inserted_rows, lane_rows], axis=1)  # [B, K + T, 5]
+  keep = jnp.concatenate([inserted_keep, recorded], axis=1)
+  index = jnp.where(keep, state.num_records[:, None] + jnp.cumsum(keep, axis=1) - 1, cfg.max_records)
+  records = state.records.at[b[:, None], index].set(rows, mode="drop")
+  rec_logits = state.record_logits
+  if cfg.record_logits:
+    rec_logits = rec_logits.at[b[:, None], index[:, inserted_keep.shape[1]:]].set(lane_logits, mode="drop")
+  return dataclasses.replace(state, records=records, num_records=state.num_records + keep.sum(axis=1),
+                             record_logits=rec_logits)
+
+
+def decode_step(model_fn: ModelFn, params, state: InterpState, cfg: InterpreterConfig, length_table: jax.Array,
+                forced: bool) -> InterpState:
+  """One step of every method: the rules' transitions around one model call."""
+  rules = cfg.rules
+  state = dataclasses.replace(state, step=state.step + 1)
+  state, fed = rules.before_model(state, cfg, length_table)
+  sampled, refused, lane_logits, pool = model_on_feeders(model_fn, params, state, fed.feed, fed.slots, cfg, forced)
+  state = dataclasses.replace(state, pool=pool, fork_refusals=state.fork_refusals + refused.sum(axis=1))
+  if forced:
+    state = advance_scripts(state, fed.feed, cfg)
+  state, recorded = rules.after_model(state, fed, sampled, cfg, length_table)
+  return append_records(state, (fed.inserted, fed.inserted_keep), recorded, lane_logits, cfg)
