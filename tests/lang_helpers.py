@@ -145,8 +145,8 @@ def replay(mode: str = "pred", lanes: int = 8):
 
 def run_forced(prompt_batch: list[list[int]], answers: list[list[int]], mode: str = "pred", lanes: int = 8):
   """Replays the answers through the jitted interpreter (enough lanes: no stalls); one compile per call."""
-  from pasta_jax.decode.loop import run_interpreter
   from pasta_jax.decode.config import InterpreterConfig
+  from pasta_jax.decode.loop import run_interpreter
   from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
   toy = ToyConfig(vocab_size=128)
   cfg = InterpreterConfig(vocab=VOCAB, lanes=lanes, max_threads=16, pool_slots=256, max_steps=512,

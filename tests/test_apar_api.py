@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pasta_jax.decode import api
-from pasta_jax.decode.api import LangTokenizer, prompt_ids
 from pasta_jax.decode.apar_text import encode_apar_text
+from pasta_jax.decode.api import LangTokenizer, prompt_ids
 from pasta_jax.errors import TagError
 from pasta_jax.lang import apar_tree as tree
 from tests.tiny import tiny_model

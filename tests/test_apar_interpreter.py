@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import run_interpreter
 from pasta_jax.decode.reference import run_reference
 from pasta_jax.decode.rules import AparRules
 from pasta_jax.decode.sampling import SamplingConfig
-from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
 from tests.programs import PLAIN_TOKENS, VOCAB, VOCAB_SIZE, prompts
 

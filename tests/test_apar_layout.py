@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import run_interpreter
 from pasta_jax.decode.rules import AparRules
-from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.lang import apar_tree as tree
 from pasta_jax.lang.apar_layout import apar_layout
 from tests.test_replay import VOCAB, random_params

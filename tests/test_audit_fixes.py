@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
+from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import run_interpreter
 from pasta_jax.decode.rules import PastaRules
-from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
 from pasta_jax.errors import PastaError
 from tests.programs import VOCAB, VOCAB_SIZE

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import RunOutput, run_interpreter
 from pasta_jax.decode.naive import interleaved_kv_bytes, naive_kv_bytes, run_naive
 from pasta_jax.decode.sampling import SamplingConfig
-from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
 from pasta_jax.lang.tags import TagVocab
 from pasta_jax.model.config import get_config
