@@ -8,10 +8,6 @@ chunk; `return_logits` gives the logits behind every record; the compile cache s
 
 from __future__ import annotations
 
-import types
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -20,9 +16,7 @@ from pasta_jax.decode.result import Result
 from pasta_jax.decode.rules import AparRules, PastaRules, SequentialRules, SotRules
 from pasta_jax.errors import PastaError
 from pasta_jax.lang.text import strip_tags
-from pasta_jax.model.config import get_config
-from pasta_jax.model.gemma import Gemma
-from tests.tiny import CharTokenizer
+from tests.tiny import tiny_model
 
 PASTA = ('Two tips:\n<promise topic="sleep" tokens="20"/><async>- Sleep eight hours.\n</async>'
          '<promise topic="food" tokens="10"/><async>- Eat greens.\n</async><sync/>Done.')
@@ -31,10 +25,7 @@ APAR = "Two tips:\n<fork/><child>- Sleep eight hours.\n</child><fork/><child>- E
 
 @pytest.fixture(scope="module")
 def model():
-  config = get_config("tiny-gemma3")
-  tokens = jnp.zeros((1, 4), jnp.int32)
-  params = Gemma(config).init(jax.random.key(0), tokens, tokens, jnp.ones((1, 4, 4), bool))
-  return types.SimpleNamespace(config=config, params=params, tokenizer=CharTokenizer())
+  return tiny_model()
 
 
 def test_every_method_returns_the_one_result_type(model):

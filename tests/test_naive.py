@@ -166,6 +166,14 @@ def test_sampled_run_respects_the_contract():
         assert fork[-1, 3] == AE
 
 
+def test_naive_refuses_other_rules():
+  from pasta_jax.decode.rules import AparRules
+  from pasta_jax.errors import PastaError
+  with pytest.raises(PastaError, match="cannot run apar rules"):
+    run_naive(toy_apply, toy_params(TOY, {}), PROMPTS[:1], config(rules=AparRules()), vocab_size=TOY.vocab_size,
+              pool_spec=TOY_SPEC)
+
+
 def test_naive_pool_is_lanes_times_larger():
   gemma = get_config("tiny-gemma3")
   spec = (gemma.num_layers, gemma.num_kv_heads, gemma.head_dim, jnp.float32)

@@ -45,8 +45,10 @@ from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import RunOutput
 from pasta_jax.decode.pool import inserted_rows
 from pasta_jax.decode.rules import pasta as threads
+from pasta_jax.decode.rules.pasta import PastaRules
 from pasta_jax.decode.state import CLOSING, InterpState
 from pasta_jax.decode.step import ModelFn, advance_scripts, append_records, choose_tokens
+from pasta_jax.errors import PastaError
 from pasta_jax.model.gemma import KVPool
 
 
@@ -227,6 +229,8 @@ def naive_prefill_and_run(model_fn, params, prompt_tokens, lengths, script, scri
                           cfg: InterpreterConfig, forced: bool, vocab_size: int, pool_spec: tuple):
   """Prefill main's rows, sample main's first token (step 0), then the whole loop on device.
   Returns the final thread table (an InterpState) for `loop.unpack`."""
+  if type(cfg.rules) is not PastaRules:
+    raise PastaError(f"the naive interpreter is PASTA's Appendix-B baseline; it cannot run {cfg.rules.name} rules")
   loop.check_runnable(cfg, forced)
   last, main_pool = loop.prefill(model_fn, params, prompt_tokens, lengths, cfg.pool_slots, pool_spec)
   valid = jnp.arange(cfg.pool_slots)[None, :] < lengths[:, None]
