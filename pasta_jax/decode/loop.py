@@ -50,7 +50,7 @@ def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Arr
                cfg: InterpreterConfig, vocab_size: int, main_script_ptr: int, key: jax.Array) -> InterpState:
   """State after prefill: prompt b in slots 0..len_b-1, main pending its first token.
 
-  With `initial_threads` k > 1 (APAR fan-out), threads 1..k-1 also start, on lanes 1..k-1: each
+  With `cfg.rules.initial_threads` k > 1 (SoT's fan-out), threads 1..k-1 also start, on lanes 1..k-1: each
   sees the prompt and itself, sits at the prompt's end, and has its script's first token pending.
   """
   batch = lengths.shape[0]
