@@ -4,7 +4,7 @@ Tree order (APAR's RESTORE) writes each child right after its parent's fork:
   main: a b FORK c EOS, child: x y EOS   ->   a b FORK CHILD x y EOS c EOS
 Thread ids are given at run time in spawn order, which depends on the schedule (a fork waits for a
 free lane), so `thread_scripts` replays the interpreter's scheduling rule on the tree to number the
-threads exactly as the interpreter will (decode/apar.py: the k-th forking lane takes the k-th free
+threads exactly as the interpreter will (decode/rules/apar.py: the k-th forking lane takes the k-th free
 lane and the next thread id; an end id frees its lane at once).
 """
 

@@ -1,4 +1,4 @@
-"""The reference interpreter's APAR mode: the oracle for `decode/apar.py`, with explicit visible sets.
+"""The reference interpreter's APAR mode: the oracle for `decode/rules/apar.py`, with explicit visible sets.
 
 APAR (the APAR paper, Algorithm 1) one request and one token at a time:
 - Any running lane whose pending token is APAR_FORK forks when it feeds it: the k-th forking lane
