@@ -18,6 +18,7 @@ new rule object; docs/interpreter.md ("Adding a method") walks through one.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, ClassVar, Protocol
 
@@ -51,7 +52,7 @@ class StepFeed:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rules:
+class Rules(abc.ABC):
   """Base of every method's rules. Subclasses are frozen dataclasses: hashable, so a jit static."""
 
   name: ClassVar[str] = "rules"
@@ -68,20 +69,23 @@ class Rules:
     step records at most one token per lane (methods that free slots override this)."""
     return cfg.pool_slots + cfg.lanes + 1
 
+  @abc.abstractmethod
   def before_model(self, state: InterpState, cfg: InterpreterConfig, length_table: jax.Array
                    ) -> tuple[InterpState, StepFeed]:
-    raise NotImplementedError
+    """Abstract: every method's rules define it."""
 
+  @abc.abstractmethod
   def allowed(self, state: InterpState, rows_lane: jax.Array, logits: jax.Array, cfg: InterpreterConfig
               ) -> tuple[jax.Array | None, jax.Array]:
     """([B, Q, V] bool allowed tokens, or None for no constraint; [B, Q] bool refused forks)."""
-    raise NotImplementedError
+    """Abstract: every method's rules define it."""
 
   def script_end(self, rows_lane: jax.Array, cfg: InterpreterConfig) -> jax.Array:
     """[B, Q] the token a thread writes once its forced script is spent: an end id."""
     return jax.numpy.full(rows_lane.shape, cfg.vocab.eos_ids[0], jax.numpy.int32)
 
+  @abc.abstractmethod
   def after_model(self, state: InterpState, step: StepFeed, sampled: jax.Array, cfg: InterpreterConfig,
                   length_table: jax.Array) -> tuple[InterpState, jax.Array]:
     """Sampled tokens [B, T] (-1 where a lane did not feed) -> (state, [B, T] bool lanes that recorded)."""
-    raise NotImplementedError
+    """Abstract: every method's rules define it."""
