@@ -78,7 +78,6 @@ class Rules(abc.ABC):
   def allowed(self, state: InterpState, rows_lane: jax.Array, logits: jax.Array, cfg: InterpreterConfig
               ) -> tuple[jax.Array | None, jax.Array]:
     """([B, Q, V] bool allowed tokens, or None for no constraint; [B, Q] bool refused forks)."""
-    """Abstract: every method's rules define it."""
 
   def script_end(self, rows_lane: jax.Array, cfg: InterpreterConfig) -> jax.Array:
     """[B, Q] the token a thread writes once its forced script is spent: an end id."""
@@ -88,4 +87,3 @@ class Rules(abc.ABC):
   def after_model(self, state: InterpState, step: StepFeed, sampled: jax.Array, cfg: InterpreterConfig,
                   length_table: jax.Array) -> tuple[InterpState, jax.Array]:
     """Sampled tokens [B, T] (-1 where a lane did not feed) -> (state, [B, T] bool lanes that recorded)."""
-    """Abstract: every method's rules define it."""
