@@ -26,9 +26,9 @@ PROMPT = "Explain why the sky is blue, in a few short paragraphs."
 def ours(model, prompt_ids, new_tokens, runs, dtype):
   """Plain greedy decoding through the one interpreter (`method="sequential"`, end ids never sampled, as
   transformers' min_new_tokens): tokens/s of the device run (prefill included) and the tokens. The prefill
-  samples the first token, each of `new_tokens - 1` steps one more."""
+  samples the first token, each of the `new_tokens - 1` steps one more (max_new_tokens is a content budget)."""
   def run():
-    [result] = api.generate_ids(model, [prompt_ids], method="sequential", max_new_tokens=new_tokens - 1, dtype=dtype,
+    [result] = api.generate_ids(model, [prompt_ids], method="sequential", max_new_tokens=new_tokens, dtype=dtype,
                                 ignore_eos=True)
     return result
 

@@ -13,6 +13,19 @@ from pasta_jax.lang.tags import LENGTH_STEP, MAX_LENGTH, TagVocab, round_length
 
 PAD, EOS, BOS = 0, 1, 2
 VOCAB = TagVocab.from_base(3, eos_ids=(EOS,))  # tags on ids 3 .. 58
+# Pred-1x: the same tags with one LENGTH token per exact length, on ids 1000 .. 1499 (above the text).
+EXACT_VOCAB = TagVocab(**{**{f: getattr(VOCAB, f) for f in ("promise", "async_open", "async_close", "sync",
+                                                              "apar_fork", "apar_child")},
+                          "lengths": tuple(range(1000, 1500)), "eos_ids": (EOS,), "length_step": 1})
+
+
+def vocab_for(mode: str) -> TagVocab:
+  return EXACT_VOCAB if mode == "pred-1x" else VOCAB
+
+
+def in_vocab(ids: list[int], vocab: TagVocab) -> list[int]:
+  """An answer in VOCAB's tokens with each LENGTH token moved to `vocab`'s token for the same value."""
+  return [vocab.length_token(VOCAB.length_of(t)) if VOCAB.is_length(t) else t for t in ids]
 CHAR_BASE = 100  # ordinary characters: id = CHAR_BASE + ord(c)
 
 
@@ -110,11 +123,11 @@ prompts = st.lists(st.integers(*ORDINARY), min_size=1, max_size=3)
 
 
 # --- forced replay through the jitted interpreter (toy model) ---------------------------------------------
-def scripts_of(ids: list[int]) -> list[list[int]]:
+def scripts_of(ids: list[int], vocab: TagVocab = VOCAB) -> list[list[int]]:
   """Per-thread scripts of an annotated answer: main (blocks removed) + EOS; each fork: content + </async>."""
   from pasta_jax.lang.tokens import TokBlock, parse_tokens
   main, forks = [], []
-  for seg in parse_tokens(ids, VOCAB):
+  for seg in parse_tokens(ids, vocab):
     if isinstance(seg, TokBlock):
       forks.append(list(seg.content) + [VOCAB.async_close])
     else:
@@ -132,25 +145,31 @@ HAND_ANSWER = [a, _V.promise, t, _V.length_token(10), _V.async_open, x, _V.async
 
 @functools.cache
 def replay(mode: str = "pred", lanes: int = 8):
-  """A fixed batch of answers (hand-checked, edge cases, random) and their forced replays, computed once."""
+  """A fixed batch of answers (hand-checked, edge cases, random; in `vocab_for(mode)`) and their forced
+  replays in that position mode, computed once."""
   rng = np.random.default_rng(7)
   empty_block = [VOCAB.promise, VOCAB.length_token(10), VOCAB.async_open, VOCAB.async_close]
   two_long = [_V.promise, _V.length_token(10), _V.async_open] + [x] * 10 + [_V.async_close]
   two_long += [_V.promise, _V.length_token(10), _V.async_open] + [y] * 10 + [_V.async_close, _V.sync, a]
   answers = [HAND_ANSWER, [], [70], [VOCAB.sync], empty_block, two_long]
   answers += [token_program(rng) for _ in range(16)]
+  answers = [in_vocab(answer, vocab_for(mode)) for answer in answers]
   prompt_batch = [[BOS] + rng.integers(64, 128, size=int(rng.integers(0, 3))).tolist() for _ in answers]
   return prompt_batch, answers, run_forced(prompt_batch, answers, mode, lanes)
 
 
 def run_forced(prompt_batch: list[list[int]], answers: list[list[int]], mode: str = "pred", lanes: int = 8):
-  """Replays the answers through the jitted interpreter (enough lanes: no stalls); one compile per call."""
+  """Replays the answers (in `vocab_for(mode)`, tagged as the mode trains them) through the jitted
+  interpreter (enough lanes: no stalls); one compile per call."""
   from pasta_jax.decode.config import InterpreterConfig
   from pasta_jax.decode.loop import run_interpreter
   from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
-  toy = ToyConfig(vocab_size=128)
-  cfg = InterpreterConfig(vocab=VOCAB, lanes=lanes, max_threads=16, pool_slots=256, max_steps=512,
+  from pasta_jax.lang.layout import answer_for_mode
+  vocab = vocab_for(mode)
+  toy = ToyConfig(vocab_size=1536 if vocab is EXACT_VOCAB else 128)
+  cfg = InterpreterConfig(vocab=vocab, lanes=lanes, max_threads=16, pool_slots=256, max_steps=512,
                           position_mode=mode)
   pool_spec = (toy.num_layers, toy.num_kv_heads, toy.head_dim, np.float32)
+  scripts = [scripts_of(answer_for_mode(a, vocab, mode), vocab) for a in answers]
   return run_interpreter(toy_apply, toy_params(toy, {}), prompt_batch, cfg, vocab_size=toy.vocab_size,
-                         pool_spec=pool_spec, scripts=[scripts_of(a) for a in answers])
+                         pool_spec=pool_spec, scripts=scripts)

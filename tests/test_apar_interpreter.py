@@ -137,7 +137,7 @@ def test_exact_path_positions_and_views_by_hand():
   assert [tuple(int(v) for v in row) for row in got.slot_table[6:8]] == [(1, 8, 7, 0), (1, 7, 6, 0)]
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_fan_out_with_script_prefixes_matches_reference(data):
   """SoT's stage 2: k threads start together after a shared prompt, each forced through its own
@@ -147,7 +147,7 @@ def test_fan_out_with_script_prefixes_matches_reference(data):
   seed = data.draw(st.integers(0, 2**16), label="seed")
   cfg = apar(lanes=4, max_steps=48, pool_slots=160, max_depth=depth, initial_threads=k, sample_after_script=True,
              sampling=SamplingConfig(temperature=1.0, seed=seed))
-  batch = data.draw(st.integers(1, 2), label="batch")
+  batch = 2  # two requests that differ; one batch size, so only (threads, depth) add compiles
   scripts = [[data.draw(st.lists(PLAIN_TOKENS, min_size=1, max_size=5), label=f"prefix{i}.{u}") for u in range(k)]
              for i in range(batch)]
   prompt_batch = [data.draw(prompts, label=f"prompt{i}") for i in range(batch)]

@@ -109,9 +109,11 @@ def test_structural_annotator_keeps_every_character():
 def test_a_cut_answer_says_why(model, results):
   tagged, _ = results
   assert tagged.stop_reason == "end" and tagged.stop_note == ""
-  free = api.generate(model, ["Say it"], max_new_tokens=3, lanes=2)[0]  # a random model never ends in 3 steps
-  assert (free.finished, free.pool_full, free.stop_reason) == (False, False, "steps")
-  assert "step budget" in free.stop_note
+  free = api.generate(model, ["Say it"], max_new_tokens=3, lanes=2)[0]  # a random model never ends in 3 tokens
+  assert (free.finished, free.budget_spent, free.stop_reason, free.content_tokens) == (False, True, "tokens", 3)
+  assert "content-token budget" in free.stop_note
   import dataclasses
-  full = dataclasses.replace(free, pool_full=True)
+  full = dataclasses.replace(free, budget_spent=False, pool_full=True)
   assert full.stop_reason == "pool" and "KV pool filled" in full.stop_note
+  steps = dataclasses.replace(free, budget_spent=False)
+  assert steps.stop_reason == "steps" and "step budget" in steps.stop_note

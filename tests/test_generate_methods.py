@@ -99,4 +99,4 @@ def test_compile_cache_is_bounded(model):
   cache = api.CompileCache(maxsize=1)
   for budget in (8, 40):  # two pool buckets: two compiled loops, the first pushed out
     cache.get(api.prepare_method(model, [[2, 3]], method="sequential", max_new_tokens=budget), api.loop.prefill_and_run)
-  assert len(cache.entries) == 1 and next(iter(cache.entries))[2].max_steps == 40
+  assert len(cache.entries) == 1 and next(iter(cache.entries))[2].max_content == 40  # the newer one kept

@@ -56,7 +56,7 @@ def assert_same(jitted, oracle):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_forced_programs_match_reference(name, data):
   cfg = CONFIGS[name]

@@ -1,6 +1,8 @@
 """Training layout: hand-checked positions/targets/horizons, invariants against independently computed
 visible sets, padding/stacking, the plain baseline, and agreement with the jitted interpreter's replay."""
 
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 
 from pasta_jax.errors import PastaError, TagError
 from pasta_jax.lang import layout as lay
+from pasta_jax.lang.schema import POSITION_MODES
 from pasta_jax.lang.tags import reserved_span
 from pasta_jax.visibility import HIDDEN, UNBOUNDED
 from tests.lang_helpers import (
@@ -20,10 +23,12 @@ from tests.lang_helpers import (
   b,
   c,
   d,
+  in_vocab,
   prompts,
   replay,
   t,
   token_programs,
+  vocab_for,
   w,
   x,
   y,
@@ -94,8 +99,43 @@ def test_answer_with_end_id_and_custom_eos():
   assert lay.layout_example(PROMPT, [a], V, eos_id=7).tokens.tolist() == PROMPT + [a, 7]
 
 
+@pytest.mark.parametrize("content", [4, 14, 15, 33])
+def test_hand_block_lengths_per_position_mode(content):
+  """R for one block tagged tokens="10", worked out by hand for each of the six modes (section 6.2)."""
+  from tests.lang_helpers import EXACT_VOCAB
+  want = {4: dict(pred=10, fixed=40, oracle=4, tagless=4, ten=10, exact=4),
+          14: dict(pred=10, fixed=40, oracle=14, tagless=14, ten=10, exact=14),
+          15: dict(pred=10, fixed=40, oracle=15, tagless=15, ten=20, exact=15),  # halves round up
+          33: dict(pred=10, fixed=40, oracle=33, tagless=33, ten=30, exact=33)}[content]
+  names = {"pred": "pred", "fixed": "fixed", "oracle": "oracle", "oracle-tagless": "tagless",
+           "oracle-10x": "ten", "pred-1x": "exact"}
+  for mode, key in names.items():
+    vocab = EXACT_VOCAB if mode == "pred-1x" else V
+    answer = [V.promise, vocab.length_token(10), V.async_open] + [x] * content + [V.async_close, a]
+    out = lay.layout_example(PROMPT, answer, vocab, mode=mode)
+    after = len(PROMPT) + 3 + content + 1  # the row of `a`, main's token after the block
+    assert out.positions[after] - out.positions[len(PROMPT) + 1] == reserved_span(want[key]) + 1, mode
+    tag = vocab.length_token(content) if mode == "pred-1x" else vocab.no_length if mode == "oracle-tagless" \
+        else answer[1]
+    assert out.tokens[len(PROMPT) + 1] == tag, mode
+
+
+def test_pred_1x_needs_an_exact_length_vocabulary():
+  answer = [V.promise, V.length_token(10), V.async_open, x, V.async_close]
+  with pytest.raises(PastaError, match="pred-1x"):
+    lay.layout_example(PROMPT, answer, V, mode="pred-1x")
+
+
 # --- invariants over random programs -----------------------------------------------------------------------
-def explicit_layout(prompt, answer, mode):
+def explicit_length(mode: str, tagged: int, content: int) -> int:
+  """The block length main reserves for, per the later paper's section 6.2, written out by hand."""
+  exact = min(500, max(1, content))
+  nearest_ten = min(500, max(10, 10 * math.floor(content / 10 + 0.5)))
+  return {"pred": tagged, "pred-1x": exact, "fixed": 40, "oracle": content, "oracle-10x": nearest_ten,
+          "oracle-tagless": content}[mode]
+
+
+def explicit_layout(prompt, answer, mode, V=V):
   """Positions, threads, targets and visible sets computed independently, the interpreter's way:
   each thread keeps a set of visible indices; a fork copies main's at its spawn; a sync merges in
   every fork's tokens."""
@@ -120,11 +160,14 @@ def explicit_layout(prompt, answer, mode):
     emit(token, 0, next_main_pos)
     next_main_pos += 1
   for i, token in enumerate(answer):
+    if V.is_length(token) and mode in ("pred-1x", "oracle-tagless"):  # the tag the mode trains
+      content = answer.index(V.async_close, i) - i - 2
+      token = V.lengths[0] if mode == "oracle-tagless" else V.lengths[min(500, max(1, content)) - 1]
     if token == V.async_open:
       cur = len(views) + 1
       views[cur] = set(main_view)
       content = answer.index(V.async_close, i) - i - 1
-      length = {"pred": V.length_of(answer[i - 1]), "fixed": 40, "oracle": content}[mode]
+      length = explicit_length(mode, V.length_of(answer[i - 1]), content)
       pos = next_main_pos  # p + 1
       next_main_pos = pos + reserved_span(length)
     if cur:
@@ -145,13 +188,15 @@ def explicit_layout(prompt, answer, mode):
   return tokens, thread, positions, visible_sets, targets
 
 
-@given(prompts, token_programs(), st.sampled_from(["pred", "fixed", "oracle"]))
+@given(prompts, token_programs(), st.sampled_from(POSITION_MODES))
 @settings(max_examples=120, deadline=None)
 def test_layout_matches_explicit_semantics(prompt, answer, mode):
+  V = vocab_for(mode)
+  answer = in_vocab(answer, V)
   n = len(prompt) + len(answer) + 1
   extra = 96 - n  # one padded shape: `visible` compiles once
   out = lay.layout_example(prompt, answer, V, mode=mode, length=96, num_threads=8)
-  tokens, thread, positions, visible_sets, targets = explicit_layout(prompt, answer, mode)
+  tokens, thread, positions, visible_sets, targets = explicit_layout(prompt, answer, mode, V)
   assert out.tokens[:n].tolist() == tokens
   assert out.thread[:n].tolist() == thread
   assert out.positions[:n].tolist() == positions
@@ -169,7 +214,7 @@ def test_layout_matches_explicit_semantics(prompt, answer, mode):
   assert not np.any(out.loss_mask & ((out.tokens == V.async_close) | (np.arange(n + extra) == n - 1)))
   # Every answer token but <async> is predicted exactly once, and so is the end id.
   predicted = sorted(out.targets[out.loss_mask].tolist())
-  assert predicted == sorted([tok for tok in answer if tok != V.async_open] + [EOS])
+  assert predicted == sorted([tok for tok in tokens[len(prompt):] if tok != V.async_open])
 
 
 @given(prompts, token_programs())
@@ -246,11 +291,14 @@ def test_layout_errors():
 
 
 # --- agreement with the jitted interpreter's forced replay -----------------------------------------------
-@pytest.mark.parametrize("mode", ["pred", "oracle"])  # "fixed" is "pred" with a constant R (covered above)
-def test_layout_matches_interpreter_replay(mode):
+@pytest.mark.parametrize("mode", ["pred", "pred-1x", "oracle", "oracle-10x", "oracle-tagless"])  # "fixed": a
+def test_layout_matches_interpreter_replay(mode):  # constant R, as "pred" (covered above)
   """Tokens, threads and positions of the layout's answer part equal what the interpreter records
-  when it replays the same answer (one record per token, spliced into the annotated order)."""
+  when it replays the same answer (one record per token, spliced into the annotated order), in every
+  position mode: the mode's tags (Pred-1x exact lengths, the tag-less oracle's one closing token)
+  and its reserved spans agree between training and decoding."""
   prompt_batch, answers, outputs = replay(mode)
+  V = vocab_for(mode)
   for prompt, answer, out in zip(prompt_batch, answers, outputs, strict=True):
     assert out.finished and out.stalls == 0
     by_thread = {}
@@ -263,6 +311,7 @@ def test_layout_matches_interpreter_replay(mode):
         fork += 1
         spliced += by_thread[fork]
     laid = lay.layout_example(prompt, answer, V, mode=mode)
+    assert V.length_step == (1 if mode == "pred-1x" else 10)
     p = len(prompt)
     columns = (x[p:].tolist() for x in (laid.tokens, laid.thread, laid.positions))
     assert spliced == list(zip(*columns, strict=True))

@@ -29,8 +29,8 @@ class CharTokenizer:
   def chat_prompt(self, text: str) -> str:
     return f"<u>{text}<m>"
 
-  def tag_vocab(self) -> TagVocab:
-    return TagVocab.from_base(10, self.eos_ids)
+  def tag_vocab(self, length_step: int = 10) -> TagVocab:
+    return TagVocab.from_base(10, self.eos_ids, length_step)
 
 
 def tiny_model(name: str = "tiny-gemma3", seed: int = 0) -> LoadedModel:

@@ -33,7 +33,7 @@ def build_eval_parser(subparsers) -> argparse.ArgumentParser:
                       help="model of methods named without one (default: the embedded Gemma 3 270M)")
   parser.add_argument("--out", required=True, help="output folder (resumed if it holds the same run)")
   parser.add_argument("--max-new-tokens", type=int, default=256,
-                      help="step budget of free decodes; forced answers are cut to this many tokens")
+                      help="content-token budget of free decodes; forced answers are cut to this many tokens")
   parser.add_argument("--lanes", type=int, default=8, help="interpreter lanes (lane 0 is main)")
   parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                       help="wrap prompts in Gemma chat turns, as SFT trains (default on)")

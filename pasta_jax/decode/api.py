@@ -40,7 +40,9 @@ from pasta_jax.decode.state import PositionMode
 from pasta_jax.decode.tokenizing import LangTokenizer, chat_text, prompt_ids
 from pasta_jax.errors import PastaError, TagError
 from pasta_jax.lang import apar_tree as tree
+from pasta_jax.lang import schema
 from pasta_jax.lang import tokens as tok
+from pasta_jax.lang.layout import answer_for_mode
 from pasta_jax.lang.tags import TagVocab
 
 __all__ = ["GREEDY", "METHODS", "LangTokenizer", "PastaResult", "Result", "ThreadTrace", "chat_text", "content_ids",
@@ -48,7 +50,7 @@ __all__ = ["GREEDY", "METHODS", "LangTokenizer", "PastaResult", "Result", "Threa
            "stream_ids"]
 
 GREEDY = SamplingConfig()  # frozen: safe as a default argument
-POOL_MARGIN = 1.25  # pool room per requested new token: forks' <async>/</async> and tags take slots too
+POOL_MARGIN = 1.25  # pool room per content token of the budget: tags, topics and `<async>`/`</async>` take slots too
 METHODS = ("pasta", "apar", "sot", "sequential")
 PASTA = PastaRules()
 
@@ -97,10 +99,12 @@ def decode_params(params, dtype):
 
 
 # --- forced scripts ----------------------------------------------------------------------------------
-def forced_scripts(answer: str, tokenizer: LangTokenizer, vocab: TagVocab, where: str = "") -> list[list[int]]:
-  """Promise-form answer -> per-thread scripts: main (blocks removed) + end id; each fork: content + </async>."""
+def forced_scripts(answer: str, tokenizer: LangTokenizer, vocab: TagVocab, where: str = "",
+                   mode: PositionMode = "pred") -> list[list[int]]:
+  """Promise-form answer -> per-thread scripts: main (blocks removed) + end id; each fork: content + </async>.
+  Its promises are tagged as `mode` trains them (`lang.layout.answer_for_mode`: Pred-1x exact lengths...)."""
   try:
-    ids = tok.encode_answer(answer, tokenizer, vocab)
+    ids = answer_for_mode(tok.encode_answer(answer, tokenizer, vocab), vocab, mode)
   except TagError as err:
     raise TagError(f"{where}{err}") from None
   return scripts_from_ids(ids, vocab)
@@ -159,13 +163,17 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
             lane_buckets: bool = True) -> Prepared:
   """Pads prompts (and scripts) and sizes the pool and step budget for `ids` (prompt token ids).
 
+  max_new_tokens: in free decoding, the content-token budget of each answer (its text tokens, whatever
+  the parallelism; tags and topics are not counted): a request is cut once it has written that many,
+  and the pool holds them plus a margin for tags (POOL_MARGIN). Forced scripts replay whole.
+
   params: training-layout params (default `model.params`); they are converted (and cached) by `decode_params`.
   """
   if max_new_tokens < 1:
     raise PastaError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
   if lanes < 1:
     raise PastaError(f"lanes must be at least 1, got {lanes}")
-  vocab = model.tokenizer.tag_vocab()
+  vocab = model.tokenizer.tag_vocab(schema.length_step(position_mode))
   new = max_new_tokens
   if scripts is not None:  # a forced answer is replayed whole, however long
     new = max(new, max(sum(len(t) for t in s) + 2 * len(s) for s in scripts))
@@ -173,8 +181,12 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
     raise PastaError("empty prompt: give at least one token of prompt")
   prompt_len = bucket(max(len(p) for p in ids))
   slots = pool_size(prompt_len, new, lanes)
+  free = scripts is None
+  # Free decoding: the content budget ends a run; every step writes a slot, so the pool room bounds the steps.
+  steps = slots - prompt_len if free else new
   try:
-    cfg = InterpreterConfig(vocab=vocab, lanes=lanes, max_threads=max_threads, pool_slots=slots, max_steps=new,
+    cfg = InterpreterConfig(vocab=vocab, lanes=lanes, max_threads=max_threads, pool_slots=slots, max_steps=steps,
+                            max_content=new if free else 0,
                             sampling=sampling, position_mode=position_mode, rules=rules, record_logits=record_logits,
                             lane_buckets=lane_buckets)
   except ValueError as err:
@@ -247,12 +259,13 @@ def prepare_method(model, ids: Sequence[Sequence[int]], *, method: str = "pasta"
       raise PastaError("give forced_answers or scripts, not both")
     if len(forced_answers) != len(ids):
       raise PastaError(f"got {len(forced_answers)} forced answers for {len(ids)} prompts")
-    vocab, lang = model.tokenizer.tag_vocab(), LangTokenizer(model.tokenizer)
+    mode = kw.get("position_mode", "pred")
+    vocab, lang = model.tokenizer.tag_vocab(schema.length_step(mode)), LangTokenizer(model.tokenizer)
     if method in ("apar", "sot"):
       scripts = [apar_scripts(a, lang, vocab, lanes, max_threads, f"forced answer {i}: ")
                  for i, a in enumerate(forced_answers)]
     else:
-      scripts = [forced_scripts(a, lang, vocab, f"forced answer {i}: ") for i, a in enumerate(forced_answers)]
+      scripts = [forced_scripts(a, lang, vocab, f"forced answer {i}: ", mode) for i, a in enumerate(forced_answers)]
   if method == "sequential" and scripts is not None and any(len(s) > 1 for s in scripts):
     raise PastaError("method='sequential' replays tag-free answers; this one has blocks (use method='pasta')")
   fan_out = len(scripts[0]) if method == "sot" and scripts else 1

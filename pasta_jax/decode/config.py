@@ -20,6 +20,7 @@ class InterpreterConfig:
   max_threads: int = 64  # U: thread ids per request (main + forks)
   pool_slots: int = 1024  # S: prompt + everything written
   max_steps: int = 1024
+  max_content: int = 0  # content-token budget per request (0: none); reaching it cuts the request ("tokens")
   sampling: SamplingConfig = SamplingConfig()
   position_mode: schema.PositionMode = "pred"
   record_logits: bool = False  # keep each record's logits (parity checks against other implementations)
@@ -27,12 +28,17 @@ class InterpreterConfig:
   rules: Rules = PastaRules()  # the method: PastaRules, AparRules, SotRules, SequentialRules (decode/rules/)
 
   def __post_init__(self):
+    if self.max_content < 0:
+      raise ValueError(f"max_content must be >= 0 (0: no content budget), got {self.max_content}")
     if self.lanes < 1 or self.max_threads < 1 or self.pool_slots < 1:
       raise ValueError(f"lanes, max_threads and pool_slots must be positive: {self}")
     if not isinstance(self.rules, Rules):
       raise ValueError(f"rules must be a decode.rules object (PastaRules(), AparRules(), ...), got {self.rules!r}")
     self.rules.validate(self)
     schema.check_position_mode(self.position_mode)
+    if self.position_mode == "pred-1x" and self.vocab.length_step != 1:
+      raise ValueError("position_mode='pred-1x' reads exact lengths from the tags: it needs a tag vocabulary "
+                       "with one LENGTH token per length (tokenizer.tag_vocab(length_step=1))")
 
   @property
   def max_records(self) -> int:

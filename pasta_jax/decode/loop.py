@@ -17,8 +17,9 @@ import numpy as np
 
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.state import FREE, RUNNING, InterpState
-from pasta_jax.decode.step import ModelFn, choose_tokens, decode_step
+from pasta_jax.decode.step import ModelFn, choose_tokens, cut_at_budget, decode_step, is_content
 from pasta_jax.errors import PastaError
+from pasta_jax.lang import schema
 from pasta_jax.model.gemma import KVPool
 from pasta_jax.visibility import HIDDEN, UNBOUNDED, visible
 
@@ -94,6 +95,8 @@ def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Arr
       parent=jnp.full((batch, cfg.max_threads), -1, jnp.int32).at[:, 1:k].set(0),
       script=script, script_len=script_len, script_ptr=script_ptr,
       finished=jnp.zeros((batch,), bool), truncated=jnp.zeros((batch,), bool), pool_full=jnp.zeros((batch,), bool),
+      budget_spent=jnp.zeros((batch,), bool),
+      content=is_content(token[:, :k], jnp.zeros((batch, k), bool), cfg.vocab).sum(axis=1).astype(jnp.int32),
       stalls=jnp.zeros((batch,), jnp.int32), fork_refusals=jnp.zeros((batch,), jnp.int32),
       last_fed_step=jnp.zeros((batch,), jnp.int32),
       step=jnp.int32(0), records=records, num_records=jnp.full((batch,), k, jnp.int32),
@@ -105,9 +108,9 @@ def check_runnable(cfg: InterpreterConfig, forced: bool) -> None:
   """Refuses settings the loop cannot honour. The oracle position mode reserves each block's true length,
   which only a forced script knows: in free (or sampled-after-script) decoding there is none, and main's
   next position would silently fall at p + 2 (a length of -1)."""
-  if cfg.position_mode == "oracle" and (not forced or cfg.rules.sample_after_script):
-    raise PastaError("position_mode='oracle' needs every block's true length, which only forced replay knows: "
-                     "use 'pred' or 'fixed' in free decoding")
+  if cfg.position_mode in schema.ORACLE_MODES and (not forced or cfg.rules.sample_after_script):
+    raise PastaError(f"position_mode={cfg.position_mode!r} needs every block's true length, which only forced "
+                     "replay knows: use 'pred', 'pred-1x' or 'fixed' in free decoding")
 
 
 def initial_state(pool, last, prompt_len: int, lengths, script, script_len, seed, cfg: InterpreterConfig,
@@ -117,7 +120,7 @@ def initial_state(pool, last, prompt_len: int, lengths, script, script_len, seed
                            vocab_size=vocab_size, key=jax.random.key(seed))
   state = init(first=jnp.zeros_like(lengths), main_script_ptr=0)
   first = choose_tokens(last, jnp.zeros((lengths.shape[0], 1), jnp.int32), state, cfg, forced)[0][:, 0]
-  state = init(first=first, main_script_ptr=1)  # main's script starts after the prefill token
+  state = cut_at_budget(init(first=first, main_script_ptr=1), cfg)  # main's script starts after the prefill token
   if cfg.record_logits:
     state = dataclasses.replace(state, record_logits=state.record_logits.at[:, 0].set(last[:, 0]))
   return state
@@ -182,6 +185,8 @@ class RunOutput:
   finished: bool
   truncated: bool
   pool_full: bool = False  # truncated because the pool had no room (not by the step budget)
+  budget_spent: bool = False  # truncated at the content-token budget (cfg.max_content)
+  content: int = 0  # content tokens recorded (no tags, topics or end ids), counted on device
   fork_refusals: int = 0  # APAR: forks the depth limit or a full lane table refused (sample_constrained)
   peak_live_slots: int = 0  # most pool slots valid at once (the prompt included)
   parents: np.ndarray | None = None  # [U] the thread that spawned each thread (-1: main / never spawned)
@@ -248,6 +253,7 @@ def unpack(final: InterpState, cfg: InterpreterConfig) -> list[RunOutput]:
         logits=np.asarray(final.record_logits[b, :n]) if cfg.record_logits else None,
         steps=int(final.last_fed_step[b]), stalls=int(final.stalls[b]), fork_refusals=int(final.fork_refusals[b]),
         finished=bool(final.finished[b]), truncated=bool(final.truncated[b]), pool_full=bool(final.pool_full[b]),
+        budget_spent=bool(final.budget_spent[b]), content=int(final.content[b]),
         peak_live_slots=int(final.peak_live[b]), parents=np.asarray(final.parent[b]),
         slot_table=np.stack([np.asarray(final.slot_owner[b]), np.asarray(final.slot_order[b]),
                              np.asarray(final.slot_pos[b]), np.asarray(final.slot_valid[b], np.int32)], axis=1)))

@@ -47,7 +47,7 @@ from pasta_jax.decode.pool import inserted_rows
 from pasta_jax.decode.rules import pasta as threads
 from pasta_jax.decode.rules.pasta import PastaRules
 from pasta_jax.decode.state import CLOSING, InterpState
-from pasta_jax.decode.step import ModelFn, advance_scripts, append_records, choose_tokens
+from pasta_jax.decode.step import ModelFn, advance_scripts, append_records, choose_tokens, spend_budget
 from pasta_jax.errors import PastaError
 from pasta_jax.model.gemma import KVPool
 
@@ -197,7 +197,7 @@ def naive_step(model_fn, params, state: NaiveState, cfg: InterpreterConfig, leng
   state = dataclasses.replace(state, pool=pool)
   table = advance_scripts(state.table, plan.feed, cfg) if forced else state.table
   table, recorded = threads.apply_samples(table, plan, sampled, cfg, length_table, spawned_thread)
-  table = append_records(table, spawn_row, recorded, lane_logits, cfg)
+  table = spend_budget(append_records(table, spawn_row, recorded, lane_logits, cfg), recorded, cfg)
   state = copy_prefix_to_forks(state, plan)  # before the closes: a new fork must not get their slots
   return dataclasses.replace(copy_forks_to_main(state, closing), table=table)
 

@@ -53,6 +53,7 @@ class Result:
   tokens: int  # every token of the answer (tags and topics included, end id excluded)
   content_tokens: int  # the answer's text tokens: the sequential answer's token count
   pool_full: bool = False  # cut because the KV pool had no room left (see stop_reason)
+  budget_spent: bool = False  # cut at the content-token budget (max_new_tokens in free decoding)
   method: str = "pasta"
   critical_path: float = math.nan  # steps with unlimited lanes
   fork_refusals: int = 0  # forks a limit refused (APAR's depth limit or a full lane table)
@@ -63,17 +64,22 @@ class Result:
 
   @property
   def stop_reason(self) -> str:
-    """Why the run ended: "end" (the model finished), "pool" (the KV pool ran out of slots: every lane's
-    writes count against it, so a very parallel answer can fill it before the step budget ends), or
-    "steps" (the step budget, max_new_tokens, ran out)."""
-    return "end" if self.finished else "pool" if self.pool_full else "steps"
+    """Why the run ended: "end" (the model finished), "tokens" (the answer reached its content-token
+    budget, max_new_tokens), "pool" (the KV pool ran out of slots: it holds the budget plus a margin for
+    tags, and an answer whose tags overflow that margin fills it first), or "steps" (the step budget ran
+    out: forced replays, or a run that stalls)."""
+    if self.finished:
+      return "end"
+    return "tokens" if self.budget_spent else "pool" if self.pool_full else "steps"
 
   @property
   def stop_note(self) -> str:
     """One line for the user when the answer was cut ("" when it ended)."""
     return {"end": "", "steps": f"cut by the step budget after {self.steps} steps: raise max_new_tokens",
-            "pool": f"cut when the KV pool filled ({self.tokens} tokens written by all lanes): raise "
-                    "max_new_tokens, which sizes the pool"}[self.stop_reason]
+            "tokens": f"cut at the content-token budget ({self.content_tokens} content tokens): raise max_new_tokens",
+            "pool": f"cut when the KV pool filled ({self.tokens} tokens written by all lanes; tags and topics took "
+                    "more than the pool's margin over the content budget): raise max_new_tokens, which sizes the "
+                    "pool"}[self.stop_reason]
 
 
 PastaResult = TreeResult = Result  # the names earlier code used
@@ -141,8 +147,8 @@ def pasta_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, met
       threads=thread_traces(run.records, vocab), sync_steps=sync_steps(run.records, vocab), steps=run.steps,
       stalls=run.stalls, finished=run.finished, truncated=run.truncated, theoretical_speedup=speedup,
       theoretical_parallelism=parallelism, seconds=seconds, tokens=len(body), content_tokens=content,
-      pool_full=run.pool_full, method=method, critical_path=path, fork_refusals=run.fork_refusals,
-      peak_live_slots=run.peak_live_slots, parents=run.parents, logits=run.logits)
+      pool_full=run.pool_full, budget_spent=run.budget_spent, method=method, critical_path=path,
+      fork_refusals=run.fork_refusals, peak_live_slots=run.peak_live_slots, parents=run.parents, logits=run.logits)
 
 
 def tree_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, method: str = "apar") -> Result:
@@ -163,6 +169,6 @@ def tree_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, meth
       theoretical_speedup=content / path if path else math.nan,
       theoretical_parallelism=content / path if path else math.nan, seconds=seconds,
       tokens=len([t for t in ids if t not in vocab.eos_ids]), content_tokens=content, pool_full=run.pool_full,
-      method=method, critical_path=float(path) if path else math.nan, fork_refusals=run.fork_refusals,
-      peak_live_slots=run.peak_live_slots, parents=run.parents,
+      budget_spent=run.budget_spent, method=method, critical_path=float(path) if path else math.nan,
+      fork_refusals=run.fork_refusals, peak_live_slots=run.peak_live_slots, parents=run.parents,
       thread_texts=tuple(tokenizer.decode(x) for x in own), logits=run.logits)

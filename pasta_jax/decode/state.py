@@ -45,6 +45,8 @@ class InterpState:
   finished: jax.Array  # [B] bool
   truncated: jax.Array  # [B] bool
   pool_full: jax.Array  # [B] bool: stopped because a step found no room in the pool (or, APAR, a deadlock)
+  budget_spent: jax.Array  # [B] bool: stopped at the content-token budget (cfg.max_content)
+  content: jax.Array  # [B] int32 content tokens recorded (no tags, topics or end ids)
   stalls: jax.Array  # [B] int32
   fork_refusals: jax.Array  # [B] int32 APAR: most likely token was [Fork], refused by a limit
   last_fed_step: jax.Array  # [B] int32

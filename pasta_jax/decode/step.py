@@ -118,6 +118,28 @@ def append_records(state: InterpState, inserted, recorded, lane_logits, cfg) -> 
                              record_logits=rec_logits)
 
 
+def is_content(tokens: jax.Array, in_topic: jax.Array, vocab) -> jax.Array:
+  """[B, T] bool: the tokens are answer text (no tag, promise topic, end id or padding)."""
+  not_text = jnp.asarray(sorted(vocab.tag_ids | set(vocab.eos_ids)), jnp.int32)
+  return (tokens >= 0) & ~jnp.isin(tokens, not_text) & ~in_topic
+
+
+def spend_budget(state: InterpState, recorded: jax.Array, cfg: InterpreterConfig) -> InterpState:
+  """Counts the content tokens the lanes recorded this step; a request that reaches the content budget
+  (`cfg.max_content`, when set) is cut there. recorded: [B, T] bool, the lanes' new pending tokens."""
+  topic = (jnp.arange(cfg.lanes) == 0)[None, :] & state.in_promise[:, None]  # main between PROMISE and LENGTH
+  content = state.content + (recorded & is_content(state.token, topic, cfg.vocab)).sum(axis=1).astype(jnp.int32)
+  return cut_at_budget(dataclasses.replace(state, content=content), cfg)
+
+
+def cut_at_budget(state: InterpState, cfg: InterpreterConfig) -> InterpState:
+  """Live requests whose content count has reached `cfg.max_content` (when set) stop, as truncated."""
+  if not cfg.max_content:
+    return state
+  spent = state.live & (state.content >= cfg.max_content)
+  return dataclasses.replace(state, truncated=state.truncated | spent, budget_spent=state.budget_spent | spent)
+
+
 def decode_step(model_fn: ModelFn, params, state: InterpState, cfg: InterpreterConfig, length_table: jax.Array,
                 forced: bool) -> InterpState:
   """One step of every method: the rules' transitions around one model call."""
@@ -129,4 +151,5 @@ def decode_step(model_fn: ModelFn, params, state: InterpState, cfg: InterpreterC
   if forced:
     state = advance_scripts(state, fed.feed, cfg)
   state, recorded = rules.after_model(state, fed, sampled, cfg, length_table)
-  return append_records(state, (fed.inserted, fed.inserted_keep), recorded, lane_logits, cfg)
+  state = append_records(state, (fed.inserted, fed.inserted_keep), recorded, lane_logits, cfg)
+  return spend_budget(state, recorded, cfg)

@@ -36,7 +36,7 @@ import numpy as np
 
 from pasta_jax.errors import PastaError
 from pasta_jax.lang import schema
-from pasta_jax.lang.tags import TagVocab, reserved_span
+from pasta_jax.lang.tags import MAX_LENGTH, TagVocab, reserved_span
 from pasta_jax.lang.tokens import (
   TokBlock,
   TokPromise,
@@ -94,6 +94,32 @@ def block_length(mode: PositionMode, promise: TokPromise, block: TokBlock) -> in
     raise PastaError(str(err)) from None
 
 
+def tagged_promise(mode: PositionMode, promise: TokPromise, block: TokBlock, vocab: TagVocab) -> TokPromise:
+  """The promise as the mode trains it: Pred-1x tags the block's exact length (on a vocabulary with
+  one LENGTH token per length), the tag-less oracle closes every promise with the one `no_length`
+  token; every other mode keeps the annotated 10-token bucket."""
+  if mode == "pred-1x":
+    if vocab.length_step != 1:
+      raise PastaError("position mode 'pred-1x' tags exact block lengths: it needs a tag vocabulary with one "
+                       "LENGTH token per length (tokenizer.tag_vocab(length_step=1))")
+    exact = min(MAX_LENGTH, max(1, len(block.content)))
+    return dataclasses.replace(promise, tokens=exact, length_id=vocab.length_token(exact))
+  if mode == "oracle-tagless":
+    return dataclasses.replace(promise, tokens=vocab.length_of(vocab.no_length), length_id=vocab.no_length)
+  return promise
+
+
+def answer_for_mode(answer_ids: Sequence[int], vocab: TagVocab, mode: PositionMode) -> list[int]:
+  """The annotated answer as `mode` trains it: each promise's LENGTH per `tagged_promise`, every other
+  token unchanged (what a model trained in that mode writes, so forced replays use it too)."""
+  answer, end = split_end(answer_ids, vocab)
+  segments = parse_tokens(answer, vocab)
+  ids: list[int] = []
+  for k, seg in enumerate(segments):
+    ids += tagged_promise(mode, seg, segments[k + 1], vocab).all_ids if isinstance(seg, TokPromise) else seg.all_ids
+  return ids + ([end] if end is not None else [])
+
+
 @dataclasses.dataclass
 class _Rows:
   """Per-token lists while laying out (index = write order)."""
@@ -114,7 +140,8 @@ class _Rows:
     return index
 
 
-def _lay_out(prompt: Sequence[int], segments: Sequence[TokSegment], end_id: int, mode: PositionMode):
+def _lay_out(prompt: Sequence[int], segments: Sequence[TokSegment], end_id: int, mode: PositionMode,
+             vocab: TagVocab | None):
   """Rows plus the per-thread streams (lists of indices) for the targets."""
   if len(prompt) == 0:
     raise PastaError("empty prompt: a layout needs at least one prompt token to predict the answer's first")
@@ -127,6 +154,8 @@ def _lay_out(prompt: Sequence[int], segments: Sequence[TokSegment], end_id: int,
       continue  # laid out with its promise
     if isinstance(seg, TokSync):
       synced = len(forks)  # the <sync/> itself already sees them
+    if isinstance(seg, TokPromise):
+      seg = tagged_promise(mode, seg, segments[k + 1], vocab)
     for token in seg.all_ids:
       main.append(rows.add(token, next_pos, 0, None, synced))
       next_pos += 1
@@ -190,7 +219,7 @@ def layout_example(prompt_ids: Sequence[int], answer_ids: Sequence[int], vocab: 
   """
   answer, end = split_end(answer_ids, vocab)
   end = end if end is not None else (vocab.eos_ids[0] if eos_id is None else eos_id)
-  rows, main, forks = _lay_out(prompt_ids, parse_tokens(answer, vocab), end, mode)
+  rows, main, forks = _lay_out(prompt_ids, parse_tokens(answer, vocab), end, mode, vocab)
   return _arrays(rows, main, forks, len(prompt_ids), length, num_threads, pad_id)
 
 
@@ -198,7 +227,7 @@ def plain_layout(prompt_ids: Sequence[int], answer_ids: Sequence[int], eos_id: i
                  length: int | None = None, num_threads: int = 1, pad_id: int = 0) -> Layout:
   """Plain causal layout (one thread): prompt, answer, eos. Equals `layout_example` on a tag-free answer."""
   segments = [TokText(0, tuple(int(t) for t in answer_ids))] if len(answer_ids) else []
-  rows, main, forks = _lay_out(prompt_ids, segments, eos_id, "pred")
+  rows, main, forks = _lay_out(prompt_ids, segments, eos_id, "pred", None)  # no promises: no vocab needed
   return _arrays(rows, main, forks, len(prompt_ids), length, num_threads, pad_id)
 
 

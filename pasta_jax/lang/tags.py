@@ -20,6 +20,7 @@ import dataclasses
 import numpy as np
 
 from pasta_jax.errors import TagError
+from pasta_jax.lang import schema
 
 LENGTH_STEP = 10
 MAX_LENGTH = 500
@@ -39,44 +40,62 @@ class TagVocab:
   sync: int
   apar_fork: int
   apar_child: int
-  lengths: tuple[int, ...]  # lengths[i] is the token for tokens=(i + 1) * LENGTH_STEP
+  lengths: tuple[int, ...]  # lengths[i] is the token for tokens=(i + 1) * length_step
   eos_ids: tuple[int, ...]  # any of these ends main (and counts as </async> in a fork)
+  length_step: int = LENGTH_STEP  # 10: Pred-10x buckets (the default); 1: one token per exact length (Pred-1x)
+
+  def __post_init__(self):
+    if MAX_LENGTH % self.length_step or len(self.lengths) != MAX_LENGTH // self.length_step:
+      raise TagError(f"a length step of {self.length_step} needs {MAX_LENGTH // self.length_step} LENGTH tokens, "
+                     f"got {len(self.lengths)}")
 
   @classmethod
-  def from_base(cls, base: int, eos_ids: tuple[int, ...]) -> TagVocab:
+  def from_base(cls, base: int, eos_ids: tuple[int, ...], length_step: int = LENGTH_STEP) -> TagVocab:
     """Tags on ids base, base+1, ... (a synthetic vocab, or <unused0>'s id in Gemma)."""
     fixed = {name: base + i for i, name in enumerate(_LAYOUT)}
     start = base + len(_LAYOUT)
-    return cls(**fixed, lengths=tuple(range(start, start + NUM_LENGTHS)), eos_ids=tuple(eos_ids))
+    return cls(**fixed, lengths=tuple(range(start, start + MAX_LENGTH // length_step)), eos_ids=tuple(eos_ids),
+               length_step=length_step)
 
   @classmethod
-  def from_token_lookup(cls, token_to_id, eos_ids: tuple[int, ...]) -> TagVocab:
-    """Tags on `<unused0>` ... `<unusedN>` as a tokenizer names them.
+  def from_token_lookup(cls, token_to_id, eos_ids: tuple[int, ...], length_step: int = LENGTH_STEP) -> TagVocab:
+    """Tags on `<unused0>` ... `<unusedN>` as a tokenizer names them (N = 55 for 10-token length
+    buckets; 505 for one LENGTH token per exact length, which Gemma 3's vocabulary has room for).
 
     token_to_id: a callable or mapping from token string to id (None if absent).
     """
     lookup = token_to_id.get if hasattr(token_to_id, "get") else token_to_id
-    ids = [lookup(f"<unused{i}>") for i in range(NUM_RESERVED)]
+    ids = [lookup(f"<unused{i}>") for i in range(len(_LAYOUT) + MAX_LENGTH // length_step)]
     missing = [f"<unused{i}>" for i, t in enumerate(ids) if t is None]
     if missing:
-      raise TagError(f"the tokenizer lacks reserved tokens needed for PASTA tags: {missing[:3]}...")
+      raise TagError(f"the tokenizer lacks {len(missing)} reserved tokens needed for PASTA tags with a length "
+                     f"step of {length_step}: {missing[:3]}...")
+    lengths = tuple(ids[len(_LAYOUT):])
+    if list(lengths) != list(range(lengths[0], lengths[0] + len(lengths))):
+      raise TagError("the tokenizer's reserved tokens for LENGTH tags are not consecutive ids")
     fixed = dict(zip(_LAYOUT, ids[: len(_LAYOUT)]))
-    return cls(**fixed, lengths=tuple(ids[len(_LAYOUT):]), eos_ids=tuple(eos_ids))
+    return cls(**fixed, lengths=lengths, eos_ids=tuple(eos_ids), length_step=length_step)
 
   # --- length buckets -------------------------------------------------------------------------
   def length_token(self, tokens: int) -> int:
-    """Token for the `tokens` attribute; it must be a multiple of 10 in [10, 500]."""
-    if tokens % LENGTH_STEP or not LENGTH_STEP <= tokens <= MAX_LENGTH:
-      raise TagError(f'bad tokens="{tokens}": must be a multiple of {LENGTH_STEP} in '
-                     f"[{LENGTH_STEP}, {MAX_LENGTH}]")
-    return self.lengths[tokens // LENGTH_STEP - 1]
+    """Token for the `tokens` attribute; a multiple of the length step (10, or 1) in [step, 500]."""
+    step = self.length_step
+    if tokens % step or not step <= tokens <= MAX_LENGTH:
+      raise TagError(f'bad tokens="{tokens}": must be a multiple of {step} in [{step}, {MAX_LENGTH}]')
+    return self.lengths[tokens // step - 1]
 
   def length_of(self, token: int) -> int | None:
     """The `tokens` value a LENGTH token stands for, or None for any other token."""
     first = self.lengths[0]
-    if first <= token < first + NUM_LENGTHS:
-      return (token - first + 1) * LENGTH_STEP
+    if first <= token < first + len(self.lengths):
+      return (token - first + 1) * self.length_step
     return None
+
+  @property
+  def no_length(self) -> int:
+    """The one LENGTH token a tag-less promise closes with ("oracle-tagless": the tag says no length,
+    but a token must still close the promise and trigger the fork)."""
+    return self.lengths[0]
 
   def is_length(self, token: int) -> bool:
     return self.length_of(token) is not None
@@ -89,14 +108,13 @@ class TagVocab:
   def length_table(self, vocab_size: int) -> np.ndarray:
     """[V] int32: the `tokens` value of each LENGTH token, 0 elsewhere (for use under jit)."""
     table = np.zeros((vocab_size,), np.int32)
-    table[list(self.lengths)] = np.arange(1, NUM_LENGTHS + 1) * LENGTH_STEP
+    table[list(self.lengths)] = np.arange(1, len(self.lengths) + 1) * self.length_step
     return table
 
 
 def round_length(num_tokens: int) -> int:
-  """True block length -> `tokens` attribute: nearest multiple of 10, clamped to [10, 500]."""
-  rounded = int(num_tokens / LENGTH_STEP + 0.5) * LENGTH_STEP  # halves round up, not to even
-  return min(MAX_LENGTH, max(LENGTH_STEP, rounded))
+  """True block length -> `tokens` attribute: nearest multiple of 10 (halves up), clamped to [10, 500]."""
+  return schema.round_to_ten(int(num_tokens))
 
 
 def reserved_span(tokens: int) -> int:

@@ -162,10 +162,11 @@ class Tokenizer:
     """BOS + one user turn + the opening of the model's turn, as Gemma's chat template writes it."""
     return self.encode(chat_prompt(prompt), add_bos=add_bos)
 
-  def tag_vocab(self):
-    """PASTA-LANG tag ids on this vocabulary's `<unused*>` tokens, with its end-of-thread ids."""
+  def tag_vocab(self, length_step: int = 10):
+    """PASTA-LANG tag ids on this vocabulary's `<unused*>` tokens, with its end-of-thread ids
+    (length_step 1: one LENGTH token per exact block length, for the Pred-1x position mode)."""
     from pasta_jax.lang.tags import TagVocab
-    return TagVocab.from_token_lookup(self.token_to_id, self.eos_ids)
+    return TagVocab.from_token_lookup(self.token_to_id, self.eos_ids, length_step)
 
   def __repr__(self) -> str:
     return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size})"

@@ -19,6 +19,7 @@ from pasta_jax.decode.reference.pasta import (
   content_length,
 )
 from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.lang import schema
 from pasta_jax.lang.tags import TagVocab
 
 __all__ = ["ReferenceResult", "constraint_mask", "content_length", "run_reference"]
@@ -37,17 +38,18 @@ def run_reference(model_fn: Callable, params, prompts: list[list[int]], vocab: T
   (the prompt included); max_steps: the budget for steps 1, 2, ... (step 0 is not counted).
   script: forced replay: script[b][u] is thread u's tokens (main's ending with an end id; a fork's
   content ending with ASYNC_END, without the inserted ASYNC). The model still runs and its logits
-  are recorded. position_mode: 'pred' (R from LENGTH), 'fixed' (R = 42), 'oracle' (R = true
-  block length + 2; forced mode only). mode: "pasta", or "apar" (`reference/apar.py`; max_depth is
-  its fork depth limit, initial_threads its fan-out, sample_after_script makes scripts prefixes
-  that sampling continues). bucket: pad each model call to a power-of-two length
-  (fewer shapes to compile) with pad rows masked out both ways, which leaves the query's row
-  unchanged up to float summation order; False makes the literal unpadded call.
+  are recorded. position_mode: one of `schema.POSITION_MODES` ('pred': R from LENGTH;
+  'fixed': R = 42; the oracle modes: R from the true block length, forced mode only). mode:
+  "pasta", or "apar" (`reference/apar.py`; max_depth is its fork depth limit, initial_threads its
+  fan-out, sample_after_script makes scripts prefixes that sampling continues). bucket: pad each
+  model call to a power-of-two length (fewer shapes to compile) with pad rows masked out both ways,
+  which leaves the query's row unchanged up to float summation order; False makes the literal
+  unpadded call.
   """
   if position_mode not in POSITION_MODES:
     raise ValueError(f"position_mode must be one of {POSITION_MODES}, got {position_mode!r}")
-  if position_mode == "oracle" and script is None:
-    raise ValueError("position_mode='oracle' needs a script (forced replay only)")
+  if position_mode in schema.ORACLE_MODES and script is None:
+    raise ValueError(f"position_mode={position_mode!r} needs a script (forced replay only)")
   if script is not None and len(script) != len(prompts):
     raise ValueError(f"script has {len(script)} requests, prompts has {len(prompts)}")
   if lanes < 1 or max_threads < 1 or max_steps < 0:

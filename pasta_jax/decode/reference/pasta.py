@@ -98,8 +98,8 @@ def content_length(fork_script: Sequence[int], vocab: TagVocab) -> int:
 
 def span_for(mode: str, length_token: int, vocab: TagVocab, fork_script: Sequence[int] | None) -> int:
   """R, the positions main skips after a `LENGTH` token (docs/interpreter.md, Position modes)."""
-  if mode == "oracle" and fork_script is None:
-    raise ValueError("position_mode='oracle' needs a script (forced replay only)")
+  if mode in schema.ORACLE_MODES and fork_script is None:
+    raise ValueError(f"position_mode={mode!r} needs a script (forced replay only)")
   return reserved_span(schema.block_length(mode, lambda: vocab.length_of(length_token),
                                            lambda: content_length(fork_script, vocab)))
 
