@@ -23,7 +23,7 @@ def test_baselines_on_one_report(tmp_path, monkeypatch):
   out = tmp_path / "run"
   methods = ("pasta-forced", "apar-forced", "apar", "sot", "sot-router")
   args = parse("--prompts", write_prompts(tmp_path, RECORDS), "--methods", *methods,
-               "--out", str(out), "--max-new-tokens", "128", "--lanes", "4", "--no-progress")
+               "--out", str(out), "--max-new-tokens", "128", "--lanes", "2", "--no-progress")
   assert run_eval(args) == 0
   results = json.loads((out / "results.json").read_text())
   names = [m["name"] for m in results["methods"]]

@@ -56,7 +56,7 @@ def assert_same(jitted, oracle):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_forced_programs_match_reference(name, data):
   cfg = CONFIGS[name]
@@ -69,7 +69,7 @@ def test_forced_programs_match_reference(name, data):
   assert_same(got, reference(cfg, FORCED_PARAMS, prompt_batch, scripts))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt_batch=st.lists(prompts, min_size=1, max_size=2), seed=st.integers(0, 2**16))
 def test_sampled_runs_match_reference(prompt_batch, seed):
   """Sampling with a fixed seed: the toy model writes its own tag programs under constraints."""

@@ -139,7 +139,8 @@ def gemma():
   hf = transformers.GemmaTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
   vocab = TagVocab.from_token_lookup(hf.get_vocab(), eos_ids=(hf.eos_token_id, hf.convert_tokens_to_ids(
       "<end_of_turn>")))
-  return tk.HFTokenizer(hf), vocab
+  from pasta_jax.decode.tokenizing import LangTokenizer
+  return LangTokenizer(hf), vocab
 
 
 GEMMA_TEXTS = [

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,16 @@ def interleaved_kv_bytes(cfg: InterpreterConfig, batch: int, pool_spec: tuple) -
   """K + V bytes of the interleaved pool: B rows of S slots shared by all lanes."""
   num_layers, kv_heads, head_dim, dtype = pool_spec
   return 2 * num_layers * batch * cfg.pool_slots * kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class NaivePastaRules(PastaRules):
+  """PASTA's rules with the timing of per-lane rows: a new fork feeds from the step after its spawn
+  (once main's prefix is copied into its row), and main's `<sync/>` or end also waits for closing
+  forks (their KV must be copied into main's row before main may attend to it)."""
+
+  fork_feeds_at_spawn: ClassVar[bool] = False
+  sync_waits_for_closing: ClassVar[bool] = True
 
 
 def reveal_synced(state: NaiveState, plan: threads.FeedPlan) -> NaiveState:
@@ -186,7 +197,7 @@ def copy_forks_to_main(state: NaiveState, closing: jax.Array) -> NaiveState:
 def naive_step(model_fn, params, state: NaiveState, cfg: InterpreterConfig, length_table,
                forced: bool) -> NaiveState:
   table = dataclasses.replace(state.table, step=state.table.step + 1)
-  plan = threads.plan_feeds(table, cfg, length_table, naive=True)
+  plan = threads.plan_feeds(table, cfg, length_table)
   closing = plan.feed & (table.status == CLOSING)  # these write `</async>` this step
   spawned_thread = table.next_thread
   table = threads.apply_spawn(table, plan, cfg)  # fork lane: `<async>` pending, fed from the next step
@@ -231,6 +242,8 @@ def naive_prefill_and_run(model_fn, params, prompt_tokens, lengths, script, scri
   Returns the final thread table (an InterpState) for `loop.unpack`."""
   if type(cfg.rules) is not PastaRules:
     raise PastaError(f"the naive interpreter is PASTA's Appendix-B baseline; it cannot run {cfg.rules.name} rules")
+  cfg = dataclasses.replace(cfg, rules=NaivePastaRules(**{f.name: getattr(cfg.rules, f.name)
+                                                          for f in dataclasses.fields(cfg.rules)}))
   loop.check_runnable(cfg, forced)
   last, main_pool = loop.prefill(model_fn, params, prompt_tokens, lengths, cfg.pool_slots, pool_spec)
   valid = jnp.arange(cfg.pool_slots)[None, :] < lengths[:, None]

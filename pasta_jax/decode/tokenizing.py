@@ -5,21 +5,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pasta_jax.errors import PastaError
-from pasta_jax.lang import tokens as tok
 
 
 class LangTokenizer:
-  """The model tokenizer as a `lang.tokens.Tokenizer` (no BOS; tag spellings in text stay text)."""
+  """A model tokenizer (`model.tokenizer.Tokenizer`, a test double) or a Hugging Face tokenizer as a
+  `lang.tokens.Tokenizer`: no BOS, and special-token spellings in text (`<unused0>`, tag-like text)
+  stay text, split into ordinary tokens."""
 
   def __init__(self, tokenizer):
     self.inner = tokenizer
-    self.hf = tok.HFTokenizer(tokenizer.hf) if getattr(tokenizer, "hf", None) is not None else None
+    is_hf = hasattr(tokenizer, "convert_tokens_to_ids")
+    self.hf = tokenizer if is_hf else getattr(tokenizer, "hf", None)
 
   def encode(self, text: str) -> list[int]:
-    return self.hf.encode(text) if self.hf else list(self.inner.encode(text, add_bos=False))
+    if self.hf is not None:
+      return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=True))
+    return list(self.inner.encode(text, add_bos=False))
 
   def decode(self, ids: Sequence[int]) -> str:
-    return self.hf.decode(ids) if self.hf else self.inner.decode(list(ids))
+    if self.hf is not None:
+      return self.hf.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return self.inner.decode(list(ids))
 
 
 def chat_text(tokenizer, text: str) -> str:

@@ -30,19 +30,6 @@ class Tokenizer(Protocol):
   def decode(self, ids: Sequence[int]) -> str: ...
 
 
-class HFTokenizer:
-  """A Hugging Face tokenizer as a `Tokenizer`: no BOS, special-token spellings split as text."""
-
-  def __init__(self, tokenizer):
-    self.hf = tokenizer
-
-  def encode(self, text: str) -> list[int]:
-    return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=True))
-
-  def decode(self, ids: Sequence[int]) -> str:
-    return self.hf.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
 # --- token-level segments ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class TokText:

@@ -34,12 +34,9 @@ class FeedPlan:
   out_of_room: jax.Array  # [B] bool: the pool cannot take this step's writes
 
 
-def plan_feeds(state: InterpState, cfg: InterpreterConfig, length_table: jax.Array, *,
-               naive: bool = False) -> FeedPlan:
-  """Who feeds this step. `naive` gives the naive interpreter's rules: a new fork feeds from the
-  next step (after its prefix copy), and a sync or end also waits for closing forks (their KV
-  must be copied into main's row before main may attend to it)."""
-  vocab = cfg.vocab
+def plan_feeds(state: InterpState, cfg: InterpreterConfig, length_table: jax.Array) -> FeedPlan:
+  """Who feeds this step, under `cfg.rules` (PastaRules, or the naive interpreter's variant)."""
+  rules, vocab = cfg.rules, cfg.vocab
   lane_idx = jnp.arange(cfg.lanes)
   live = state.live
   main_token = state.token[:, 0]
@@ -47,7 +44,7 @@ def plan_feeds(state: InterpState, cfg: InterpreterConfig, length_table: jax.Arr
   is_length = length_table[main_token] > 0
   is_end = jnp.isin(main_token, jnp.asarray(vocab.eos_ids))
   busy = (lane_idx > 0) & ((state.status == RUNNING) | (state.status == CLOSING))  # [B, T]
-  blocking = busy if naive else busy & (state.status == RUNNING)
+  blocking = busy if rules.sync_waits_for_closing else busy & (state.status == RUNNING)
   fork_blocking = jnp.any(blocking, axis=1)
   free = (state.status == FREE) & (lane_idx > 0)
   can_spawn = jnp.any(free, axis=1) & (state.next_thread < cfg.max_threads)
@@ -58,7 +55,7 @@ def plan_feeds(state: InterpState, cfg: InterpreterConfig, length_table: jax.Arr
   spawn_lane = jnp.argmax(free, axis=1).astype(jnp.int32)
   spawn = main_feeds & is_length
   feed = (live[:, None] & busy) | ((lane_idx == 0) & main_feeds[:, None])
-  if not naive:  # the fork's `<async>` feeds in its spawn step
+  if rules.fork_feeds_at_spawn:
     feed = feed | (spawn[:, None] & (lane_idx == spawn_lane[:, None]))
   room = state.next_slot + feed.sum(axis=1) <= cfg.pool_slots
   out_of_room = live & jnp.any(feed, axis=1) & ~room
@@ -149,6 +146,11 @@ class PastaRules(Rules):
   """PASTA-LANG: main forks at a promise's LENGTH, forks close at `</async>`, main waits at `<sync/>`."""
 
   name: ClassVar[str] = "pasta"
+  # Timing that follows from one shared pool: a new fork feeds its `<async>` in its spawn step, and main's
+  # `<sync/>` (or end) may feed in the step a fork writes its `</async>`. The naive interpreter's per-lane
+  # rows copy KV between rows, a step each way (`decode.naive.NaivePastaRules` turns both off).
+  fork_feeds_at_spawn: ClassVar[bool] = True
+  sync_waits_for_closing: ClassVar[bool] = False
 
   def validate(self, cfg: InterpreterConfig) -> None:
     super().validate(cfg)
