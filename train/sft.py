@@ -21,7 +21,7 @@ from pasta_jax.data.encode import EncodeConfig
 from pasta_jax.data.pipeline import annotate_records, layout_dataset
 from pasta_jax.data.sources import DataError
 from pasta_jax.data.tfds_builders import data_source
-from pasta_jax.lang import schema
+from pasta_jax.lang.tags import tag_vocab_for
 from pasta_jax.model.load import load_model
 from pasta_jax.paths import is_remote, run_path
 from pasta_jax.training.distributed import is_main_process, maybe_initialize_distributed
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
   config = train_config(args, jax.device_count(), objective=args.objective)
   model = load_model(model_path(args))
   train, held_out = training_records(args, model.tokenizer)
-  vocab = model.tokenizer.tag_vocab(schema.length_step(config.position_mode))
+  vocab = tag_vocab_for(model.tokenizer, config.position_mode)
   encode = EncodeConfig(seq_len=config.seq_len, num_threads=config.num_threads, position_mode=config.position_mode,
                         objective=config.objective)
   dataset = layout_dataset(train, model.tokenizer, vocab, encode, batch_size=config.batch_size, seed=config.seed,

@@ -40,10 +40,9 @@ from pasta_jax.decode.state import PositionMode
 from pasta_jax.decode.tokenizing import LangTokenizer, chat_text, prompt_ids
 from pasta_jax.errors import PastaError, TagError
 from pasta_jax.lang import apar_tree as tree
-from pasta_jax.lang import schema
 from pasta_jax.lang import tokens as tok
 from pasta_jax.lang.layout import answer_for_mode
-from pasta_jax.lang.tags import TagVocab
+from pasta_jax.lang.tags import TagVocab, tag_vocab_for
 
 __all__ = ["GREEDY", "METHODS", "LangTokenizer", "PastaResult", "Result", "ThreadTrace", "chat_text", "content_ids",
            "generate", "generate_ids", "prompt_ids", "stream",
@@ -173,7 +172,7 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
     raise PastaError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
   if lanes < 1:
     raise PastaError(f"lanes must be at least 1, got {lanes}")
-  vocab = model.tokenizer.tag_vocab(schema.length_step(position_mode))
+  vocab = tag_vocab_for(model.tokenizer, position_mode)
   new = max_new_tokens
   if scripts is not None:  # a forced answer is replayed whole, however long
     new = max(new, max(sum(len(t) for t in s) + 2 * len(s) for s in scripts))
@@ -260,7 +259,7 @@ def prepare_method(model, ids: Sequence[Sequence[int]], *, method: str = "pasta"
     if len(forced_answers) != len(ids):
       raise PastaError(f"got {len(forced_answers)} forced answers for {len(ids)} prompts")
     mode = kw.get("position_mode", "pred")
-    vocab, lang = model.tokenizer.tag_vocab(schema.length_step(mode)), LangTokenizer(model.tokenizer)
+    vocab, lang = tag_vocab_for(model.tokenizer, mode), LangTokenizer(model.tokenizer)
     if method in ("apar", "sot"):
       scripts = [apar_scripts(a, lang, vocab, lanes, max_threads, f"forced answer {i}: ")
                  for i, a in enumerate(forced_answers)]

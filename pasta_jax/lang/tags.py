@@ -112,6 +112,13 @@ class TagVocab:
     return table
 
 
+def tag_vocab_for(tokenizer, position_mode: str) -> TagVocab:
+  """A tokenizer's tag vocabulary for a position mode: 10-token length buckets, or (Pred-1x) one LENGTH
+  token per exact length. A tokenizer that only knows the buckets is asked without an argument."""
+  step = schema.length_step(position_mode)
+  return tokenizer.tag_vocab() if step == LENGTH_STEP else tokenizer.tag_vocab(length_step=step)
+
+
 def round_length(num_tokens: int) -> int:
   """True block length -> `tokens` attribute: nearest multiple of 10 (halves up), clamped to [10, 500]."""
   return schema.round_to_ten(int(num_tokens))

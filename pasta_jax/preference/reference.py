@@ -19,8 +19,8 @@ from tqdm import tqdm
 from pasta_jax import runfiles
 from pasta_jax.data.encode import EncodeConfig
 from pasta_jax.data.sources import DataError
-from pasta_jax.lang import schema
 from pasta_jax.lang.layout import stack_layouts
+from pasta_jax.lang.tags import tag_vocab_for
 from pasta_jax.model.gemma import Gemma
 from pasta_jax.preference.dataset import encode_pair
 from pasta_jax.training.losses import sequence_logprob
@@ -48,7 +48,7 @@ def add_reference_logprobs(pairs_path: str | Path, model, encode: EncodeConfig, 
   todo = [p for p in pairs if "ref" not in p]
   if not todo:
     return pairs
-  vocab = model.tokenizer.tag_vocab(schema.length_step(encode.position_mode))
+  vocab = tag_vocab_for(model.tokenizer, encode.position_mode)
   unpadded = EncodeConfig(seq_len=None, num_threads=None, position_mode=encode.position_mode,
                           chat=encode.chat)  # every pair gets a value, even one training will drop
   sides = [encode_pair(p, model.tokenizer, vocab, unpadded) for p in todo]

@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pasta_jax.errors import ConfigError
-from pasta_jax.lang import schema
+from pasta_jax.lang.tags import tag_vocab_for
 from pasta_jax.model import lora
 from pasta_jax.model.gemma import Gemma
 from pasta_jax.model.load import LoadedModel, base_reference
@@ -197,7 +197,7 @@ def adapter_config(config: TrainConfig, model: LoadedModel) -> lora.AdapterConfi
     return None
   rows: list[int] = []
   if model.tokenizer is not None and "tags" in config.train_rows:
-    rows += model.tokenizer.tag_vocab(schema.length_step(config.position_mode)).tag_ids
+    rows += tag_vocab_for(model.tokenizer, config.position_mode).tag_ids
   lookup = getattr(model.tokenizer, "token_to_id", None)  # tokenizers without named specials have no chat rows
   if lookup is not None and "chat" in config.train_rows:
     from pasta_jax.model.tokenizer import END_OF_TURN, START_OF_TURN
