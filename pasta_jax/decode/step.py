@@ -2,7 +2,7 @@
 
   rules.before_model -> the model on the feeding lanes only (a `lax.switch` over lane-count buckets
   1, 2, 4, ..., under the one visibility rule) -> sample under rules.allowed, or read the forced
-  script -> rules.after_model -> records.
+  script -> rules.after_model -> records -> the content-token budget (`spend_budget`).
 """
 
 from __future__ import annotations
