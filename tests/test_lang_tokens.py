@@ -163,3 +163,13 @@ def test_gemma_tokenizer_round_trip(gemma, text):
   assert tags == [t for s in tk.parse_tokens(ids, vocab) for t in s.all_ids if t in vocab.tag_ids]
   assert len(tags) == sum({T.Promise: 2, T.Block: 2, T.Sync: 1}.get(type(s), 0) for s in T.parse(text))
   assert tokenizer.decode(tk.strip_token_ids(ids, vocab)) == T.strip_tags(text)
+
+
+def test_gemma3_has_room_for_exact_length_tags(gemma):
+  """Pred-1x's tag vocabulary (one LENGTH token per length 1 ... 500) on Gemma 3's reserved tokens, whose
+  ids are not consecutive: every length maps to its own token and back."""
+  tokenizer, vocab = gemma
+  exact = TagVocab.from_token_lookup(tokenizer.hf.get_vocab(), vocab.eos_ids, length_step=1)
+  assert [exact.length_of(exact.length_token(n)) for n in range(1, 501)] == list(range(1, 501))
+  assert len(set(exact.lengths)) == 500 and not set(exact.lengths) & {exact.promise, exact.sync, *vocab.eos_ids}
+  assert exact.length_of(vocab.promise) is None

@@ -16,6 +16,7 @@ Text that merely contains "<promise" (HTML, code) tokenizes to ordinary tokens a
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -70,9 +71,7 @@ class TagVocab:
     if missing:
       raise TagError(f"the tokenizer lacks {len(missing)} reserved tokens needed for PASTA tags with a length "
                      f"step of {length_step}: {missing[:3]}...")
-    lengths = tuple(ids[len(_LAYOUT):])
-    if list(lengths) != list(range(lengths[0], lengths[0] + len(lengths))):
-      raise TagError("the tokenizer's reserved tokens for LENGTH tags are not consecutive ids")
+    lengths = tuple(ids[len(_LAYOUT):])  # not always consecutive ids (Gemma 3's <unused*> are not)
     fixed = dict(zip(_LAYOUT, ids[: len(_LAYOUT)]))
     return cls(**fixed, lengths=lengths, eos_ids=tuple(eos_ids), length_step=length_step)
 
@@ -86,10 +85,12 @@ class TagVocab:
 
   def length_of(self, token: int) -> int | None:
     """The `tokens` value a LENGTH token stands for, or None for any other token."""
-    first = self.lengths[0]
-    if first <= token < first + len(self.lengths):
-      return (token - first + 1) * self.length_step
-    return None
+    index = self._length_index.get(token)
+    return None if index is None else (index + 1) * self.length_step
+
+  @functools.cached_property
+  def _length_index(self) -> dict[int, int]:
+    return {token: i for i, token in enumerate(self.lengths)}
 
   @property
   def no_length(self) -> int:
