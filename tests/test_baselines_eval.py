@@ -12,8 +12,12 @@ from tests.tiny import tiny_model
 
 LIST = ("Tips:\n1. Sleep well: go to bed on time.\n2. Eat well: light meals at night.\n"
         "3. Move daily: walk for half an hour.\n")
-RECORDS = [dict(id="tips", instruction="Give tips.", output=LIST),
-           dict(id="prose", instruction="Say hi.", output="Hello there. Nice to meet you.")]
+PROSE = ("Hello there. It is nice to meet you, and I hope that your day is going well so far. "
+         "Tell me what you would like to talk about today, and we can begin.")
+# Both chat prompts pad to one bucket (64 characters) and every run to one pool (512 slots: the budget
+# of 160 tokens is longer than either forced answer), so each method compiles one loop, not two.
+RECORDS = [dict(id="tips", instruction="Tips?", output=LIST),
+           dict(id="prose", instruction="Hi.", output=PROSE)]
 
 
 def test_baselines_on_one_report(tmp_path, monkeypatch):
@@ -23,7 +27,7 @@ def test_baselines_on_one_report(tmp_path, monkeypatch):
   out = tmp_path / "run"
   methods = ("pasta-forced", "apar-forced", "apar", "sot", "sot-router")
   args = parse("--prompts", write_prompts(tmp_path, RECORDS), "--methods", *methods,
-               "--out", str(out), "--max-new-tokens", "128", "--lanes", "2", "--no-progress")
+               "--out", str(out), "--max-new-tokens", "160", "--lanes", "2", "--no-progress")
   assert run_eval(args) == 0
   results = json.loads((out / "results.json").read_text())
   names = [m["name"] for m in results["methods"]]

@@ -129,7 +129,8 @@ def test_training_forward_equals_decode_replay(name, mode):
   for j in range(len(PROMPT) - 1, int(np.asarray(layout.valid).sum())):
     key = (int(layout.thread[j]), int(layout.positions[j]))
     if key in replay:
-      np.testing.assert_allclose(train_logits[0, j], replay[key], atol=1e-4, rtol=0, err_msg=f"index {j} {key}")
+      np.testing.assert_allclose(train_logits[0, j], replay[key], atol=1e-4, rtol=1e-5,
+                                 err_msg=f"index {j} {key}")
       matched += 1
   # Every answer token is fed except each `</async>` and main's final EOS.
   fed = 1 + len(with_blocks(ANSWER)) - with_blocks(ANSWER).count(AE) - 1

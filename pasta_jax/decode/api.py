@@ -181,8 +181,10 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   prompt_len = bucket(max(len(p) for p in ids))
   slots = pool_size(prompt_len, new, lanes)
   free = scripts is None
-  # Free decoding: the content budget ends a run; every step writes a slot, so the pool room bounds the steps.
-  steps = slots - prompt_len if free else new
+  # The content budget (free decoding) or the end of the scripts (forced) ends a run; every step writes
+  # at least one token, so the pool's room bounds the steps. Bounding them by the pool, not by each
+  # script's length, keeps one compiled loop per pool bucket for every forced answer that fits it.
+  steps = slots - prompt_len
   try:
     cfg = InterpreterConfig(vocab=vocab, lanes=lanes, max_threads=max_threads, pool_slots=slots, max_steps=steps,
                             max_content=new if free else 0,
