@@ -82,7 +82,7 @@ def assert_same(jitted, oracle):
 @given(data=st.data())
 def test_forced_apar_programs_match_reference(name, data):
   cfg = CONFIGS[name]
-  batch = data.draw(st.integers(1, 3), label="batch")
+  batch = 2  # batched requests that differ; one batch shape, so fewer compiles per configuration
   scripts = [data.draw(apar_scripts(), label=f"scripts{i}") for i in range(batch)]
   prompt_batch = [data.draw(prompts, label=f"prompt{i}") for i in range(batch)]
   got = run_interpreter(toy_apply, FORCED_PARAMS, prompt_batch, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC,
@@ -91,7 +91,7 @@ def test_forced_apar_programs_match_reference(name, data):
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(prompt_batch=st.lists(prompts, min_size=1, max_size=2), seed=st.integers(0, 2**16))
+@given(prompt_batch=st.lists(prompts, min_size=2, max_size=2), seed=st.integers(0, 2**16))
 def test_sampled_apar_runs_match_reference(prompt_batch, seed):
   cfg = apar(max_steps=64, pool_slots=128, max_depth=2,
              sampling=SamplingConfig(temperature=1.0, top_p=0.95, seed=seed))

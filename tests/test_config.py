@@ -39,7 +39,7 @@ def test_bad_configs_name_the_problem():
   base = get_config("tiny-gemma3")
   with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
     GemmaConfig(**{**base.__dict__, "num_kv_heads": 3})
-  with pytest.raises(ValueError, match="layer_kinds has 2 entries for 6 layers"):
+  with pytest.raises(ValueError, match="layer_kinds has 2 entries for 3 layers"):
     GemmaConfig(**{**base.__dict__, "layer_kinds": ("local", "global")})
   with pytest.raises(ValueError, match="unknown model config 'gemma9'"):
     get_config("gemma9")

@@ -60,7 +60,7 @@ def assert_same(jitted, oracle):
 @given(data=st.data())
 def test_forced_programs_match_reference(name, data):
   cfg = CONFIGS[name]
-  batch = data.draw(st.integers(1, 3), label="batch")  # batched requests that differ
+  batch = 2  # batched requests that differ; one batch shape, so fewer compiles per configuration
   progs = [data.draw(programs(), label=f"program{i}") for i in range(batch)]
   prompt_batch = [data.draw(prompts, label=f"prompt{i}") for i in range(batch)]
   scripts = [p.script() for p in progs]
@@ -70,7 +70,7 @@ def test_forced_programs_match_reference(name, data):
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(prompt_batch=st.lists(prompts, min_size=1, max_size=2), seed=st.integers(0, 2**16))
+@given(prompt_batch=st.lists(prompts, min_size=2, max_size=2), seed=st.integers(0, 2**16))
 def test_sampled_runs_match_reference(prompt_batch, seed):
   """Sampling with a fixed seed: the toy model writes its own tag programs under constraints."""
   cfg = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=16, pool_slots=128, max_steps=96,

@@ -28,7 +28,7 @@ from pasta_jax.training.plan import (
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "tpu_configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.json"))
 REFUSED_MARK = "refused by the plan"  # a config whose comment says this is documented as not fitting
-TINY = PRESETS["tiny-gemma3"]  # vocab 512, embed 64, mlp 128, 6 layers, 4 heads, 2 KV heads, head_dim 16
+TINY = PRESETS["tiny-gemma3"]  # vocab 512, embed 64, mlp 128, 3 layers, 4 heads, 2 KV heads, head_dim 16
 
 
 def tiny_config(**changes) -> TrainConfig:
@@ -158,7 +158,7 @@ def test_model_resolution(tmp_path):
   from pasta_jax.model.weights import config_to_hf
   (tmp_path / "config.json").write_text(json.dumps(config_to_hf(TINY)))
   resolved = resolve_model_config(str(tmp_path))
-  assert (resolved.num_layers, resolved.embed_dim, resolved.vocab_size) == (6, 64, 512)
+  assert (resolved.num_layers, resolved.embed_dim, resolved.vocab_size) == (3, 64, 512)
   with pytest.raises(ConfigError, match="neither a preset"):
     resolve_model_config("gemma-9000")
 

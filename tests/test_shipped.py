@@ -54,5 +54,6 @@ def test_the_tuned_default_loads_folded_and_forks_on_a_list_prompt():
   model = pasta_jax.load_model()
   assert model.adapter is not None and "adapter" in model.describe()
   assert pasta_jax.load_model("base").adapter is None
-  [result] = pasta_jax.generate(model, ["Give three tips for staying healthy."], max_new_tokens=128)
+  # 4 lanes, not 8: three lane buckets of the 18-layer model to trace and compile, not four
+  [result] = pasta_jax.generate(model, ["Give three tips for staying healthy."], max_new_tokens=128, lanes=4)
   assert len(result.threads) > 1, result.annotated  # it writes its own tags and they fork

@@ -15,13 +15,14 @@ import pytest
 
 from pasta_jax.errors import ConfigError, PastaError, WeightsError
 from pasta_jax.model import checkpoint, gguf_loader, weights
-from pasta_jax.model.config import GemmaConfig, get_config
+from pasta_jax.model.config import GemmaConfig, gemma3, get_config
 from pasta_jax.model.gemma import Gemma, causal_mask
 from pasta_jax.model.load import load_model
 from pasta_jax.model.tokenizer import Tokenizer, chat_prompt
 
-# Small and cheap to compile; GQA and the Gemma 3 pattern (period 6) all present.
-TINY3 = dataclasses.replace(get_config("tiny-gemma3"), vocab_size=128)
+# Small and cheap to compile; GQA and the real Gemma 3 pattern (period 6, what a GGUF without a layer
+# pattern defaults to) all present: 6 layers, unlike the 3-layer tiny preset.
+TINY3 = gemma3("tiny-gemma3", 128, 64, 128, 6, 4, 2, 16, window=8)
 TINY1 = dataclasses.replace(get_config("tiny-gemma1"), vocab_size=128)
 
 
@@ -310,7 +311,10 @@ def test_gguf_tokenizer_and_its_cache(tiny_gguf, tmp_path):
   fresh = Tokenizer.from_gguf(tiny_gguf, cache_dir=False)
   assert not (tmp_path / "cache").exists()
   built = load_model(str(tiny_gguf), cache_dir=tmp_path / "cache")  # builds and caches it
+  assert Tokenizer.from_gguf(tiny_gguf, cache_dir=tmp_path / "cache") is built.tokenizer  # one per process
+  Tokenizer._from_gguf_cached.cache_clear()  # a new process: reloaded from the cached files
   cached = Tokenizer.from_gguf(tiny_gguf, cache_dir=tmp_path / "cache")
+  assert cached is not built.tokenizer
   assert any(p.name.endswith(f"tokenizer-{__import__('transformers').__version__}")
              for p in (tmp_path / "cache").iterdir())
   for tok in (fresh, built.tokenizer, cached):

@@ -61,12 +61,20 @@ class Tokenizer:
     in the GGUF cache (see `gguf_loader.default_cache_dir`; cache_dir=False: off) and reloaded
     from there, keyed like the params by the file's size and mtime and by the transformers version.
     """
-    import transformers
-
-    from pasta_jax.model import gguf_loader
     path = Path(path)
     if not path.is_file():
       raise WeightsError(f"no such GGUF file: {path}")
+    stat = path.stat()
+    # Reloading from the files still takes seconds; a process that loads the model twice (a tuned
+    # model over its base, eval's models) shares one: the wrapper never changes the HF tokenizer.
+    return cls._from_gguf_cached(path.resolve(), stat.st_size, stat.st_mtime_ns, cache_dir)
+
+  @classmethod
+  @functools.lru_cache(maxsize=4)
+  def _from_gguf_cached(cls, path: Path, size: int, mtime_ns: int, cache_dir) -> Tokenizer:
+    import transformers
+
+    from pasta_jax.model import gguf_loader
     cached = None
     if cache_dir is not False:
       root = Path(cache_dir) if cache_dir else gguf_loader.default_cache_dir(path)
