@@ -1,8 +1,8 @@
 """The one decode step, shared by every method: its rules (`cfg.rules`, decode/rules/) say what differs.
 
-  rules.before_model -> the model on the feeding lanes only (a `lax.switch` over lane-count buckets
-  1, 2, 4, ..., under the one visibility rule) -> sample under rules.allowed, or read the forced
-  script -> rules.after_model -> records -> the content-token budget (`spend_budget`).
+  rules.before_model -> the model on the feeding lanes only, fed rules.feed_inputs (a `lax.switch`
+  over lane-count buckets 1, 2, 4, ..., under the one visibility rule) -> sample under rules.allowed,
+  or read the forced script -> rules.after_model -> records -> the content-token budget (`spend_budget`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from pasta_jax.decode.sampling import lane_key, sample_rows
 from pasta_jax.decode.state import CLOSING, InterpState
 from pasta_jax.visibility import visible
 
-ModelFn = Callable  # (params, tokens, positions, mask, pool, slots, kv_positions) -> (logits, pool)
+# (params, tokens, positions, mask, pool, slots, kv_positions[, token_weights=]) -> (logits, pool)
+ModelFn = Callable
 
 
 def choose_tokens(logits, rows_lane, state: InterpState, cfg: InterpreterConfig, forced: bool):
@@ -65,8 +66,10 @@ def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: In
   row_ok = feed[b, rows_lane]
   mask = visible(state.horizon[b, rows_lane], state.slot_owner, state.slot_order, state.slot_valid)
   mask = mask & row_ok[:, :, None]
-  logits, pool = model_fn(params, state.token[b, rows_lane], state.position[b, rows_lane], mask, state.pool,
-                          jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos)
+  tokens, weights = cfg.rules.feed_inputs(state, rows_lane, cfg)
+  mixed = {} if weights is None else {"token_weights": weights}  # an optional part of the model contract
+  logits, pool = model_fn(params, tokens, state.position[b, rows_lane], mask, state.pool,
+                          jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos, **mixed)
   chosen, refused = choose_tokens(logits, rows_lane, state, cfg, forced)
   scatter_lane = jnp.where(row_ok, rows_lane, cfg.lanes)  # padding rows are dropped
   sampled = jnp.full((batch, cfg.lanes), -1, jnp.int32).at[b, scatter_lane].set(chosen, mode="drop")

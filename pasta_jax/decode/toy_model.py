@@ -38,10 +38,12 @@ def toy_params(cfg: ToyConfig, tag_bias: dict[int, float], seed: int = 0) -> dic
 
 
 def toy_apply(params, tokens, positions, mask, pool: KVPool | None = None, slots=None,
-              kv_positions=None):
-  """Same contract as `Gemma.apply(params, ...)`: returns (logits [B, Q, V], pool)."""
+              kv_positions=None, token_weights=None):
+  """Same contract as `Gemma.apply(params, ...)`: returns (logits [B, Q, V], pool). With token_weights
+  [B, Q, K], tokens are [B, Q, K] and each input row is their weighted mix."""
   del kv_positions
-  rows = params["embed"][tokens]  # [B, Q, hd]
+  mix = (lambda x: x) if token_weights is None else (lambda x: jnp.einsum("bqk,bqk...->bq...", token_weights, x))
+  rows = mix(params["embed"][tokens])  # [B, Q, hd]
   rows = rows + 0.01 * positions[..., None].astype(jnp.float32)
   if pool is None:
     keys = rows
@@ -51,5 +53,5 @@ def toy_apply(params, tokens, positions, mask, pool: KVPool | None = None, slots
     keys = new_k[0, :, :, 0, :]  # [B, S, hd]
   weights = mask.astype(jnp.float32)
   context = jnp.einsum("bqs,bsd->bqd", weights, keys) / jnp.maximum(weights.sum(-1, keepdims=True), 1.0)
-  logits = params["table"][tokens] + context @ params["readout"] + params["bias"]
+  logits = mix(params["table"][tokens]) + context @ params["readout"] + params["bias"]
   return logits, pool

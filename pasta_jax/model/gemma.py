@@ -269,13 +269,12 @@ class Gemma(nn.Module):
 
   @nn.compact
   def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None,
-               kv_positions=None, return_hidden: bool = False):
+               kv_positions=None, return_hidden: bool = False, token_weights=None):
+    """tokens: [B, Q] ids; or [B, Q, K] ids with token_weights [B, Q, K], when each input row is the
+    weighted sum of K tokens' embeddings (a superposed input, as Superposed Decoding feeds)."""
     cfg = self.config
     embedding = self.param("embedder", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.embed_dim))
-    x = jnp.take(embedding, tokens, axis=0).astype(self.dtype)
-    row_delta, row_match = self._row_delta(tokens)
-    if row_delta is not None:  # == looking up (embedder + delta at row_ids), as `lora.fold` stores it
-      x = x + jnp.einsum("bqn,nd->bqd", row_match, row_delta)
+    row_delta, x = self._embed(embedding, tokens, token_weights)
     x = x * jnp.asarray(cfg.embed_dim**0.5, self.dtype)
     x = self._constrain(x)
     if kv_positions is None:
@@ -304,8 +303,22 @@ class Gemma(nn.Module):
       return logits, new_pool, x
     return logits, new_pool
 
+  def _embed(self, embedding, tokens, token_weights):
+    """(row_delta or None, input rows [B, Q, D] before the sqrt(D) scale)."""
+    if (token_weights is None) != (tokens.ndim == 2) or (
+        token_weights is not None and token_weights.shape != tokens.shape):
+      raise ValueError(f"tokens must be [B, Q] ids, or [B, Q, K] ids with token_weights [B, Q, K]; got "
+                       f"{tokens.shape} and {None if token_weights is None else token_weights.shape}")
+    x = jnp.take(embedding, tokens, axis=0).astype(self.dtype)  # [B, Q, (K,) D]
+    row_delta, row_match = self._row_delta(tokens)
+    if row_delta is not None:  # == looking up (embedder + delta at row_ids), as `lora.fold` stores it
+      x = x + jnp.einsum("...n,nd->...d", row_match, row_delta)
+    if token_weights is not None:
+      x = jnp.einsum("bqk,bqkd->bqd", token_weights.astype(self.dtype), x)
+    return row_delta, x
+
   def _row_delta(self, tokens):
-    """(row_delta [n, D], one-hot [B, Q, n] of tokens on those rows), or (None, None) without rows."""
+    """(row_delta [n, D], one-hot [B, Q, (K,) n] of tokens on those rows), or (None, None) without rows."""
     if self.adapter is None or not self.adapter.row_ids:
       return None, None
     ids = jnp.asarray(self.adapter.row_ids, jnp.int32)

@@ -6,6 +6,8 @@ object says only what differs, as array functions over the [B, T] thread table:
 
   before_model  who feeds this step, spawns and view changes, which pool slot each feeding lane
                 writes, and the tokens the interpreter inserts (a fork's `<async>`, APAR's child);
+  feed_inputs   what the feeding rows put into the model: their pending ids (the default), or weighted
+                mixes of token ids whose embeddings the model sums (a superposed input);
   allowed       which tokens each query row may sample (tag constraints), and which rows had a
                 fork refused by a limit (counted, never silent);
   script_end    what a forced thread writes once its script has run out;
@@ -78,6 +80,14 @@ class Rules(abc.ABC):
   def allowed(self, state: InterpState, rows_lane: jax.Array, logits: jax.Array, cfg: InterpreterConfig
               ) -> tuple[jax.Array | None, jax.Array]:
     """([B, Q, V] bool allowed tokens, or None for no constraint; [B, Q] bool refused forks)."""
+
+  def feed_inputs(self, state: InterpState, rows_lane: jax.Array, cfg: InterpreterConfig
+                  ) -> tuple[jax.Array, jax.Array | None]:
+    """What the feeding rows put into the model: ([B, Q] pending token ids, None), or, for a method that
+    feeds superposed embeddings (Superposed Decoding), ([B, Q, K] ids, [B, Q, K] weights): each input row
+    is then sum_k weight_k * embedding(id_k), inside the model (the `token_weights` of its contract)."""
+    del cfg
+    return state.token[jax.numpy.arange(state.token.shape[0])[:, None], rows_lane], None
 
   def script_end(self, rows_lane: jax.Array, cfg: InterpreterConfig) -> jax.Array:
     """[B, Q] the token a thread writes once its forced script is spent: an end id."""
