@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from pasta_jax.model.config import GemmaConfig
 from pasta_jax.model.lora import A_SUFFIX, B_SUFFIX, ROWS, AdapterConfig
+from pasta_jax.visibility import visible
 
 Array = jax.Array
 
@@ -341,10 +342,10 @@ def _batch_constraint(x: Array, mesh, last: str | None) -> Array:
 
 
 def causal_mask(batch: int, length: int, lengths: Array | None = None) -> Array:
-  """[B, L, L] causal mask; with lengths [B], keys past each row's length are hidden."""
-  idx = jnp.arange(length)
-  mask = idx[None, :, None] >= idx[None, None, :]
-  mask = jnp.broadcast_to(mask, (batch, length, length))
-  if lengths is not None:
-    mask = mask & (idx[None, None, :] < lengths[:, None, None])
-  return mask
+  """[B, L, L] causal mask, from the one visibility rule: one thread writes position i in order i and
+  row q's horizon is q. With lengths [B], keys past each row's length are not valid."""
+  idx = jnp.arange(length, dtype=jnp.int32)
+  order = jnp.broadcast_to(idx, (batch, length))
+  valid = order < (length if lengths is None else lengths[:, None])
+  horizon = jnp.broadcast_to(idx[:, None], (batch, length, 1))  # [B, Q, U=1]
+  return visible(horizon, jnp.zeros_like(order), order, valid)
