@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from pasta_jax.data.sources import shared_data_dir
 from pasta_jax.errors import PastaError
+from pasta_jax.preference.config import PreferenceConfig
 from train.common import run_main
 
 POOLS = ("lima", "alpaca_gpt4_1k", "alpaca_5k")
@@ -67,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--judge", default="local:base", help="BoNBoN quality judge (http or local:MODEL)")
   parser.add_argument("--bonbon-lr", type=float, default=2e-5,
                       help="BoNBoN learning rate (the paper's 5e-7 is for full fine-tuning; adapters need more)")
+  parser.add_argument("--duplicate-penalty", type=float, default=PreferenceConfig.duplicate_penalty,
+                      help="BoNBoN: score penalty per share of sibling blocks that repeat each other")
   parser.add_argument("--bonbon-tokens", type=int, default=192, help="BoNBoN: max new tokens per sample")
   parser.add_argument("--ship-lambda", type=float, default=None,
                       help="ship stage: the BoNBoN lambda whose model ships as pasta-bon (default: none ships)")
@@ -162,6 +165,7 @@ def stage_bonbon(args, out: Path) -> None:
     flags = ["--model", str(out / "pasta_sft" / "model"), "--baseline", str(out / "baseline_sft" / "model"),
              "--data", str(prompts), "--out", str(out / f"bonbon_l{lam:g}"), "--rounds", "1",
              "--samples", str(args.samples), "--quality-weight", str(lam), "--judge", args.judge,
+             "--duplicate-penalty", str(args.duplicate_penalty),
              "--max-new-tokens", str(args.bonbon_tokens), "--seq-len", str(args.bonbon_tokens + 128),
              "--num-threads", str(args.num_threads), "--lr", str(args.bonbon_lr),
              "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha),
