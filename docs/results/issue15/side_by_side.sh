@@ -1,5 +1,8 @@
 #!/bin/bash
-# bench.interpreter --limit 20 before (da4155c) and after (HEAD) side by side: one core each, same time
+# A bench before and after, side by side: one pinned core per side, started together. First:
+#   git worktree add /tmp/wt_before da4155c && git worktree add /tmp/wt_after 819ecac
+#   ln -s "$(realpath ../shared)" /tmp/shared   # the worktrees find their data in ../shared
+# then: side_by_side.sh before 0 interpreter --limit 20 & side_by_side.sh after 1 interpreter --limit 20
 side=$1; core=$2; bench=$3; shift 3
 dir=/tmp/wt_$side
 cd $dir && echo "START $side $(git rev-parse --short HEAD) $(date)" && \
