@@ -55,7 +55,6 @@ def recompute_greedy(prompt, alpha, steps=10):
   """The oracle: each step reruns the whole sequence without a pool; prompt rows are plain, every
   generated row (the prefill's token on) is the mix the rules feed."""
   out = []
-  token = None
   for _ in range(steps + 1):
     seq = list(prompt) + out
     n = len(seq)
@@ -64,8 +63,7 @@ def recompute_greedy(prompt, alpha, steps=10):
     positions = jnp.arange(n)[None]
     logits, _ = toy_apply(PARAMS, jnp.asarray(ids), positions, causal_mask(1, n),
                           token_weights=jnp.asarray(weights))
-    token = int(jnp.argmax(logits[0, -1]))
-    out.append(token)
+    out.append(int(jnp.argmax(logits[0, -1])))
   return out
 
 
