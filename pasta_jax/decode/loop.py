@@ -113,14 +113,19 @@ def check_runnable(cfg: InterpreterConfig, forced: bool) -> None:
                      "replay knows: use 'pred', 'pred-1x' or 'fixed' in free decoding")
 
 
-def initial_state(pool, last, prompt_len: int, lengths, script, script_len, seed, cfg: InterpreterConfig,
-                  forced: bool, vocab_size: int) -> InterpState:
-  """The state after prefill: main's first token chosen from the last prompt logits [B, 1, V] (step 0)."""
-  init = functools.partial(init_state, pool, prompt_len, lengths, script=script, script_len=script_len, cfg=cfg,
-                           vocab_size=vocab_size, key=jax.random.key(seed))
+def initial_state(pool, last, prompt_tokens, lengths, script, script_len, seed, cfg: InterpreterConfig,
+                  forced: bool, vocab_size: int, rule_inputs=None) -> InterpState:
+  """The state after prefill: main's first token chosen from the last prompt logits [B, 1, V] (step 0),
+  and the rules' own state (`rules.init_rule_state`, then its first choice)."""
+  init = functools.partial(init_state, pool, prompt_tokens.shape[1], lengths, script=script, script_len=script_len,
+                           cfg=cfg, vocab_size=vocab_size, key=jax.random.key(seed))
   state = init(first=jnp.zeros_like(lengths), main_script_ptr=0)
-  first = choose_tokens(last, jnp.zeros((lengths.shape[0], 1), jnp.int32), state, cfg, forced)[0][:, 0]
-  state = cut_at_budget(init(first=first, main_script_ptr=1), cfg)  # main's script starts after the prefill token
+  state = dataclasses.replace(state, rule_state=cfg.rules.init_rule_state(prompt_tokens, lengths, rule_inputs, cfg))
+  main_row = jnp.zeros((lengths.shape[0], 1), jnp.int32)
+  state, first, _ = choose_tokens(last, main_row, main_row == 0, state, cfg, forced)
+  rule_state = state.rule_state
+  state = init(first=first[:, 0], main_script_ptr=1)  # main's script starts after the prefill token
+  state = cut_at_budget(dataclasses.replace(state, rule_state=rule_state), cfg)
   if cfg.record_logits:
     state = dataclasses.replace(state, record_logits=state.record_logits.at[:, 0].set(last[:, 0]))
   return state
@@ -146,23 +151,25 @@ def finish(state: InterpState) -> InterpState:
 STATIC = ("model_fn", "cfg", "forced", "vocab_size", "pool_spec")
 
 
-def start_state(model_fn, params, prompt_tokens, lengths, script, script_len, seed, *, cfg: InterpreterConfig,
-                forced: bool, vocab_size: int, pool_spec: tuple) -> InterpState:
-  """Prefill and main's first token: the state before step 1."""
+def start_state(model_fn, params, prompt_tokens, lengths, script, script_len, seed, rule_inputs=None, *,
+                cfg: InterpreterConfig, forced: bool, vocab_size: int, pool_spec: tuple) -> InterpState:
+  """Prefill and main's first token: the state before step 1. rule_inputs: read-only arrays the rules
+  use on device (Superposed Decoding's n-gram index), or None."""
   check_runnable(cfg, forced)
   last, pool = prefill(model_fn, params, prompt_tokens, lengths, cfg.pool_slots, pool_spec)
-  return initial_state(pool, last, prompt_tokens.shape[1], lengths, script, script_len, seed, cfg, forced, vocab_size)
+  return initial_state(pool, last, prompt_tokens, lengths, script, script_len, seed, cfg, forced, vocab_size,
+                       rule_inputs)
 
 
 start = jax.jit(start_state, static_argnames=STATIC)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
-def prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, seed, *, cfg: InterpreterConfig,
-                    forced: bool, vocab_size: int, pool_spec: tuple) -> InterpState:
+def prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, seed, rule_inputs=None, *,
+                    cfg: InterpreterConfig, forced: bool, vocab_size: int, pool_spec: tuple) -> InterpState:
   """Prefill, then the whole decode loop on device: one call."""
-  state = start_state(model_fn, params, prompt_tokens, lengths, script, script_len, seed, cfg=cfg,
-                            forced=forced, vocab_size=vocab_size, pool_spec=pool_spec)
+  state = start_state(model_fn, params, prompt_tokens, lengths, script, script_len, seed, rule_inputs, cfg=cfg,
+                      forced=forced, vocab_size=vocab_size, pool_spec=pool_spec)
   return finish(run_loop(model_fn, params, state, cfg.max_steps, cfg, forced, vocab_size))
 
 
@@ -191,6 +198,7 @@ class RunOutput:
   peak_live_slots: int = 0  # most pool slots valid at once (the prompt included)
   parents: np.ndarray | None = None  # [U] the thread that spawned each thread (-1: main / never spawned)
   slot_table: np.ndarray | None = None  # [S, 4] final (owner, write order, position, valid) per pool slot
+  rule_outputs: dict | None = None  # what the rules keep of their own state (`rules.host_outputs`: drafts)
 
 
 def pad_scripts(scripts: Sequence[Sequence[Sequence[int]]] | None, batch: int, max_threads: int):
@@ -233,12 +241,12 @@ def static_config(cfg: InterpreterConfig) -> InterpreterConfig:
 
 
 def run_interpreter(model_fn: ModelFn, params, prompts: Sequence[Sequence[int]], cfg: InterpreterConfig, *,
-                    vocab_size: int, pool_spec: tuple, scripts=None) -> list[RunOutput]:
+                    vocab_size: int, pool_spec: tuple, scripts=None, rule_inputs=None) -> list[RunOutput]:
   """Runs B prompts through the jitted interpreter; `scripts` (per request, per thread) forces tokens."""
   tokens, lengths = pad_prompts(prompts, cfg.pool_slots)
   script, script_len = pad_scripts(scripts, len(prompts), cfg.max_threads)
   final = prefill_and_run(model_fn, params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(script),
-                          jnp.asarray(script_len), jnp.uint32(cfg.sampling.seed), cfg=static_config(cfg),
+                          jnp.asarray(script_len), jnp.uint32(cfg.sampling.seed), rule_inputs, cfg=static_config(cfg),
                           forced=scripts is not None, vocab_size=vocab_size, pool_spec=pool_spec)
   return unpack(final, cfg)
 
@@ -256,5 +264,6 @@ def unpack(final: InterpState, cfg: InterpreterConfig) -> list[RunOutput]:
         budget_spent=bool(final.budget_spent[b]), content=int(final.content[b]),
         peak_live_slots=int(final.peak_live[b]), parents=np.asarray(final.parent[b]),
         slot_table=np.stack([np.asarray(final.slot_owner[b]), np.asarray(final.slot_order[b]),
-                             np.asarray(final.slot_pos[b]), np.asarray(final.slot_valid[b], np.int32)], axis=1)))
+                             np.asarray(final.slot_pos[b]), np.asarray(final.slot_valid[b], np.int32)], axis=1),
+        rule_outputs=cfg.rules.host_outputs(final.rule_state, b)))
   return outputs

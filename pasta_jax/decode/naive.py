@@ -124,7 +124,7 @@ def model_on_rows(model_fn: ModelFn, params, state: NaiveState, plan: threads.Fe
                           state.pool, slots.reshape(rows, 1), state.row_pos.reshape(rows, num_slots))
   logits = logits.reshape(batch, lanes, -1)  # [B, T, V]
   rows_lane = jnp.broadcast_to(jnp.arange(lanes, dtype=jnp.int32), (batch, lanes))
-  sampled = jnp.where(plan.feed, choose_tokens(logits, rows_lane, table, cfg, forced)[0], -1)
+  sampled = jnp.where(plan.feed, choose_tokens(logits, rows_lane, plan.feed, table, cfg, forced)[1], -1)
   lane_logits = jnp.where(plan.feed[..., None], logits, 0.0) if cfg.record_logits else None
   return sampled, lane_logits, pool
 

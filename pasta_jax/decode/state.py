@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 
@@ -56,6 +57,8 @@ class InterpState:
   num_records: jax.Array  # [B] int32
   record_logits: jax.Array  # [B, R, V] float32 (R = 1 when not recording)
   key: jax.Array
+  # The method's own state (`rules.init_rule_state`: Superposed Decoding's drafts), None for most methods.
+  rule_state: Any = None
 
   @property
   def live(self) -> jax.Array:

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.constraints import constrain
-from pasta_jax.decode.sampling import lane_key, sample_rows
 from pasta_jax.decode.state import CLOSING, InterpState
 from pasta_jax.visibility import visible
 
@@ -24,11 +23,11 @@ from pasta_jax.visibility import visible
 ModelFn = Callable
 
 
-def choose_tokens(logits, rows_lane, state: InterpState, cfg: InterpreterConfig, forced: bool):
-  """Constrained sample (or forced script token) for each query row. logits: [B, Q, V].
-  Returns tokens [B, Q] and which rows had a fork refused by a limit (`rules.allowed`)."""
+def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: InterpreterConfig, forced: bool):
+  """The token of each query row: the rules' choice (`rules.select_tokens`), or the forced script's.
+  logits: [B, Q, V]. Returns (state, tokens [B, Q], [B, Q] rows that had a fork refused by a limit)."""
   if not forced:
-    return sample_constrained(logits, rows_lane, state, cfg)
+    return cfg.rules.select_tokens(state, rows_lane, row_ok, logits, cfg)
   b = jnp.arange(logits.shape[0])[:, None]
   thread = state.thread[b, rows_lane]
   ptr = state.script_ptr[b, thread]
@@ -36,25 +35,13 @@ def choose_tokens(logits, rows_lane, state: InterpState, cfg: InterpreterConfig,
   scripted = jnp.take_along_axis(state.script[b, thread], jnp.minimum(ptr, state.script.shape[-1] - 1)[..., None],
                                  axis=-1)[..., 0]
   if cfg.rules.sample_after_script:
-    sampled, refused = sample_constrained(logits, rows_lane, state, cfg)
-    return jnp.where(scripted_now, scripted, sampled), refused & ~scripted_now
+    state, sampled, refused = cfg.rules.select_tokens(state, rows_lane, row_ok, logits, cfg)
+    return state, jnp.where(scripted_now, scripted, sampled), refused & ~scripted_now
   forced_token = jnp.where(scripted_now, scripted, cfg.rules.script_end(rows_lane, cfg))
   # The model still runs: without a use of the logits XLA would drop the output head, and forced
   # replays (the benchmarks' workload) would time a model without its most expensive matmul.
   model_choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jnp.where(model_choice < 0, model_choice, forced_token), jnp.zeros_like(forced_token, bool)
-
-
-def sample_constrained(logits, rows_lane, state: InterpState, cfg: InterpreterConfig):
-  """Sampled tokens [B, Q] under the rules' constraints, and [B, Q] refused forks."""
-  batch, num_q, _ = logits.shape
-  allowed, refused = cfg.rules.allowed(state, rows_lane, logits, cfg)
-  if allowed is not None:
-    logits = constrain(logits, allowed)
-  keys = jax.vmap(lambda bi, lanes: jax.vmap(lambda lane: lane_key(state.key, bi, state.step, lane))(lanes))(
-      jnp.arange(batch), rows_lane)
-  flat = sample_rows(logits.reshape(batch * num_q, -1), keys.reshape(-1), cfg.sampling)
-  return flat.reshape(batch, num_q), refused
+  return state, jnp.where(model_choice < 0, model_choice, forced_token), jnp.zeros_like(forced_token, bool)
 
 
 def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: InterpreterConfig,
@@ -70,14 +57,14 @@ def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: In
   mixed = {} if weights is None else {"token_weights": weights}  # an optional part of the model contract
   logits, pool = model_fn(params, tokens, state.position[b, rows_lane], mask, state.pool,
                           jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos, **mixed)
-  chosen, refused = choose_tokens(logits, rows_lane, state, cfg, forced)
+  state, chosen, refused = choose_tokens(logits, rows_lane, row_ok, state, cfg, forced)
   scatter_lane = jnp.where(row_ok, rows_lane, cfg.lanes)  # padding rows are dropped
   sampled = jnp.full((batch, cfg.lanes), -1, jnp.int32).at[b, scatter_lane].set(chosen, mode="drop")
   refused = jnp.zeros((batch, cfg.lanes), bool).at[b, scatter_lane].set(refused, mode="drop")
   lane_logits = None
   if cfg.record_logits:
     lane_logits = jnp.zeros((batch, cfg.lanes, logits.shape[-1])).at[b, scatter_lane].set(logits, mode="drop")
-  return sampled, refused, lane_logits, pool
+  return sampled, refused, lane_logits, pool, state.rule_state
 
 
 def model_on_feeders(model_fn, params, state, feed, slots, cfg: InterpreterConfig, forced: bool):
@@ -149,8 +136,10 @@ def decode_step(model_fn: ModelFn, params, state: InterpState, cfg: InterpreterC
   rules = cfg.rules
   state = dataclasses.replace(state, step=state.step + 1)
   state, fed = rules.before_model(state, cfg, length_table)
-  sampled, refused, lane_logits, pool = model_on_feeders(model_fn, params, state, fed.feed, fed.slots, cfg, forced)
-  state = dataclasses.replace(state, pool=pool, fork_refusals=state.fork_refusals + refused.sum(axis=1))
+  sampled, refused, lane_logits, pool, rule_state = model_on_feeders(model_fn, params, state, fed.feed, fed.slots,
+                                                                      cfg, forced)
+  state = dataclasses.replace(state, pool=pool, fork_refusals=state.fork_refusals + refused.sum(axis=1),
+                              rule_state=rule_state)
   if forced:
     state = advance_scripts(state, fed.feed, cfg)
   state, recorded = rules.after_model(state, fed, sampled, cfg, length_table)

@@ -5,5 +5,6 @@ from pasta_jax.decode.rules.base import Rules, StepFeed
 from pasta_jax.decode.rules.pasta import PastaRules
 from pasta_jax.decode.rules.sequential import SequentialRules
 from pasta_jax.decode.rules.sot import SotRules
+from pasta_jax.decode.rules.superposed import SuperposedRules
 
-__all__ = ["AparRules", "PastaRules", "Rules", "SequentialRules", "SotRules", "StepFeed"]
+__all__ = ["AparRules", "PastaRules", "Rules", "SequentialRules", "SotRules", "StepFeed", "SuperposedRules"]

@@ -10,8 +10,14 @@ object says only what differs, as array functions over the [B, T] thread table:
                 mixes of token ids whose embeddings the model sums (a superposed input);
   allowed       which tokens each query row may sample (tag constraints), and which rows had a
                 fork refused by a limit (counted, never silent);
+  select_tokens how the logits become each row's token: a constrained sample (the default), or a
+                method's own search over its `state.rule_state` (Superposed Decoding's drafts);
   script_end    what a forced thread writes once its script has run out;
   after_model   how sampled tokens become pending tokens: closes, releases, finishes.
+
+A rule that keeps state of its own (drafts, scores) makes it in `init_rule_state`; the driver carries it
+through the loop as `state.rule_state` and hands it to the host through `host_outputs`. Arrays a rule
+reads but never changes (an n-gram index) come in as the run's `rule_inputs`.
 
 Everything a rule needs that the driver does not (APAR's depth limit, SoT's fan-out) is a field of
 the rule, so the shared config and the shared path carry no method's special case. A new method is a
@@ -25,7 +31,10 @@ import dataclasses
 from typing import Any, ClassVar, Protocol
 
 import jax
+import jax.numpy as jnp
 
+from pasta_jax.decode.constraints import constrain
+from pasta_jax.decode.sampling import SamplingConfig, lane_key, sample_rows
 from pasta_jax.decode.state import InterpState
 from pasta_jax.lang.tags import TagVocab
 
@@ -39,6 +48,7 @@ class InterpreterConfig(Protocol):
   pool_slots: int
   max_steps: int
   position_mode: str
+  sampling: SamplingConfig
 
 
 @jax.tree_util.register_dataclass
@@ -88,6 +98,35 @@ class Rules(abc.ABC):
     is then sum_k weight_k * embedding(id_k), inside the model (the `token_weights` of its contract)."""
     del cfg
     return state.token[jax.numpy.arange(state.token.shape[0])[:, None], rows_lane], None
+
+  def select_tokens(self, state: InterpState, rows_lane: jax.Array, row_ok: jax.Array, logits: jax.Array,
+                    cfg: InterpreterConfig) -> tuple[InterpState, jax.Array, jax.Array]:
+    """logits [B, Q, V] of the rows in `rows_lane` ([B, Q]; `row_ok` [B, Q] marks the rows that fed) ->
+    (state, [B, Q] tokens, [B, Q] bool refused forks). The default samples under `allowed` with each
+    lane's own key; a method with its own search overrides it and may update `state.rule_state`."""
+    del row_ok
+    batch, num_q, _ = logits.shape
+    allowed, refused = self.allowed(state, rows_lane, logits, cfg)
+    if allowed is not None:
+      logits = constrain(logits, allowed)
+    keys = jax.vmap(lambda bi, lanes: jax.vmap(lambda lane: lane_key(state.key, bi, state.step, lane))(lanes))(
+        jnp.arange(batch), rows_lane)
+    flat = sample_rows(logits.reshape(batch * num_q, -1), keys.reshape(-1), cfg.sampling)
+    return state, flat.reshape(batch, num_q), refused
+
+  def init_rule_state(self, prompt_tokens: jax.Array, lengths: jax.Array, rule_inputs: Any,
+                      cfg: InterpreterConfig) -> Any:
+    """The rule's own device state after prefill (a pytree; None: the rule keeps none). prompt_tokens:
+    [B, P] padded prompts; lengths: [B]; rule_inputs: the run's read-only arrays for the rule."""
+    del prompt_tokens, lengths, cfg
+    if rule_inputs is not None:
+      raise ValueError(f"{self.name} takes no rule_inputs")
+    return None
+
+  def host_outputs(self, rule_state: Any, request: int) -> dict | None:
+    """What the host result of request `request` keeps of the final (host-side) rule state."""
+    del rule_state, request
+    return None
 
   def script_end(self, rows_lane: jax.Array, cfg: InterpreterConfig) -> jax.Array:
     """[B, Q] the token a thread writes once its forced script is spent: an end id."""
