@@ -31,7 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in Gemma's chat turns (default: on for tuned adapters, which were "
                         "trained on chat turns; off for a base model, which continues plain text)")
-  gen.add_argument("--pasta", action="store_true", help="decode with the PASTA interpreter and show threads")
+  gen.add_argument("--pasta", action="store_true", help="decode with the PASTA interpreter and show threads "
+                                                        "(= --method pasta)")
+  gen.add_argument("--method", choices=["sequential", "pasta", "superposed"], default=None,
+                   help="sequential (default; streams), pasta (threads), superposed (k drafts from one decode)")
+  gen.add_argument("--drafts", type=int, default=3, help="--method superposed: how many drafts (k)")
+  gen.add_argument("--ngram", default="default",
+                   help="--method superposed: n-gram index folder (`pasta ngram build`), 'default' (the training "
+                        "pools', built on first use) or 'none' (no smoothing)")
   gen.add_argument("--lanes", type=int, default=8, help="parallel lanes for --pasta (lane 0 is main)")
   gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
   _add_sampling(gen)
@@ -46,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 
   add_annotate_parser(sub)
   add_stats_parser(sub)
+  from pasta_jax.commands.ngram import add_ngram_parser
+
+  add_ngram_parser(sub)
   return parser
 
 
@@ -69,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
       from pasta_jax.commands.annotate import run_annotate
 
       return run_annotate(args)
+    if args.command == "ngram":
+      from pasta_jax.commands.ngram import run_ngram
+
+      return run_ngram(args)
     if args.command == "data-stats":
       from pasta_jax.commands.data_stats import run_stats_command
 

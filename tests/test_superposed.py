@@ -110,3 +110,23 @@ def test_bad_settings_name_the_problem():
     run(SuperposedRules(drafts=2), PROMPTS, 4)
   with pytest.raises(ValueError, match="non-negative"):
     ngram.NgramIndex.build([[1, -3]])
+
+
+def test_generate_returns_the_drafts_best_first():
+  from pasta_jax.decode import api
+  from pasta_jax.errors import PastaError
+  from tests.tiny import tiny_model
+  model = tiny_model()
+  docs = [model.tokenizer.encode(t, add_bos=False) for t in ("the cat sat on the mat", "a dog ran to the cat")]
+  index = ngram.NgramIndex.build(docs)
+  [one] = api.generate(model, ["q"], method="superposed", drafts=1, ngram=None, max_new_tokens=8)
+  [greedy] = api.generate(model, ["q"], method="sequential", max_new_tokens=8)
+  assert one.drafts == (greedy.text,) and one.text == greedy.text
+  [three] = api.generate(model, ["q"], method="superposed", drafts=3, ngram=index, max_new_tokens=8)
+  assert len(three.drafts) == 3 and three.text == three.drafts[0] and three.method == "superposed"
+  assert list(three.draft_scores) == sorted(three.draft_scores, reverse=True)
+  assert three.stop_reason in ("end", "tokens")
+  with pytest.raises(PastaError, match="drafts is for method='superposed'"):
+    api.generate(model, ["q"], method="pasta", drafts=3)
+  with pytest.raises(PastaError, match="no n-gram index"):
+    api.generate(model, ["q"], method="superposed", ngram="/nonexistent/index")

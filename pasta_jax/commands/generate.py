@@ -39,7 +39,14 @@ def run_generate(args) -> int:
   if args.chat is None:
     args.chat = model.adapter is not None
   prompt_ids = _prompt_ids(model, args.prompt, args.chat)
-  if args.pasta:
+  method = args.method or ("pasta" if args.pasta else "sequential")
+  if args.pasta and method != "pasta":
+    raise PastaError(f"--pasta and --method {method} disagree: give one")
+  if method == "superposed":
+    return run_superposed(model, prompt_ids, args, dtype)
+  if args.drafts != 3:
+    raise PastaError("--drafts is for --method superposed")
+  if method == "pasta":
     from pasta_jax.commands.pasta_view import run_pasta
 
     return run_pasta(model, prompt_ids, args, sampling, dtype)
@@ -59,4 +66,20 @@ def run_generate(args) -> int:
   rate = (tokens - 1) / decode_time if tokens > 1 else 0.0
   print(f"\n\n[{tokens} tokens; time to first token {first_token_at:.2f}s (includes compile on the first run); "
         f"{rate:.1f} tok/s after it]", file=sys.stderr)
+  return 0
+
+
+def run_superposed(model, prompt_ids: list[int], args, dtype) -> int:
+  """Prints the k drafts, most probable first, with their log probabilities."""
+  if args.temperature or args.top_k or args.top_p != 1.0:
+    raise PastaError("--method superposed searches its drafts deterministically (tau 0.06, as the paper): "
+                     "drop --temperature/--top-k/--top-p")
+  ngram = None if args.ngram == "none" else args.ngram
+  [result] = api.generate_ids(model, [prompt_ids], method="superposed", drafts=args.drafts, ngram=ngram,
+                              max_new_tokens=args.max_new_tokens, dtype=dtype)
+  for i, (text, score) in enumerate(zip(result.drafts, result.draft_scores, strict=True), start=1):
+    print(f"--- draft {i} (log p {score:.2f})\n{text}")
+  smoothing = "no n-gram smoothing" if ngram is None else f"n-gram index: {ngram}"
+  print(f"\n[{len(result.drafts)} drafts of up to {args.max_new_tokens} tokens in {result.steps} steps, "
+        f"{result.seconds:.2f}s; {smoothing}; {result.stop_reason}]", file=sys.stderr)
   return 0

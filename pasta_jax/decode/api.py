@@ -2,8 +2,8 @@
 
 One entry for every method the interpreter runs: "pasta" (PASTA-LANG tags fork threads), "apar"
 (APAR's fork/child tokens), "sot" (Skeleton-of-Thought's point fan-out: give the point prompts as
-`scripts`; the skeleton stage is `pasta_jax.baselines.sot`) and "sequential" (plain decoding, one
-lane). It tokenizes (Gemma chat turns by default), sizes a bucketed pool, runs the jitted loop
+`scripts`; the skeleton stage is `pasta_jax.baselines.sot`), "sequential" (plain decoding, one
+lane) and "superposed" (Superposed Decoding: k drafts from one decode). It tokenizes (Gemma chat turns by default), sizes a bucketed pool, runs the jitted loop
 (`loop.prefill_and_run`, `step.decode_step` with the method's rules) and turns the records into
 text, the tagged text, a trace and speed metrics (`result.py`). `forced_answers` replays given
 answers (promise form, or APAR's text form for "apar") instead of sampling; `stream` returns the
@@ -33,8 +33,9 @@ from pasta_jax.decode import loop
 from pasta_jax.decode.apar_text import encode_apar_text
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import RunOutput, bucket
-from pasta_jax.decode.result import PastaResult, Result, ThreadTrace, content_ids, pasta_result, tree_result
-from pasta_jax.decode.rules import AparRules, PastaRules, Rules, SequentialRules, SotRules
+from pasta_jax.decode.result import (PastaResult, Result, ThreadTrace, content_ids, drafts_result, pasta_result,
+                                     tree_result)
+from pasta_jax.decode.rules import AparRules, PastaRules, Rules, SequentialRules, SotRules, SuperposedRules
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.state import PositionMode
 from pasta_jax.decode.tokenizing import LangTokenizer, chat_text, prompt_ids
@@ -50,12 +51,15 @@ __all__ = ["GREEDY", "METHODS", "LangTokenizer", "PastaResult", "Result", "Threa
 
 GREEDY = SamplingConfig()  # frozen: safe as a default argument
 POOL_MARGIN = 1.25  # pool room per content token of the budget: tags, topics and `<async>`/`</async>` take slots too
-METHODS = ("pasta", "apar", "sot", "sequential")
+METHODS = ("pasta", "apar", "sot", "sequential", "superposed")
 PASTA = PastaRules()
 
 
-def rules_for(method: str, *, max_depth: int = 3, fan_out: int = 1, ignore_eos: bool = False) -> Rules:
+def rules_for(method: str, *, max_depth: int = 3, fan_out: int = 1, ignore_eos: bool = False, drafts: int = 3,
+              ngram_weight: float = 0.0) -> Rules:
   """The rule object of a method name (decode/rules/)."""
+  if method == "superposed":
+    return SuperposedRules(drafts=drafts, ngram_weight=ngram_weight)
   if method == "pasta":
     return PastaRules()
   if method == "apar":
@@ -142,6 +146,7 @@ class Prepared:
   script_len: np.ndarray  # [B, U]
   forced: bool
   vocab: TagVocab
+  rule_inputs: object = None  # read-only device arrays of the rules (Superposed Decoding's n-gram index)
 
 
 def pool_size(prompt_len: int, new_tokens: int, lanes: int) -> int:
@@ -159,7 +164,7 @@ def pad_scripts(scripts, batch: int, max_threads: int, length: int):
 def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params=None,
             max_new_tokens: int = 256, lanes: int = 8, max_threads: int = 64, sampling: SamplingConfig = GREEDY,
             position_mode: PositionMode = "pred", dtype=jnp.float32, scripts=None, record_logits: bool = False,
-            lane_buckets: bool = True) -> Prepared:
+            lane_buckets: bool = True, rule_inputs=None) -> Prepared:
   """Pads prompts (and scripts) and sizes the pool and step budget for `ids` (prompt token ids).
 
   max_new_tokens: in free decoding, the content-token budget of each answer (its text tokens, whatever
@@ -185,9 +190,12 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   # at least one token, so the pool's room bounds the steps. Bounding them by the pool, not by each
   # script's length, keeps one compiled loop per pool bucket for every forced answer that fits it.
   steps = slots - prompt_len
+  content_budget = new if free else 0
+  if isinstance(rules, SuperposedRules):  # one draft token per step: the step budget is the draft length
+    steps, content_budget = new - 1, 0
   try:
     cfg = InterpreterConfig(vocab=vocab, lanes=lanes, max_threads=max_threads, pool_slots=slots, max_steps=steps,
-                            max_content=new if free else 0,
+                            max_content=content_budget,
                             sampling=sampling, position_mode=position_mode, rules=rules, record_logits=record_logits,
                             lane_buckets=lane_buckets)
   except ValueError as err:
@@ -197,7 +205,8 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   script, script_len = pad_scripts(scripts, len(ids), max_threads, slots)
   return Prepared(cfg, model_fn(model.config, jnp.dtype(dtype)),
                   decode_params(model.params if params is None else params, dtype), model.config.vocab_size,
-                  pool_spec(model.config, dtype), tokens, lengths, script, script_len, scripts is not None, vocab)
+                  pool_spec(model.config, dtype), tokens, lengths, script, script_len, scripts is not None, vocab,
+                  rule_inputs)
 
 
 class CompileCache:
@@ -227,7 +236,7 @@ COMPILED = CompileCache()
 
 def dynamic_args(prep: Prepared) -> tuple:
   return (prep.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), jnp.asarray(prep.script),
-          jnp.asarray(prep.script_len), jnp.uint32(prep.cfg.sampling.seed))
+          jnp.asarray(prep.script_len), jnp.uint32(prep.cfg.sampling.seed), prep.rule_inputs)
 
 
 def run_prepared(prep: Prepared, runner=loop.prefill_and_run) -> tuple[list[RunOutput], float]:
@@ -242,19 +251,27 @@ def run_prepared(prep: Prepared, runner=loop.prefill_and_run) -> tuple[list[RunO
 
 
 def to_result(run: RunOutput, seconds: float, tokenizer: LangTokenizer, prep: Prepared) -> Result:
-  build = tree_result if isinstance(prep.cfg.rules, AparRules) else pasta_result
+  rules = prep.cfg.rules
+  build = tree_result if isinstance(rules, AparRules) else drafts_result if isinstance(rules, SuperposedRules) \
+      else pasta_result
   return build(run, seconds, tokenizer, prep.vocab, prep.cfg.rules.name)
 
 
 # --- the API -----------------------------------------------------------------------------------------
 def prepare_method(model, ids: Sequence[Sequence[int]], *, method: str = "pasta", forced_answers=None, scripts=None,
                    lanes: int = 8, max_threads: int = 64, max_depth: int = 3, return_logits: bool = False,
-                   ignore_eos: bool = False, **kw) -> Prepared:
-  """`prepare` for a method name, with its forced answers (or raw per-thread `scripts`) turned into scripts."""
+                   ignore_eos: bool = False, drafts: int | None = None, ngram="default", **kw) -> Prepared:
+  """`prepare` for a method name, with its forced answers (or raw per-thread `scripts`) turned into scripts.
+  drafts, ngram: Superposed Decoding's k (default 3) and n-gram index (`superposed_index`)."""
   if model.tokenizer is None:
     raise PastaError(f"this model has no tokenizer; {method} decoding needs one for its tags and end ids")
-  if method == "sequential":
+  if drafts is not None and method != "superposed":
+    raise PastaError(f"drafts is for method='superposed', not {method!r}")
+  if method in ("sequential", "superposed"):
     lanes = max_threads = 1
+  index = superposed_index(ngram) if method == "superposed" else None
+  if method == "superposed" and (forced_answers is not None or scripts is not None):
+    raise PastaError("method='superposed' searches its own drafts: it replays no forced answers")
   if forced_answers is not None:
     if scripts is not None:
       raise PastaError("give forced_answers or scripts, not both")
@@ -275,9 +292,45 @@ def prepare_method(model, ids: Sequence[Sequence[int]], *, method: str = "pasta"
                      "(pasta_jax.baselines.sot builds them from a skeleton)")
   if ignore_eos and method != "sequential":
     raise PastaError("ignore_eos is for method='sequential' (a tagged method ends its threads with end ids)")
-  rules = rules_for(method, max_depth=max_depth, fan_out=fan_out, ignore_eos=ignore_eos)
+  rules = rules_for(method, max_depth=max_depth, fan_out=fan_out, ignore_eos=ignore_eos, drafts=drafts or 3,
+                    ngram_weight=0.0 if index is None else SuperposedRules.ngram_weight)
   return prepare(model, ids, rules=rules, scripts=scripts, lanes=lanes, max_threads=max_threads,
-                 record_logits=return_logits, **kw)
+                 record_logits=return_logits, rule_inputs=None if index is None else index.device_arrays(), **kw)
+
+
+def superposed_index(ngram):
+  """Superposed Decoding's n-gram index: None (smoothing off), an `NgramIndex`, a folder, or "default" (the
+  training pools' index in `default_index_dir()`, built there on first use: ~20 s for the shared pools)."""
+  from pasta_jax.decode.ngram import NgramIndex
+  if ngram is None or isinstance(ngram, NgramIndex):
+    return ngram
+  return _load_index(str(ngram))
+
+
+@functools.lru_cache(maxsize=2)
+def _load_index(where: str):
+  from pasta_jax.decode.ngram import NgramIndex
+  if where != "default":
+    try:
+      return NgramIndex.load(where)
+    except (FileNotFoundError, ValueError) as err:
+      raise PastaError(str(err)) from None
+  return default_index()
+
+
+def default_index():
+  """The default n-gram index, built from the training pools with the embedded tokenizer if missing."""
+  import sys
+
+  from pasta_jax.data.ngram_corpus import DEFAULT_CORPUS, build_index, default_index_dir
+  from pasta_jax.decode.ngram import NgramIndex
+  from pasta_jax.model.load import load_model
+  folder = default_index_dir()
+  if not (folder / "index.json").is_file():
+    print(f"[building the n-gram index of {', '.join(DEFAULT_CORPUS)} in {folder} (once)]", file=sys.stderr)
+    base = load_model("base")
+    build_index(DEFAULT_CORPUS, base.tokenizer, base.describe(), progress=False).save(folder)
+  return NgramIndex.load(folder)
 
 
 def generate_ids(model, ids: Sequence[Sequence[int]], *, method: str = "pasta", **kw) -> list[Result]:
@@ -292,7 +345,8 @@ def generate_ids(model, ids: Sequence[Sequence[int]], *, method: str = "pasta", 
 def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_tokens: int = 256, lanes: int = 8,
              max_threads: int = 64, sampling: SamplingConfig = GREEDY, chat: bool = True,
              position_mode: PositionMode = "pred", dtype=jnp.float32, forced_answers: Sequence[str] | None = None,
-             max_depth: int = 3, return_logits: bool = False, params=None) -> list[Result]:
+             max_depth: int = 3, return_logits: bool = False, params=None, drafts: int | None = None,
+             ngram="default") -> list[Result]:
   """Decodes each prompt (a batch; requests never interact) with `method` through the one interpreter.
 
   method: "pasta", "apar", "sequential" ("sot" needs point prompts: `generate_ids(..., scripts=...)`, or
@@ -301,13 +355,17 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
   a malformed one raises TagError naming the place. Their length overrides max_new_tokens.
   return_logits: keep the logits behind every recorded token (`Result.logits`, [N, V]).
   max_depth: APAR's fork depth limit (main = 0).
+  drafts, ngram: method "superposed" (Superposed Decoding): k drafts (default 3; `Result.drafts`, best
+  first) and the n-gram index that smooths them ("default": the training pools', built on first use; a
+  folder from `pasta ngram build`; None: no smoothing). max_new_tokens is the drafts' length.
   """
   if model.tokenizer is None:
     raise PastaError(f"this model has no tokenizer; {method} decoding needs one for its tags and end ids")
   ids = prompt_ids(model.tokenizer, prompts, chat)
   return generate_ids(model, ids, method=method, forced_answers=forced_answers, max_new_tokens=max_new_tokens,
                       lanes=lanes, max_threads=max_threads, sampling=sampling, position_mode=position_mode,
-                      dtype=dtype, max_depth=max_depth, return_logits=return_logits, params=params)
+                      dtype=dtype, max_depth=max_depth, return_logits=return_logits, params=params,
+                      drafts=drafts, ngram=ngram)
 
 
 def stream(model, prompts: Sequence[str], *, method: str = "pasta", chunk_steps: int = 16, chat: bool = True,

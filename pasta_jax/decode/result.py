@@ -61,6 +61,8 @@ class Result:
   parents: np.ndarray | None = None  # [U] the thread that spawned each thread (-1: main / none)
   thread_texts: tuple[str, ...] = ()  # each thread's own text, in thread order (APAR, SoT)
   logits: np.ndarray | None = None  # [N, V] behind each record (zeros for inserted tokens), on request
+  drafts: tuple[str, ...] = ()  # Superposed Decoding: the k drafts, most probable first (`text` is the first)
+  draft_scores: tuple[float, ...] = ()  # their log probabilities (n-gram smoothed)
 
   @property
   def stop_reason(self) -> str:
@@ -149,6 +151,19 @@ def pasta_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, met
       theoretical_parallelism=parallelism, seconds=seconds, tokens=len(body), content_tokens=content,
       pool_full=run.pool_full, budget_spent=run.budget_spent, method=method, critical_path=path,
       fork_refusals=run.fork_refusals, peak_live_slots=run.peak_live_slots, parents=run.parents, logits=run.logits)
+
+
+def drafts_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, method: str = "superposed") -> Result:
+  """A Superposed Decoding run -> its Result: `text` is the most probable draft, `drafts` all k. The
+  records are the lane's feed (each step's best alive token), kept for the trace and the step counts. A run
+  that did not settle stopped at the drafts' length (max_new_tokens): its stop reason is "tokens"."""
+  base = pasta_result(run, seconds, tokenizer, vocab, method)
+  out = run.rule_outputs
+  drafts = tuple(tokenizer.decode(ids) for ids in out["draft_tokens"])
+  best = drafts[0] if drafts else ""
+  return dataclasses.replace(base, text=best, annotated=best, drafts=drafts,
+                             draft_scores=tuple(out["draft_scores"]), budget_spent=not run.finished,
+                             content_tokens=len(out["draft_tokens"][0]) if drafts else 0)
 
 
 def tree_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, method: str = "apar") -> Result:

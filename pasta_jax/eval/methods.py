@@ -12,6 +12,8 @@ overhead over plain decoding (about 7% on CPU, `bench.interpreter`).
                      to --max-new-tokens; measured against its twin below, so realized speedup
                      compares like with like (same text, same tokens, with and without tags)
   sequential-forced  that twin: the same truncated answer without tags, replayed sequentially
+  superposed         Superposed Decoding (paper 002): 3 drafts from one decode, n-gram smoothed; the
+                     answer is the most probable draft
 
 A method's `reference` is what it is measured against: None means the run's baseline. Methods are
 named `name[:model_path]` (no path: the run's default model). The baselines (apar, apar-forced, sot,
@@ -92,8 +94,9 @@ class InterpreterMethod:
   """Greedy, batch-1 decoding through the interpreter: free, or replaying `forced(record)`."""
 
   def __init__(self, name: str, model, settings: DecodeSettings, forced: ForcedAnswer | None = None,
-               reference: Method | None = None):
+               reference: Method | None = None, method: str = "pasta", **method_options):
     self.name, self.model, self.settings, self.forced, self.reference = name, model, settings, forced, reference
+    self.method, self.method_options = method, method_options
 
   def check(self, records: Sequence[Mapping[str, str]]) -> None:
     if self.forced is not None:
@@ -102,8 +105,11 @@ class InterpreterMethod:
   def run(self, record: Mapping[str, str]) -> MethodOutput:
     s = self.settings
     answer, note, budget = self.forced(record) if self.forced is not None else (None, "", s.max_new_tokens)
-    [result] = api.generate(self.model, [record_prompt(record)], max_new_tokens=budget, lanes=s.lanes, chat=s.chat,
-                            dtype=jnp.dtype(s.dtype), forced_answers=None if answer is None else [answer])
+    [result] = api.generate(self.model, [record_prompt(record)], method=self.method, max_new_tokens=budget,
+                            lanes=s.lanes, chat=s.chat, dtype=jnp.dtype(s.dtype),
+                            forced_answers=None if answer is None else [answer], **self.method_options)
+    if result.drafts:
+      note = f"best of {len(result.drafts)} drafts"
     return output_of(result, self.model.tokenizer.tag_vocab(), note)
 
 
@@ -184,6 +190,10 @@ def _pasta(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
   return InterpreterMethod(spec.label, model, settings)  # the same loop: the model's own tags fork
 
 
+def _superposed(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
+  return InterpreterMethod(spec.label, model, settings, method="superposed", drafts=3)
+
+
 def _sequential_forced(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
   return InterpreterMethod(spec.label, model, settings, ForcedAnswer(model, settings.max_new_tokens, tagged=False))
 
@@ -198,6 +208,7 @@ CORE_METHODS: dict[str, MethodFactory] = {
   "sequential": _sequential,
   "pasta": _pasta,
   "pasta-forced": _pasta_forced,
+  "superposed": _superposed,
   "sequential-forced": _sequential_forced,
 }  # the paper's baselines add theirs in baselines/methods.py; eval/registry.py holds them all
 

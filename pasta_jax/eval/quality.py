@@ -62,3 +62,30 @@ def answer_logprob(model, prompt: str, answer: str, chat: bool = True, bucket: i
   logp = np.asarray(_logprob_fn(model.config)(model.params, batch))[0]
   count = int(np.asarray(layout.loss_mask).sum())
   return float(logp.sum() / max(count, 1)), count
+
+
+@functools.lru_cache(maxsize=4)
+def _continuation_fn(config):
+  from pasta_jax.model.gemma import causal_mask
+  model = Gemma(config)
+
+  def logprobs(params, tokens):  # [B, L] -> [B, L-1] log p(token t | tokens < t)
+    batch, length = tokens.shape
+    logits = model.apply(params, tokens, jnp.broadcast_to(jnp.arange(length), (batch, length)),
+                         causal_mask(batch, length))[0]
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+  return jax.jit(logprobs)
+
+
+def continuation_perplexity(model, prefix: Sequence[int], continuation: Sequence[int], bucket: int = 64) -> float:
+  """exp(-mean log p) of the `continuation` token ids after `prefix` (ids, BOS included) under `model`, at
+  temperature 1: the paper 002 measure of a draft's quality. Lengths pad to multiples of `bucket`."""
+  if not continuation:
+    return float("nan")
+  ids = list(prefix) + list(continuation)
+  length = -(-len(ids) // bucket) * bucket
+  tokens = jnp.asarray([ids + [0] * (length - len(ids))], jnp.int32)
+  logp = np.asarray(_continuation_fn(model.config)(model.params, tokens))[0]
+  return float(np.exp(-logp[len(prefix) - 1: len(ids) - 1].mean()))
