@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from bench.common import median_time
 from pasta_jax.data import sources
+from pasta_jax.data.ngram_corpus import ensure_default_index
 from pasta_jax.decode import api, ngram
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.eval.quality import continuation_perplexity
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   model = load_model(args.model)
   start = time.perf_counter()
-  index = api.default_index()
+  index = api.superposed_index(str(ensure_default_index(model.tokenizer, model.describe())))
   print(f"n-gram index: {index.num_tokens:,} tokens, {index.nbytes / 2**20:.1f} MiB, build "
         f"{index.meta.get('build_seconds', float('nan'))} s (loaded in {time.perf_counter() - start:.1f} s), "
         f"corpora {index.meta.get('corpora')}")

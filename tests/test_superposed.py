@@ -130,3 +130,19 @@ def test_generate_returns_the_drafts_best_first():
     api.generate(model, ["q"], method="pasta", drafts=3)
   with pytest.raises(PastaError, match="no n-gram index"):
     api.generate(model, ["q"], method="superposed", ngram="/nonexistent/index")
+
+
+def test_corpus_index_counts_the_tokenized_documents(tmp_path):
+  from pasta_jax.data.ngram_corpus import build_index, documents
+  from pasta_jax.data.sources import DataError
+  from tests.tiny import tiny_model
+  tokenizer = tiny_model().tokenizer
+  corpus = tmp_path / "notes.txt"
+  corpus.write_text("the cat sat\n\nthe cat ran\n\n\n")
+  index = build_index([str(corpus)], tokenizer, "tiny", progress=False)
+  cat = tokenizer.encode("the cat", add_bos=False)
+  assert index.meta["documents"] == 2 and index.count(np.asarray([cat]), np.asarray([len(cat)])).tolist() == [2]
+  folder = index.save(tmp_path / "index")
+  assert ngram.NgramIndex.load(folder).arrays.order.tolist() == index.arrays.order.tolist()
+  with pytest.raises(DataError, match="evaluation set"):
+    documents("alpaca_eval_805")

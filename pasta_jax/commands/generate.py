@@ -75,6 +75,9 @@ def run_superposed(model, prompt_ids: list[int], args, dtype) -> int:
     raise PastaError("--method superposed searches its drafts deterministically (tau 0.06, as the paper): "
                      "drop --temperature/--top-k/--top-p")
   ngram = None if args.ngram == "none" else args.ngram
+  if ngram == "default":
+    from pasta_jax.data.ngram_corpus import ensure_default_index
+    ngram = str(ensure_default_index(model.tokenizer, model.describe()))
   [result] = api.generate_ids(model, [prompt_ids], method="superposed", drafts=args.drafts, ngram=ngram,
                               max_new_tokens=args.max_new_tokens, dtype=dtype)
   for i, (text, score) in enumerate(zip(result.drafts, result.draft_scores, strict=True), start=1):

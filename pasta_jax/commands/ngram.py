@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pasta_jax.data.ngram_corpus import DEFAULT_CORPUS, default_index_dir
+from pasta_jax.data.ngram_corpus import DEFAULT_CORPUS
+from pasta_jax.decode.ngram import default_index_dir
 
 
 def add_ngram_parser(subparsers) -> None:

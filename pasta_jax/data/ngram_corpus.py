@@ -7,7 +7,7 @@ training pools; `alpaca_eval_805` is the evaluation set and is refused, so no ev
 
 from __future__ import annotations
 
-import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -15,16 +15,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pasta_jax.data.sources import DataError, read_records
-from pasta_jax.decode.ngram import NgramIndex
+from pasta_jax.decode.ngram import NgramIndex, default_index_dir
 
 DEFAULT_CORPUS = ("lima", "alpaca_gpt4_1k", "alpaca_5k")
 EVAL_SETS = ("alpaca_eval_805", "mt_bench_questions")
-ENV = "PASTA_NGRAM_DIR"
-
-
-def default_index_dir() -> Path:
-  """Where `pasta ngram build` writes and Superposed Decoding looks by default."""
-  return Path(os.environ.get(ENV) or Path.home() / ".cache" / "pasta_jax" / "ngram" / "default")
 
 
 def documents(corpus: str) -> list[str]:
@@ -55,3 +49,12 @@ def build_index(corpora: Sequence[str], tokenizer, tokenizer_name: str, max_n: i
                            meta={"corpora": list(corpora), "tokenizer": tokenizer_name})
   index.meta["build_seconds"] = round(time.perf_counter() - start, 2)
   return index
+
+
+def ensure_default_index(tokenizer, tokenizer_name: str) -> Path:
+  """The default index folder, built from the training pools first if it is missing (~5 s here)."""
+  folder = default_index_dir()
+  if not (folder / "index.json").is_file():
+    print(f"[building the n-gram index of {', '.join(DEFAULT_CORPUS)} in {folder}, once]", file=sys.stderr)
+    build_index(DEFAULT_CORPUS, tokenizer, tokenizer_name, progress=False).save(folder)
+  return folder

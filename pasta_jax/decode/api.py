@@ -299,38 +299,21 @@ def prepare_method(model, ids: Sequence[Sequence[int]], *, method: str = "pasta"
 
 
 def superposed_index(ngram):
-  """Superposed Decoding's n-gram index: None (smoothing off), an `NgramIndex`, a folder, or "default" (the
-  training pools' index in `default_index_dir()`, built there on first use: ~20 s for the shared pools)."""
-  from pasta_jax.decode.ngram import NgramIndex
+  """Superposed Decoding's n-gram index: None (smoothing off), an `NgramIndex`, a folder, or "default"
+  (`ngram.default_index_dir()`, which `pasta ngram build` and `pasta generate --method superposed` fill)."""
+  from pasta_jax.decode.ngram import NgramIndex, default_index_dir
   if ngram is None or isinstance(ngram, NgramIndex):
     return ngram
-  return _load_index(str(ngram))
+  return _load_index(str(default_index_dir() if ngram == "default" else ngram))
 
 
 @functools.lru_cache(maxsize=2)
-def _load_index(where: str):
+def _load_index(folder: str):
   from pasta_jax.decode.ngram import NgramIndex
-  if where != "default":
-    try:
-      return NgramIndex.load(where)
-    except (FileNotFoundError, ValueError) as err:
-      raise PastaError(str(err)) from None
-  return default_index()
-
-
-def default_index():
-  """The default n-gram index, built from the training pools with the embedded tokenizer if missing."""
-  import sys
-
-  from pasta_jax.data.ngram_corpus import DEFAULT_CORPUS, build_index, default_index_dir
-  from pasta_jax.decode.ngram import NgramIndex
-  from pasta_jax.model.load import load_model
-  folder = default_index_dir()
-  if not (folder / "index.json").is_file():
-    print(f"[building the n-gram index of {', '.join(DEFAULT_CORPUS)} in {folder} (once)]", file=sys.stderr)
-    base = load_model("base")
-    build_index(DEFAULT_CORPUS, base.tokenizer, base.describe(), progress=False).save(folder)
-  return NgramIndex.load(folder)
+  try:
+    return NgramIndex.load(folder)
+  except (FileNotFoundError, ValueError) as err:
+    raise PastaError(str(err)) from None
 
 
 def generate_ids(model, ids: Sequence[Sequence[int]], *, method: str = "pasta", **kw) -> list[Result]:
@@ -356,8 +339,8 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
   return_logits: keep the logits behind every recorded token (`Result.logits`, [N, V]).
   max_depth: APAR's fork depth limit (main = 0).
   drafts, ngram: method "superposed" (Superposed Decoding): k drafts (default 3; `Result.drafts`, best
-  first) and the n-gram index that smooths them ("default": the training pools', built on first use; a
-  folder from `pasta ngram build`; None: no smoothing). max_new_tokens is the drafts' length.
+  first) and the n-gram index that smooths them ("default": the training pools' index, which
+  `pasta ngram build` writes; a folder; an `NgramIndex`; None: no smoothing). max_new_tokens is the drafts' length.
   """
   if model.tokenizer is None:
     raise PastaError(f"this model has no tokenizer; {method} decoding needs one for its tags and end ids")

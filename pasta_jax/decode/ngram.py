@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -28,6 +29,12 @@ SEP = -1  # between documents: no n-gram crosses it
 UNKNOWN = -2  # context padding before the prompt's first token: never in the corpus, so those orders skip
 PAPER_WEIGHTS = (0.01, 0.04, 0.15, 0.18, 0.12)  # lambda_n for n = 2..6 (paper 002, Appendix B)
 FORMAT = 1
+ENV = "PASTA_NGRAM_DIR"
+
+
+def default_index_dir() -> Path:
+  """Where `pasta ngram build` writes by default and Superposed Decoding looks ($PASTA_NGRAM_DIR moves it)."""
+  return Path(os.environ.get(ENV) or Path.home() / ".cache" / "pasta_jax" / "ngram" / "default")
 
 
 @jax.tree_util.register_dataclass
