@@ -146,3 +146,14 @@ def test_corpus_index_counts_the_tokenized_documents(tmp_path):
   assert ngram.NgramIndex.load(folder).arrays.order.tolist() == index.arrays.order.tolist()
   with pytest.raises(DataError, match="evaluation set"):
     documents("alpaca_eval_805")
+
+
+def test_a_batch_decodes_each_request_as_alone():
+  """Requests share the loop but not their drafts: batched drafts equal one-request runs."""
+  index = ngram.NgramIndex.build(CORPUS)
+  rules = SuperposedRules(drafts=3, temperature=1.0)
+  together = run(rules, PROMPTS, 9, index)
+  for prompt, got in zip(PROMPTS, together, strict=True):
+    [alone] = run(rules, [prompt], 9, index)
+    assert got.rule_outputs["draft_tokens"] == alone.rule_outputs["draft_tokens"]
+    assert got.finished == alone.finished
