@@ -81,20 +81,20 @@ def run_length(model, index, ids, gen: int, ks: list[int]) -> dict:
           **{f"nucleus_batch{k}": [] for k in ks}, **{f"ppl_best{k}": [] for k in ks},
           **{f"ppl_draft{k}_1": [] for k in ks}, "ppl_nucleus": [], "ppl_greedy": []}
   for prefix in tqdm(ids, desc=f"length {gen}", unit="prefix"):
-    greedy, t = timed(lambda: api.generate_ids(model, [prefix], **seq)[0])
+    greedy, t = timed(lambda prefix=prefix: api.generate_ids(model, [prefix], **seq)[0])
     rows["greedy"].append(t)
     rows["ppl_greedy"].append(continuation_perplexity(model, prefix, greedy.records[:, 3].tolist()))
     samples = []
     for s in range(kmax):
-      out, t = timed(lambda s=s: api.generate_ids(model, [prefix], sampling=NUCLEUS[s], **seq)[0])
+      out, t = timed(lambda s=s, prefix=prefix: api.generate_ids(model, [prefix], sampling=NUCLEUS[s], **seq)[0])
       samples.append((out.records[:, 3].tolist(), t))
     rows["ppl_nucleus"].append(statistics.mean(continuation_perplexity(model, prefix, toks) for toks, _ in samples))
     for k in ks:
       rows[f"nucleus_seq{k}"].append(sum(t for _, t in samples[:k]))
-      _, t = timed(lambda k=k: api.generate_ids(model, [prefix] * k, sampling=NUCLEUS[0], **seq))
+      _, t = timed(lambda k=k, prefix=prefix: api.generate_ids(model, [prefix] * k, sampling=NUCLEUS[0], **seq))
       rows[f"nucleus_batch{k}"].append(t)
-      spd, t = timed(lambda k=k: api.generate_ids(model, [prefix], method="superposed", drafts=k, ngram=index,
-                                                 max_new_tokens=gen)[0])
+      spd, t = timed(lambda k=k, prefix=prefix: api.generate_ids(model, [prefix], method="superposed", drafts=k,
+                                                               ngram=index, max_new_tokens=gen)[0])
       rows[f"spd{k}"].append(t)
       ppls = [continuation_perplexity(model, prefix, d) for d in spd_drafts(model, spd)]
       rows[f"ppl_best{k}"].append(min(ppls))
@@ -144,7 +144,8 @@ def main(argv=None) -> int:
           "| SPD / that | ppl best of k | ppl draft 1 | best / nucleus |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for k in ks:
-      ratio = lambda a, b: statistics.median(x / y for x, y in zip(rows[a], rows[b], strict=True))  # noqa: E731
+      def ratio(a, b, rows=rows):
+        return statistics.median(x / y for x, y in zip(rows[a], rows[b], strict=True))
       line = dict(over_greedy=ratio(f"spd{k}", "greedy"), over_seq=ratio(f"spd{k}", f"nucleus_seq{k}"),
                   over_batch=ratio(f"spd{k}", f"nucleus_batch{k}"), ppl=ratio(f"ppl_best{k}", "ppl_nucleus"))
       summary[(gen, k)] = line

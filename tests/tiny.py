@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -33,8 +35,10 @@ class CharTokenizer:
     return TagVocab.from_base(10, self.eos_ids, length_step)
 
 
-def tiny_model(name: str = "tiny-gemma3", seed: int = 0) -> LoadedModel:
-  config = get_config(name)
+def tiny_model(name: str = "tiny-gemma3", seed: int = 0, **overrides) -> LoadedModel:
+  """A random tiny model; `overrides` replace config fields (num_heads=8 for an 8-way tensor split)."""
+  config = dataclasses.replace(get_config(name), **overrides)
   tokens = jnp.zeros((1, 4), jnp.int32)
   params = Gemma(config).init(jax.random.key(seed), tokens, tokens, jnp.ones((1, 4, 4), bool))
-  return LoadedModel(config, params, CharTokenizer(), f"random:{name}:{seed}")
+  label = "".join(f",{k}={v}" for k, v in overrides.items())
+  return LoadedModel(config, params, CharTokenizer(), f"random:{name}:{seed}{label}")

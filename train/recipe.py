@@ -169,7 +169,8 @@ def stage_bonbon(args, out: Path) -> None:
              "--max-new-tokens", str(args.bonbon_tokens), "--seq-len", str(args.bonbon_tokens + 128),
              "--num-threads", str(args.num_threads), "--lr", str(args.bonbon_lr),
              "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha),
-             "--lora-targets", args.lora_targets, "--batch-size", "8", "--epochs", "2", "--save-every", "4"]
+             "--lora-targets", args.lora_targets, "--batch-size", "8", "--grad-accum", "4", "--epochs", "2",
+             "--save-every", "4"]  # micro-batches of 2 pairs: 8 x 2 x 320 tokens of logits do not fit 24 GiB
     code = bonbon.main(flags)
     if code:
       raise PastaError(f"BoNBoN (lambda {lam:g}) stopped with exit code {code}")

@@ -24,5 +24,6 @@ def run_ngram(args) -> int:
   index = build_index(args.corpus, model.tokenizer, tokenizer_name=model.describe())
   folder = index.save(args.out or default_index_dir())
   print(f"n-gram index: {index.meta['tokens']:,} tokens in {index.meta['documents']:,} documents from "
-        f"{', '.join(args.corpus)}; {index.nbytes / 2**20:.1f} MiB; built in {index.meta['build_seconds']} s -> {folder}")
+        f"{', '.join(args.corpus)}; {index.nbytes / 2**20:.1f} MiB; built in {index.meta['build_seconds']} s "
+        f"-> {folder}")
   return 0

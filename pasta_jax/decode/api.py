@@ -1,10 +1,10 @@
 """The public decode API: `generate(model, prompts, method=...)` -> one `Result` per prompt.
 
 One entry for every method the interpreter runs: "pasta" (PASTA-LANG tags fork threads), "apar"
-(APAR's fork/child tokens), "sot" (Skeleton-of-Thought's point fan-out: give the point prompts as
-`scripts`; the skeleton stage is `pasta_jax.baselines.sot`), "sequential" (plain decoding, one
-lane) and "superposed" (Superposed Decoding: k drafts from one decode). It tokenizes (Gemma chat turns by default), sizes a bucketed pool, runs the jitted loop
-(`loop.prefill_and_run`, `step.decode_step` with the method's rules) and turns the records into
+(APAR's fork/child tokens), "sot" (Skeleton-of-Thought's point fan-out: give the point prompts
+as `scripts`; the skeleton stage is `pasta_jax.baselines.sot`), "sequential" (plain decoding, one
+lane) and "superposed" (Superposed Decoding: k drafts from one decode). It tokenizes (Gemma chat
+turns by default), sizes a bucketed pool, runs the jitted loop (`loop.prefill_and_run`, `step.decode_step` with the method's rules) and turns the records into
 text, the tagged text, a trace and speed metrics (`result.py`). `forced_answers` replays given
 answers (promise form, or APAR's text form for "apar") instead of sampling; `stream` returns the
 results so far after each chunk of steps, the loop staying on device in between.
@@ -33,10 +33,18 @@ from pasta_jax.decode import loop
 from pasta_jax.decode.apar_text import encode_apar_text
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import RunOutput, bucket
-from pasta_jax.decode.result import (PastaResult, Result, ThreadTrace, content_ids, drafts_result, pasta_result,
-                                     tree_result)
+from pasta_jax.decode.result import (
+  PastaResult,
+  Result,
+  ThreadTrace,
+  content_ids,
+  drafts_result,
+  pasta_result,
+  tree_result,
+)
 from pasta_jax.decode.rules import AparRules, PastaRules, Rules, SequentialRules, SotRules, SuperposedRules
 from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.decode.sharding import DecodeSharding
 from pasta_jax.decode.state import PositionMode
 from pasta_jax.decode.tokenizing import LangTokenizer, chat_text, prompt_ids
 from pasta_jax.errors import PastaError, TagError
@@ -87,15 +95,18 @@ def pool_spec(config, dtype) -> tuple:
 _PARAMS_CACHE: dict = {}
 
 
-def decode_params(params, dtype):
-  """Training-layout params -> device arrays of `dtype` in the decode layout (`model_fn`'s), cached for the
-  last model (a 270M conversion costs ~1 s)."""
+def decode_params(params, dtype, sharding: DecodeSharding | None = None):
+  """Training-layout params -> device arrays of `dtype` in the decode layout (`model_fn`'s), placed on the
+  mesh by the trainer's rules when `sharding` is given; cached for the last model (a 270M conversion
+  costs ~1 s)."""
   from pasta_jax.model.gemma import to_decode_layout
-  key = (id(params), jnp.dtype(dtype).name)
+  key = (id(params), jnp.dtype(dtype).name, sharding)
   hit = _PARAMS_CACHE.get(key)
   if hit is not None and hit[0] is params:
     return hit[1]
   converted = jax.jit(to_decode_layout)(jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
+  if sharding is not None:
+    converted = sharding.put_params(converted)
   _PARAMS_CACHE.clear()
   _PARAMS_CACHE[key] = (params, converted)
   return converted
@@ -164,7 +175,7 @@ def pad_scripts(scripts, batch: int, max_threads: int, length: int):
 def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params=None,
             max_new_tokens: int = 256, lanes: int = 8, max_threads: int = 64, sampling: SamplingConfig = GREEDY,
             position_mode: PositionMode = "pred", dtype=jnp.float32, scripts=None, record_logits: bool = False,
-            lane_buckets: bool = True, rule_inputs=None) -> Prepared:
+            lane_buckets: bool = True, rule_inputs=None, mesh=None) -> Prepared:
   """Pads prompts (and scripts) and sizes the pool and step budget for `ids` (prompt token ids).
 
   max_new_tokens: in free decoding, the content-token budget of each answer (its text tokens, whatever
@@ -172,6 +183,7 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   and the pool holds them plus a margin for tags (POOL_MARGIN). Forced scripts replay whole.
 
   params: training-layout params (default `model.params`); they are converted (and cached) by `decode_params`.
+  mesh: a (data, fsdp, tensor) `jax.sharding.Mesh` to decode on (decode/sharding.py); None: one device.
   """
   if max_new_tokens < 1:
     raise PastaError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -197,14 +209,15 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
     cfg = InterpreterConfig(vocab=vocab, lanes=lanes, max_threads=max_threads, pool_slots=slots, max_steps=steps,
                             max_content=content_budget,
                             sampling=sampling, position_mode=position_mode, rules=rules, record_logits=record_logits,
-                            lane_buckets=lane_buckets)
+                            lane_buckets=lane_buckets, sharding=None if mesh is None else DecodeSharding(mesh))
   except ValueError as err:
     raise PastaError(f"bad {rules.name} settings: {err}") from None
   loop.check_runnable(cfg, forced=scripts is not None)
   tokens, lengths = loop.pad_prompts(ids, slots)
   script, script_len = pad_scripts(scripts, len(ids), max_threads, slots)
   return Prepared(cfg, model_fn(model.config, jnp.dtype(dtype)),
-                  decode_params(model.params if params is None else params, dtype), model.config.vocab_size,
+                  decode_params(model.params if params is None else params, dtype, cfg.sharding),
+                  model.config.vocab_size,
                   pool_spec(model.config, dtype), tokens, lengths, script, script_len, scripts is not None, vocab,
                   rule_inputs)
 
@@ -235,8 +248,12 @@ COMPILED = CompileCache()
 
 
 def dynamic_args(prep: Prepared) -> tuple:
-  return (prep.params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), jnp.asarray(prep.script),
-          jnp.asarray(prep.script_len), jnp.uint32(prep.cfg.sampling.seed), prep.rule_inputs)
+  requests = (prep.tokens, prep.lengths, prep.script, prep.script_len)  # [B, ...] each
+  shared = (np.uint32(prep.cfg.sampling.seed), prep.rule_inputs)
+  sharding = prep.cfg.sharding
+  if sharding is None:
+    return (prep.params, *jax.tree.map(jnp.asarray, requests), *jax.tree.map(jnp.asarray, shared))
+  return (prep.params, *sharding.put_requests(requests), *sharding.put_replicated(shared))
 
 
 def run_prepared(prep: Prepared, runner=loop.prefill_and_run) -> tuple[list[RunOutput], float]:
@@ -329,7 +346,7 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
              max_threads: int = 64, sampling: SamplingConfig = GREEDY, chat: bool = True,
              position_mode: PositionMode = "pred", dtype=jnp.float32, forced_answers: Sequence[str] | None = None,
              max_depth: int = 3, return_logits: bool = False, params=None, drafts: int | None = None,
-             ngram="default") -> list[Result]:
+             ngram="default", mesh=None) -> list[Result]:
   """Decodes each prompt (a batch; requests never interact) with `method` through the one interpreter.
 
   method: "pasta", "apar", "sequential" ("sot" needs point prompts: `generate_ids(..., scripts=...)`, or
@@ -348,7 +365,7 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
   return generate_ids(model, ids, method=method, forced_answers=forced_answers, max_new_tokens=max_new_tokens,
                       lanes=lanes, max_threads=max_threads, sampling=sampling, position_mode=position_mode,
                       dtype=dtype, max_depth=max_depth, return_logits=return_logits, params=params,
-                      drafts=drafts, ngram=ngram)
+                      drafts=drafts, ngram=ngram, mesh=mesh)
 
 
 def stream(model, prompts: Sequence[str], *, method: str = "pasta", chunk_steps: int = 16, chat: bool = True,

@@ -7,6 +7,7 @@ import dataclasses
 from pasta_jax.decode.rules.base import Rules
 from pasta_jax.decode.rules.pasta import PastaRules
 from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.decode.sharding import DecodeSharding
 from pasta_jax.lang import schema
 from pasta_jax.lang.tags import TagVocab
 
@@ -26,6 +27,7 @@ class InterpreterConfig:
   record_logits: bool = False  # keep each record's logits (parity checks against other implementations)
   lane_buckets: bool = True  # compute only as many query rows as lanes feed (1, 2, 4, ...)
   rules: Rules = PastaRules()  # the method: PastaRules, AparRules, SotRules, SequentialRules (decode/rules/)
+  sharding: DecodeSharding | None = None  # decode under a mesh (decode/sharding.py); None: one device
 
   def __post_init__(self):
     if self.max_content < 0:

@@ -29,13 +29,15 @@ def bucket(n: int, minimum: int = 16) -> int:
   return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
-def prefill(model_fn: ModelFn, params, prompt_tokens, lengths, pool_slots: int, pool_spec: tuple):
+def prefill(model_fn: ModelFn, params, prompt_tokens, lengths, pool_slots: int, pool_spec: tuple, sharding=None):
   """One model call over the padded prompts [B, P] into an empty pool of `pool_slots` slots, under the
   visibility rule (main's causal view). Returns the logits at each prompt's last token [B, 1, V] and the
   pool. Padding rows write nowhere (slot S), so decode writes start right at each prompt's length."""
   batch, prompt_len = prompt_tokens.shape
   num_layers, kv_heads, head_dim, dtype = pool_spec
   pool = KVPool(*(jnp.zeros((num_layers, batch, pool_slots, kv_heads, head_dim), dtype),) * 2)
+  if sharding is not None:  # under a mesh: requests over data x fsdp, KV heads over tensor (decode/sharding.py)
+    pool = sharding.constrain_pool(pool)
   idx = jnp.arange(prompt_len)
   positions = jnp.broadcast_to(idx, (batch, prompt_len)).astype(jnp.int32)
   horizon = idx[:, None]  # [P, U=1]: the prompt is main's (thread 0); row p sees main's slots <= p
@@ -156,7 +158,7 @@ def start_state(model_fn, params, prompt_tokens, lengths, script, script_len, se
   """Prefill and main's first token: the state before step 1. rule_inputs: read-only arrays the rules
   use on device (Superposed Decoding's n-gram index), or None."""
   check_runnable(cfg, forced)
-  last, pool = prefill(model_fn, params, prompt_tokens, lengths, cfg.pool_slots, pool_spec)
+  last, pool = prefill(model_fn, params, prompt_tokens, lengths, cfg.pool_slots, pool_spec, cfg.sharding)
   return initial_state(pool, last, prompt_tokens, lengths, script, script_len, seed, cfg, forced, vocab_size,
                        rule_inputs)
 

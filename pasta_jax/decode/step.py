@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from pasta_jax.decode.config import InterpreterConfig
-from pasta_jax.decode.constraints import constrain
 from pasta_jax.decode.state import CLOSING, InterpState
 from pasta_jax.visibility import visible
 

@@ -1,0 +1,49 @@
+"""Sharded decoding (issue 22): on 8 simulated CPU devices, every method decodes on a mesh exactly as on
+one device, no step gathers a whole weight matrix, and the pool is split over its mesh axes.
+
+Each case runs tests/decode_sharding_worker.py in a fresh process (the device count is fixed at start).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LOGIT_TOL = 1e-4  # the tiny-model parity tests' tolerance (float32, different reduction order)
+
+
+def run_worker(*args: str) -> dict:
+  out = subprocess.run([sys.executable, "-m", "tests.decode_sharding_worker", *args], cwd=ROOT, capture_output=True,
+                       text=True, env=dict(os.environ), timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def check(report: dict, kv_heads: int) -> None:
+  for mesh_name, got in report.items():
+    data, tensor = (int(part.removeprefix("data").removeprefix("tensor")) for part in mesh_name.split("-"))
+    for method, result in got["methods"].items():
+      assert result["same"], f"{mesh_name} {method}: records, flags or traces differ from one device"
+      assert result["max_logit_diff"] < LOGIT_TOL, (mesh_name, method, result)
+    assert got["gathered_weights"] == [], f"{mesh_name}: a step gathers whole weights: {got['gathered_weights']}"
+    whole, shard = got["pool"]  # [layers, B, S, K, hd]
+    split_heads = tensor if kv_heads % tensor == 0 else 1  # KV heads that do not divide are replicated
+    assert shard == [whole[0], whole[1] // data, whole[2], whole[3] // split_heads, whole[4]], (mesh_name, got["pool"])
+
+
+# 8 query heads on every tiny model; KV heads split (8), or replicated: GQA (2 of tensor 8), MQA (1)
+@pytest.mark.parametrize("name, kv_heads, meshes", [("tiny-gemma3", 8, ["1x8", "2x4"]), ("tiny-gemma2", 2, ["1x8"]),
+                                                    ("tiny-gemma1", 1, ["2x4"])])
+def test_tiny_gemmas_decode_on_a_mesh_as_on_one_device(name, kv_heads, meshes):
+  check(run_worker(name, str(kv_heads), *meshes), kv_heads)
+
+
+@pytest.mark.slow
+def test_the_real_270m_decodes_on_a_mesh_as_on_one_device():
+  check(run_worker("gemma3-270m", "1", "2x4"), kv_heads=1)  # 4 query heads: tensor 8 does not divide them
