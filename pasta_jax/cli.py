@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "pools', built on first use) or 'none' (no smoothing)")
   gen.add_argument("--lanes", type=int, default=8, help="parallel lanes for --pasta (lane 0 is main)")
   gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+  gen.add_argument("--mesh", default=None,
+                   help="decode sharded on data,fsdp,tensor devices (e.g. 1,1,4: the weights split 4 ways; "
+                        "docs/tpu.md); default: one device")
+  gen.add_argument("--multi-host", action="store_true",
+                   help="call jax.distributed.initialize() first (auto when the environment names several hosts)")
   _add_sampling(gen)
   from pasta_jax.commands.plan import add_plan_parser
 

@@ -27,6 +27,18 @@ def _prompt_ids(model, text: str, chat: bool) -> list[int]:
   return tok.encode(tok.format_chat(text) if chat else text, add_bos=True)
 
 
+def _mesh(args):
+  """--mesh data,fsdp,tensor -> a jax Mesh over all devices (after the multi-host start-up), or None."""
+  from pasta_jax.training.distributed import maybe_initialize_distributed
+  maybe_initialize_distributed(force=args.multi_host)
+  if not args.mesh:
+    return None
+  from pasta_jax.commands.plan import _parse_mesh
+  from pasta_jax.training.config import MeshConfig
+  from pasta_jax.training.partitioning import make_mesh
+  return make_mesh(MeshConfig(**_parse_mesh(args.mesh)))
+
+
 def run_generate(args) -> int:
   if args.max_new_tokens < 1:
     raise PastaError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -34,6 +46,7 @@ def run_generate(args) -> int:
     raise PastaError("empty prompt: give some text to continue")
   sampling = _sampling(args)
   dtype = jnp.dtype(args.dtype)
+  args.mesh_obj = _mesh(args)
   model = load_model(args.model)
   print(f"[model: {model.describe()}]", file=sys.stderr)
   if args.chat is None:
@@ -53,7 +66,7 @@ def run_generate(args) -> int:
   start = time.perf_counter()
   first_token_at = None
   shown, tokens = "", 0
-  for [result] in api.stream_ids(model, [prompt_ids], method="sequential", chunk_steps=8,
+  for [result] in api.stream_ids(model, [prompt_ids], method="sequential", chunk_steps=8, mesh=args.mesh_obj,
                                  max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=dtype):
     if first_token_at is None:
       first_token_at = time.perf_counter() - start
@@ -79,6 +92,7 @@ def run_superposed(model, prompt_ids: list[int], args, dtype) -> int:
     from pasta_jax.data.ngram_corpus import ensure_default_index
     ngram = str(ensure_default_index(model.tokenizer, model.describe()))
   [result] = api.generate_ids(model, [prompt_ids], method="superposed", drafts=args.drafts, ngram=ngram,
+                              mesh=args.mesh_obj,
                               max_new_tokens=args.max_new_tokens, dtype=dtype)
   for i, (text, score) in enumerate(zip(result.drafts, result.draft_scores, strict=True), start=1):
     print(f"--- draft {i} (log p {score:.2f})\n{text}")

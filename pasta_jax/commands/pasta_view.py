@@ -72,8 +72,8 @@ def summary(result: PastaResult, compile_seconds: float) -> str:
 
 def run_pasta(model, prompt_ids, args, sampling, dtype) -> int:
   start = time.perf_counter()
-  result = generate_ids(model, [prompt_ids], max_new_tokens=args.max_new_tokens,
-                        lanes=args.lanes, sampling=sampling, dtype=dtype)[0]
+  result = generate_ids(model, [prompt_ids], max_new_tokens=args.max_new_tokens, lanes=args.lanes,
+                        sampling=sampling, dtype=dtype, mesh=getattr(args, "mesh_obj", None))[0]
   setup = time.perf_counter() - start - result.seconds
   vocab = model.tokenizer.tag_vocab()
   print(result.text)

@@ -1,4 +1,5 @@
-"""`pasta plan CONFIG`: print the per-device memory plan of a training config; exit 0 if it fits, 1 if not."""
+"""`pasta plan CONFIG`: print the per-device memory plan of a training or decode config (tpu_configs/); exit 0
+if it fits, 1 if not."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ OVERRIDES = {
 
 
 def add_plan_parser(sub) -> None:
-  plan = sub.add_parser("plan", help="per-device memory plan of a training config (exit 1 if it does not fit)")
-  plan.add_argument("config", help="a TrainConfig JSON file (tpu_configs/*.json)")
+  plan = sub.add_parser("plan", help="per-device memory plan of a training or decode config (exit 1 if it does "
+                                    "not fit)")
+  plan.add_argument("config", help="a TrainConfig JSON file or a decode config (tpu_configs/*.json)")
   plan.add_argument("--mesh", help="data,fsdp,tensor (e.g. 1,4,2)")
   plan.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None)
   for flag, (_, kind) in OVERRIDES.items():
@@ -44,12 +46,30 @@ def overrides_from(args: argparse.Namespace) -> dict:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+  from pasta_jax.training.decode_plan import is_decode_config
+  if is_decode_config(args.config):
+    return run_decode_plan(args)
   from pasta_jax.training.config import load_train_config
   from pasta_jax.training.plan import format_plan, plan_for
 
   config = load_train_config(args.config, **overrides_from(args))
   plan = plan_for(config)
   print(format_plan(plan))
+  if plan.fits:
+    return FITS
+  print(f"pasta: does not fit: {plan.reason()}", file=sys.stderr)
+  return DOES_NOT_FIT
+
+
+def run_decode_plan(args: argparse.Namespace) -> int:
+  """A decode config (`"kind": "decode"`): per-chip weights, pool and activations of sharded decoding."""
+  from pasta_jax.training.decode_plan import decode_plan, format_decode_plan, load_decode_config
+  config = load_decode_config(args.config)
+  if args.mesh:
+    import dataclasses
+    config = dataclasses.replace(config, mesh=_parse_mesh(args.mesh))
+  plan = decode_plan(config)
+  print(format_decode_plan(plan))
   if plan.fits:
     return FITS
   print(f"pasta: does not fit: {plan.reason()}", file=sys.stderr)

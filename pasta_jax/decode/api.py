@@ -4,8 +4,9 @@ One entry for every method the interpreter runs: "pasta" (PASTA-LANG tags fork t
 (APAR's fork/child tokens), "sot" (Skeleton-of-Thought's point fan-out: give the point prompts
 as `scripts`; the skeleton stage is `pasta_jax.baselines.sot`), "sequential" (plain decoding, one
 lane) and "superposed" (Superposed Decoding: k drafts from one decode). It tokenizes (Gemma chat
-turns by default), sizes a bucketed pool, runs the jitted loop (`loop.prefill_and_run`, `step.decode_step` with the method's rules) and turns the records into
-text, the tagged text, a trace and speed metrics (`result.py`). `forced_answers` replays given
+turns by default), sizes a bucketed pool, runs the jitted loop (`loop.prefill_and_run`,
+`step.decode_step` with the method's rules) and turns the records into text, the tagged text, a trace
+and speed metrics (`result.py`). `forced_answers` replays given
 answers (promise form, or APAR's text form for "apar") instead of sampling; `stream` returns the
 results so far after each chunk of steps, the loop staying on device in between.
 

@@ -254,6 +254,9 @@ def run_interpreter(model_fn: ModelFn, params, prompts: Sequence[Sequence[int]],
 
 
 def unpack(final: InterpState, cfg: InterpreterConfig) -> list[RunOutput]:
+  if not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(final)):
+    from jax.experimental import multihost_utils  # a mesh over several hosts: every host gets the whole state
+    final = multihost_utils.process_allgather(final, tiled=True)
   final = jax.device_get(final)
   outputs = []
   for b in range(final.records.shape[0]):
