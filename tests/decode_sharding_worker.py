@@ -76,6 +76,19 @@ def compiled_loop(model, m) -> dict:
   return {"gathered_weights": gathered, "pool": [list(pool.shape), list(pool.addressable_shards[0].data.shape)]}
 
 
+def memory_check(model, name: str, m) -> dict:
+  """`pasta plan`'s decode figures against XLA's memory analysis of the compiled loop, per device."""
+  from pasta_jax.training.decode_plan import DecodeConfig, decode_plan
+  prep = api.prepare_method(model, [[2] + [100] * 200] * 4, method="pasta", max_new_tokens=512, lanes=8, mesh=m)
+  stats = api.COMPILED.get(prep, loop.prefill_and_run).memory_analysis()
+  xla = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+         - stats.alias_size_in_bytes)
+  mesh_shape = {"data": m.shape["data"], "fsdp": m.shape["fsdp"], "tensor": m.shape["tensor"]}
+  plan = decode_plan(DecodeConfig(name, "cpu", mesh_shape, batch=4, lanes=8, pool_slots=prep.cfg.pool_slots,
+                                  prompt_len=prep.tokens.shape[1], dtype="float32"))
+  return {"plan_bytes": plan.total, "xla_bytes": xla, "plan_parts": dict(plan.parts)}
+
+
 def main(name: str, kv_heads: int | None, meshes: list[tuple[int, int]]) -> None:
   assert len(jax.devices()) == 8, jax.devices()
   if name == "gemma3-270m":
@@ -88,6 +101,8 @@ def main(name: str, kv_heads: int | None, meshes: list[tuple[int, int]]) -> None
   for data, tensor in meshes:
     m = mesh(data, tensor)
     report[f"data{data}-tensor{tensor}"] = {"methods": compare(one, runs(model, m)), **compiled_loop(model, m)}
+  if name == "gemma3-270m":
+    report["memory"] = memory_check(model, name, mesh(*meshes[0]))
   print(json.dumps(report))
 
 

@@ -28,6 +28,8 @@ def test_the_pool_term_is_the_pool_decoding_allocates():
 
 
 def test_gemma_7b_needs_a_split_on_v5e():
+  one_chip = decode_plan(DecodeConfig("gemma1-7b", "v5e-1", {"data": 1, "fsdp": 1, "tensor": 1}, batch=1))
+  assert not one_chip.fits and dict(one_chip.parts)["weights"] > 15 * 2**30  # 8.5B params in bf16
   whole = decode_plan(DecodeConfig("gemma1-7b", "v5e-4", {"data": 4, "fsdp": 1, "tensor": 1}, batch=4))
   split = decode_plan(DecodeConfig("gemma1-7b", "v5e-4", {"data": 1, "fsdp": 1, "tensor": 4}, batch=4))
   assert not whole.fits and "GiB per chip" in whole.reason()

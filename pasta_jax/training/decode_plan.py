@@ -10,7 +10,8 @@ placements of `decode/sharding.py` (the trainer's logical-axis rules):
                KV heads over tensor when they divide it, else replicated.
   prefill      the largest step: the prompt's attention scores [B, H, P, S] in float32 (heads over
                tensor), its MLP hidden [B, P, F] (F over tensor), residual stream and norms, and the
-               last position's logits.
+               logits of every prompt position [B, P, V] in float32 (the model call returns them all;
+               prefill keeps the last: usually the largest term after weights and pool).
   decode step  the same for Q = lanes rows per request (and the [B, Q, V] float32 logits, vocabulary
                over tensor); prefill and decode steps never overlap, so the larger one counts.
   state        the thread table, slot metadata and records (int32), replicated over tensor.
@@ -134,7 +135,9 @@ def decode_plan(config: DecodeConfig) -> DecodePlan:
   weights = sharded_bytes(params, _shard_factors(params, mesh))
   batch_split = mesh["data"] * mesh["fsdp"]
   per_chip_batch = config.batch // batch_split if config.batch % batch_split == 0 else config.batch
-  prefill = _step_bytes(cfg, per_chip_batch * config.prompt_len, config.pool_slots, tensor, per_chip_batch)
+  # The model call returns logits for every prompt row (prefill keeps the last): [B, P, V] f32 live at once.
+  prefill = _step_bytes(cfg, per_chip_batch * config.prompt_len, config.pool_slots, tensor,
+                        per_chip_batch * config.prompt_len)
   step = _step_bytes(cfg, per_chip_batch * config.lanes, config.pool_slots, tensor, per_chip_batch * config.lanes)
   records = config.pool_slots + config.lanes + 1
   state = per_chip_batch * (records * RECORD_COLUMNS + 4 * config.pool_slots + 64 * config.lanes) * 4

@@ -91,6 +91,7 @@ HARDWARE: dict[str, Hardware] = {
     "cpu": Hardware("cpu", None, _host_memory_bytes(), _cpu_peak_flops(), _cpu_peak_flops(),
                     "this host (simulated devices share its memory and cores)"),
     "v4-8": Hardware("v4-8", 4, 32 * GIB, 275e12, 275e12, "TPU v4, 4 chips (8 TensorCores), 1 host"),
+    "v5e-1": Hardware("v5e-1", 1, 16 * GIB, 197e12, 197e12, "TPU v5e (v5litepod-1), 1 chip"),
     "v5e-4": Hardware("v5e-4", 4, 16 * GIB, 197e12, 197e12, "TPU v5e (v5litepod-4), 4 chips, 1 host"),
     "v5e-8": Hardware("v5e-8", 8, 16 * GIB, 197e12, 197e12, "TPU v5e (v5litepod-8), 8 chips, 1 host"),
     "v5e-16": Hardware("v5e-16", 16, 16 * GIB, 197e12, 197e12, "TPU v5e (v5litepod-16), 16 chips, 4 hosts"),
