@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LOGIT_TOL = 1e-4  # the tiny-model parity tests' tolerance (float32, different reduction order)
+LOGIT_TOL = {"tiny": 1e-4, "real": 2e-3}  # tests/test_hf_parity.py's tolerances (float32, other summation order)
 
 
 def run_worker(*args: str) -> dict:
@@ -25,14 +25,14 @@ def run_worker(*args: str) -> dict:
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def check(report: dict, kv_heads: int) -> None:
+def check(report: dict, kv_heads: int, tolerance: float = LOGIT_TOL["tiny"]) -> None:
   for mesh_name, got in report.items():
     if mesh_name == "memory":
       continue
     data, tensor = (int(part.removeprefix("data").removeprefix("tensor")) for part in mesh_name.split("-"))
     for method, result in got["methods"].items():
       assert result["same"], f"{mesh_name} {method}: records, flags or traces differ from one device"
-      assert result["max_logit_diff"] < LOGIT_TOL, (mesh_name, method, result)
+      assert result["max_logit_diff"] < tolerance, (mesh_name, method, result)
     assert got["gathered_weights"] == [], f"{mesh_name}: a step gathers whole weights: {got['gathered_weights']}"
     whole, shard = got["pool"]  # [layers, B, S, K, hd]
     split_heads = tensor if kv_heads % tensor == 0 else 1  # KV heads that do not divide are replicated
@@ -52,6 +52,6 @@ def test_tiny_gemmas_decode_on_a_mesh_as_on_one_device(name, kv_heads, meshes):
                     "`python -m tests.decode_sharding_worker gemma3-270m 1 2x4`")
 def test_the_real_270m_decodes_on_a_mesh_as_on_one_device_and_as_planned():
   report = run_worker("gemma3-270m", "1", "2x4")  # 4 query heads: tensor 8 does not divide them
-  check(report, kv_heads=1)
+  check(report, kv_heads=1, tolerance=LOGIT_TOL["real"])  # measured 1.4e-4 on logits of magnitude ~30
   memory = report["memory"]  # `pasta plan`'s per-device total vs XLA's memory analysis of the compiled loop
   assert abs(memory["plan_bytes"] / memory["xla_bytes"] - 1) < 0.10, memory
