@@ -157,3 +157,15 @@ def test_a_batch_decodes_each_request_as_alone():
     [alone] = run(rules, [prompt], 9, index)
     assert got.rule_outputs["draft_tokens"] == alone.rule_outputs["draft_tokens"]
     assert got.finished == alone.finished
+
+
+def test_pasta_eval_runs_superposed_decoding(tmp_path, monkeypatch):
+  from pasta_jax.eval.methods import DecodeSettings
+  from pasta_jax.eval.registry import build_method, parse_spec
+  from tests.tiny import tiny_model
+  monkeypatch.setenv(ngram.ENV, str(tmp_path / "index"))  # the default index, built from the pools, goes here
+  model = tiny_model()
+  method = build_method(parse_spec("superposed"), DecodeSettings(max_new_tokens=6), lambda path: model)
+  out = method.run({"id": "0", "instruction": "Name a fruit."})
+  assert out.note == "best of 3 drafts" and out.content_tokens <= 6
+  assert (tmp_path / "index" / "index.json").is_file()

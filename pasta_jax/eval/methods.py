@@ -191,7 +191,9 @@ def _pasta(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
 
 
 def _superposed(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
-  return InterpreterMethod(spec.label, model, settings, method="superposed", drafts=3)
+  from pasta_jax.data.ngram_corpus import ensure_default_index
+  index = ensure_default_index(model.tokenizer, model.describe())  # built once, from the training pools
+  return InterpreterMethod(spec.label, model, settings, method="superposed", drafts=3, ngram=str(index))
 
 
 def _sequential_forced(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
