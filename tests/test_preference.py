@@ -303,3 +303,18 @@ def test_two_rounds_chain_models_and_raise_the_margin(tmp_path, reference):
   again = run_rounds(2, "start", start, records(4), lambda folder: LongerIsBetter(), CFG, train, tmp_path,
                      load=load, samplers=samplers, progress=False, reference=reference)
   assert [r.summary for r in again] == [None, None] and len(loads) == loaded
+
+
+def test_the_parallelism_measure_does_not_reward_a_shorter_answer():
+  from pasta_jax.preference.build import speed
+  from pasta_jax.preference.sampling import Sample
+
+  def answer(tokens, path):
+    return Sample("", "", (), critical_path=path, content_tokens=tokens, well_formed=True)
+
+  baseline = answer(100, 100)
+  short_serial, long_parallel = answer(40, 40), answer(100, 50)
+  assert speed(short_serial, baseline, "speedup") > speed(long_parallel, baseline, "speedup")  # the paper's: 2.5 > 2
+  assert speed(short_serial, baseline, "parallelism") == 1.0 < speed(long_parallel, baseline, "parallelism") == 2.0
+  with pytest.raises(ConfigError, match="speed_measure"):
+    PreferenceConfig(speed_measure="tokens")

@@ -26,7 +26,7 @@ from pasta_jax.errors import PastaError
 from pasta_jax.model.load import load_model
 from pasta_jax.paths import run_path
 from pasta_jax.preference.build import build_pairs
-from pasta_jax.preference.config import PreferenceConfig
+from pasta_jax.preference.config import SPEED_MEASURES, PreferenceConfig
 from pasta_jax.preference.rounds import BONBON_LEARNING_RATE, run_rounds
 from pasta_jax.training.distributed import maybe_initialize_distributed
 from train.common import add_config_flags, model_path, run_main, train_config
@@ -49,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--temperature", type=float, default=PreferenceConfig.temperature)
   parser.add_argument("--duplicate-penalty", type=float, default=PreferenceConfig.duplicate_penalty,
                       help="score -= this x share of sibling-block pairs that repeat each other")
+  parser.add_argument("--speed-measure", choices=SPEED_MEASURES, default=PreferenceConfig.speed_measure,
+                      help="speedup: baseline tokens / sample critical path (the paper's; rewards shorter answers "
+                           "too); parallelism: the sample's own tokens / its critical path (length-neutral)")
   parser.add_argument("--quality-weight", type=float, default=PreferenceConfig.quality_weight,
                       help="lambda in score = speedup + lambda * quality; inf ranks by quality alone")
   parser.add_argument("--max-new-tokens", type=int, default=PreferenceConfig.max_new_tokens)
@@ -63,7 +66,7 @@ def preference_config(args) -> PreferenceConfig:
   return PreferenceConfig(num_samples=args.samples, temperature=args.temperature, quality_weight=args.quality_weight,
                           max_new_tokens=args.max_new_tokens, lanes=args.lanes,
                           requests_per_run=args.requests_per_run, seed=args.seed or 0,
-                          duplicate_penalty=args.duplicate_penalty)
+                          duplicate_penalty=args.duplicate_penalty, speed_measure=args.speed_measure)
 
 
 def prompt_records(args) -> list[dict]:

@@ -1,8 +1,9 @@
 """The one decode step, shared by every method: its rules (`cfg.rules`, decode/rules/) say what differs.
 
   rules.before_model -> the model on the feeding lanes only, fed rules.feed_inputs (a `lax.switch`
-  over lane-count buckets 1, 2, 4, ..., under the one visibility rule) -> sample under rules.allowed,
-  or read the forced script -> rules.after_model -> records -> the content-token budget (`spend_budget`).
+  over lane-count buckets 1, 2, 4, ..., under the one visibility rule) -> rules.select_tokens (a sample
+  under rules.allowed by default), or read the forced script -> rules.after_model -> records -> the
+  content-token budget (`spend_budget`).
 """
 
 from __future__ import annotations

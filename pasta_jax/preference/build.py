@@ -102,6 +102,12 @@ def _sample_pending(policy, baseline, records, cfg: PreferenceConfig, out: Path,
   bar.close()
 
 
+def speed(sample: Sample, baseline: Sample, measure: str) -> float:
+  """The speed term of the score (PreferenceConfig.speed_measure)."""
+  steps = max(sample.critical_path, 1)
+  return (baseline.content_tokens if measure == "speedup" else sample.content_tokens) / steps
+
+
 def _score_prompt(row: dict, judge: Judge | None, cfg: PreferenceConfig, out: Path) -> None:
   baseline = Sample.from_json(row["baseline"])
   samples = [Sample.from_json(s) for s in row["samples"]]
@@ -114,7 +120,7 @@ def _score_prompt(row: dict, judge: Judge | None, cfg: PreferenceConfig, out: Pa
       candidates.append({"index": index, "well_formed": False})
       continue
     judgements = [] if judge is None else scoring.judge_against(judge, row["prompt"], sample.text, opponents)
-    speedup = baseline.content_tokens / max(sample.critical_path, 1)
+    speedup = speed(sample, baseline, cfg.speed_measure)
     quality = scoring.quality(judgements, cfg.loss_floor) if judgements else 0.0
     duplicates = scoring.duplicate_share(_blocks(sample.annotated))
     key = scoring.score(speedup, quality, cfg.quality_weight, cfg.duplicate_penalty * duplicates)

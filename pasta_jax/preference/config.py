@@ -8,6 +8,9 @@ import math
 from pasta_jax.errors import ConfigError
 
 
+SPEED_MEASURES = ("speedup", "parallelism")
+
+
 @dataclasses.dataclass(frozen=True)
 class PreferenceConfig:
   num_samples: int = 10  # N answers per prompt
@@ -20,6 +23,11 @@ class PreferenceConfig:
   # score -= penalty x share of the sample's sibling-block pairs that repeat each other (word 4-gram
   # overlap > 0.5): speedup bought by writing the same block twice is not parallelism worth learning
   duplicate_penalty: float = 1.0
+  # What "speedup" in the score measures. "speedup" (the paper's): the baseline answer's tokens / the
+  # sample's critical path, which also rewards a shorter answer (with lambda = 0, BoNBoN then learns to
+  # write less: docs/results/learned16_bon_l0.md). "parallelism": the sample's own tokens / its critical
+  # path, which only rewards decoding the same answer in fewer steps.
+  speed_measure: str = "speedup"
   chat: bool = True
   seed: int = 0
 
@@ -35,6 +43,8 @@ class PreferenceConfig:
       problems.append("max_new_tokens, lanes and requests_per_run must be >= 1")
     if self.duplicate_penalty < 0:
       problems.append(f"duplicate_penalty={self.duplicate_penalty}: must be >= 0")
+    if self.speed_measure not in SPEED_MEASURES:
+      problems.append(f"speed_measure={self.speed_measure!r}: use one of {', '.join(SPEED_MEASURES)}")
     if self.loss_floor <= 0:
       problems.append(f"loss_floor={self.loss_floor}: must be > 0")
     if problems:
