@@ -7,7 +7,6 @@ import math
 
 from pasta_jax.errors import ConfigError
 
-
 SPEED_MEASURES = ("speedup", "parallelism")
 
 
