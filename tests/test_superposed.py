@@ -3,6 +3,7 @@ and its n-gram index against brute-force counting over random corpora."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from pasta_jax.decode.rules.superposed import superposition_weights
 from pasta_jax.decode.state import TOKEN
 from pasta_jax.decode.toy_model import toy_apply, toy_params
 from tests.programs import VOCAB, VOCAB_SIZE
-from tests.superposed_reference import brute_count, brute_followed, p_ngram, superposed_reference
+from tests.superposed_reference import brute_count, p_ngram, superposed_reference
 from tests.test_interpreter_vs_reference import POOL_SPEC, TOY
 
 EOS = 1
@@ -56,18 +57,28 @@ def test_index_counts_equal_brute_force(corpus, keys):
   assert got.tolist() == [brute_count(corpus, k) for k in keys]
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(corpus=corpora(), context=st.lists(st.integers(-2, 11), min_size=5, max_size=5),
        tokens=st.lists(st.integers(0, 11), min_size=1, max_size=6))
 def test_interpolated_ngram_probabilities_equal_brute_force(corpus, context, tokens):
   context = [ngram.UNKNOWN if t < 0 else t for t in context]
   index = ngram.NgramIndex.build(corpus)
   want = [p_ngram(corpus, context, t, ngram.PAPER_WEIGHTS) for t in tokens]
-  on_host = ngram.interpolated(index.arrays, np.asarray(context, np.int32), np.asarray(tokens, np.int32), xp=np)
-  on_device = ngram.interpolated(index.device_arrays(), jnp.asarray(context), jnp.asarray(tokens))
-  np.testing.assert_allclose(on_host, want, rtol=1e-6, atol=1e-7)
-  np.testing.assert_allclose(np.asarray(on_device), want, rtol=1e-6, atol=1e-7)
-  assert brute_followed(corpus, context[-1:]) >= 0
+  got = ngram.interpolated(index.arrays, np.asarray(context, np.int32), np.asarray(tokens, np.int32), xp=np)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_device_lookups_equal_host_lookups():
+  """The jitted look-up (one compile: fixed shapes) equals the numpy one on many contexts at once."""
+  rng = np.random.default_rng(1)
+  index = ngram.NgramIndex.build([rng.integers(0, 6, size=n) for n in (40, 3, 25, 0, 60)])
+  context = rng.integers(-2, 6, size=(64, 5)).astype(np.int32)
+  context[context < 0] = ngram.UNKNOWN
+  tokens = rng.integers(0, 6, size=(64, 9)).astype(np.int32)
+  on_host = ngram.interpolated(index.arrays, context, tokens, xp=np)
+  on_device = jax.jit(ngram.interpolated)(index.device_arrays(), jnp.asarray(context), jnp.asarray(tokens))
+  np.testing.assert_allclose(np.asarray(on_device), on_host, rtol=1e-6)
+  assert (on_host > 0).mean() > 0.3  # the contexts do occur: the comparison is not all zeros
 
 
 def test_superposition_weights_are_normalised_draft_probabilities():
@@ -79,7 +90,7 @@ def test_superposition_weights_are_normalised_draft_probabilities():
 CORPUS = [list(np.random.default_rng(s).integers(0, 24, size=60)) for s in range(6)]
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(k=st.integers(1, 4), alpha=st.sampled_from([0.0, 0.54]), tau=st.sampled_from([0.06, 1.0]),
        prompt=st.sampled_from(PROMPTS), new_tokens=st.integers(1, 9))
 def test_drafts_equal_the_reference(k, alpha, tau, prompt, new_tokens):

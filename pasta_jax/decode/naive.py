@@ -247,7 +247,7 @@ def naive_prefill_and_run(model_fn, params, prompt_tokens, lengths, script, scri
   loop.check_runnable(cfg, forced)
   last, main_pool = loop.prefill(model_fn, params, prompt_tokens, lengths, cfg.pool_slots, pool_spec)
   valid = jnp.arange(cfg.pool_slots)[None, :] < lengths[:, None]
-  table = loop.initial_state(None, last, prompt_tokens.shape[1], lengths, script, script_len, seed, cfg, forced,
+  table = loop.initial_state(None, last, prompt_tokens, lengths, script, script_len, seed, cfg, forced,
                              vocab_size)
   length_table = jnp.asarray(cfg.vocab.length_table(vocab_size))
 
