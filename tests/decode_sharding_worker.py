@@ -2,6 +2,7 @@
 (tensor 8; data 2 x tensor 4), greedy and sampled; prints one JSON line for tests/test_decode_sharding.py.
 
   python -m tests.decode_sharding_worker tiny-gemma3 8 1x8 2x4   # model, KV heads (of 8 query heads), meshes
+  python -m tests.decode_sharding_worker tiny-gemma1 1 2x4 brief # sequential greedy and PASTA forced only
   python -m tests.decode_sharding_worker gemma3-270m 1 2x4       # the real 270M (4 query heads, 1 KV head)
 """
 
@@ -33,18 +34,21 @@ def mesh(data: int, tensor: int) -> Mesh:
               ("data", "fsdp", "tensor"))
 
 
-def runs(model, mesh_or_none):
+BRIEF = ("sequential-greedy", "pasta-forced")  # the families after the first: one greedy and one threaded case
+
+
+def runs(model, mesh_or_none, cases=None):
   prompts = ["q", "tips?"]
   kw = dict(mesh=mesh_or_none, max_new_tokens=12, lanes=4, return_logits=True)
-  cases = {
-      "sequential-greedy": api.generate(model, prompts, method="sequential", **kw),
-      "sequential-sampled": api.generate(model, prompts, method="sequential", sampling=SAMPLED, **kw),
-      "pasta-free-sampled": api.generate(model, prompts, sampling=SAMPLED, **kw),
-      "pasta-forced": api.generate(model, prompts, forced_answers=[PASTA] * 2, **kw),
-      "apar-forced": api.generate(model, prompts, method="apar", forced_answers=[APAR] * 2, **kw),
+  table = {
+      "sequential-greedy": lambda: api.generate(model, prompts, method="sequential", **kw),
+      "sequential-sampled": lambda: api.generate(model, prompts, method="sequential", sampling=SAMPLED, **kw),
+      "pasta-free-sampled": lambda: api.generate(model, prompts, sampling=SAMPLED, **kw),
+      "pasta-forced": lambda: api.generate(model, prompts, forced_answers=[PASTA] * 2, **kw),
+      "apar-forced": lambda: api.generate(model, prompts, method="apar", forced_answers=[APAR] * 2, **kw),
   }
   return {name: [(r.records.tolist(), r.finished, r.truncated, [dataclass_tuple(t) for t in r.threads], r.logits)
-                 for r in results] for name, results in cases.items()}
+                 for r in run()] for name, run in table.items() if cases is None or name in cases}
 
 
 def dataclass_tuple(trace):
@@ -89,23 +93,25 @@ def memory_check(model, name: str, m) -> dict:
   return {"plan_bytes": plan.total, "xla_bytes": xla, "plan_parts": dict(plan.parts)}
 
 
-def main(name: str, kv_heads: int | None, meshes: list[tuple[int, int]]) -> None:
+def main(name: str, kv_heads: int | None, meshes: list[tuple[int, int]], cases=None) -> None:
   assert len(jax.devices()) == 8, jax.devices()
   if name == "gemma3-270m":
     from pasta_jax.model.load import load_model
     model = load_model("base")
   else:  # 8 query heads, split over tensor; KV heads split when they divide it, replicated otherwise
     model = tiny_model(name, num_heads=8, num_kv_heads=kv_heads)
-  one = runs(model, None)
+  one = runs(model, None, cases)
   report = {}
   for data, tensor in meshes:
     m = mesh(data, tensor)
-    report[f"data{data}-tensor{tensor}"] = {"methods": compare(one, runs(model, m)), **compiled_loop(model, m)}
+    report[f"data{data}-tensor{tensor}"] = {"methods": compare(one, runs(model, m, cases)), **compiled_loop(model, m)}
   if name == "gemma3-270m":
     report["memory"] = memory_check(model, name, mesh(*meshes[0]))
   print(json.dumps(report))
 
 
 if __name__ == "__main__":
-  name, kv, *shapes = sys.argv[1:]  # shapes: "DATAxTENSOR", e.g. 2x4
-  main(name, int(kv), [tuple(int(x) for x in shape.split("x")) for shape in shapes])
+  name, kv, *shapes = sys.argv[1:]  # shapes: "DATAxTENSOR", e.g. 2x4; "brief": only the BRIEF cases
+  brief = "brief" in shapes
+  main(name, int(kv), [tuple(int(x) for x in shape.split("x")) for shape in shapes if shape != "brief"],
+       BRIEF if brief else None)

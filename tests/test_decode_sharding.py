@@ -39,10 +39,11 @@ def check(report: dict, kv_heads: int, tolerance: float = LOGIT_TOL["tiny"]) -> 
     assert shard == [whole[0], whole[1] // data, whole[2], whole[3] // split_heads, whole[4]], (mesh_name, got["pool"])
 
 
-# 8 query heads on every tiny model. KV heads: split 8 ways on tensor 8 (Gemma 3), split 4 ways on data 2 x
-# tensor 4 (Gemma 2, GQA 8:4), replicated (Gemma 1, MQA). One mesh each keeps the suite's time.
-@pytest.mark.parametrize("name, kv_heads, meshes", [("tiny-gemma3", 8, ["1x8"]), ("tiny-gemma2", 4, ["2x4"]),
-                                                    ("tiny-gemma1", 1, ["2x4"])])
+# 8 query heads on every tiny model. KV heads: split 8 ways on tensor 8 (Gemma 3: every method, greedy and
+# sampled), split 4 ways on data 2 x tensor 4 (Gemma 2, GQA 8:4), replicated (Gemma 1, MQA). One mesh each, and
+# two cases for the last two families ("brief"), keep the suite's time.
+@pytest.mark.parametrize("name, kv_heads, meshes", [("tiny-gemma3", 8, ["1x8"]), ("tiny-gemma2", 4, ["2x4", "brief"]),
+                                                    ("tiny-gemma1", 1, ["2x4", "brief"])])
 def test_tiny_gemmas_decode_on_a_mesh_as_on_one_device(name, kv_heads, meshes):
   check(run_worker(name, str(kv_heads), *meshes), kv_heads)
 
