@@ -52,9 +52,13 @@ def run_plan(args: argparse.Namespace) -> int:
   from pasta_jax.training.config import load_train_config
   from pasta_jax.training.plan import format_plan, plan_for
 
-  config = load_train_config(args.config, **overrides_from(args))
-  plan = plan_for(config)
-  print(format_plan(plan))
+  plan = plan_for(load_train_config(args.config, **overrides_from(args)))
+  return report(format_plan(plan), plan)
+
+
+def report(table: str, plan) -> int:
+  """Prints a plan's table; exit status FITS, or DOES_NOT_FIT with the reason on stderr."""
+  print(table)
   if plan.fits:
     return FITS
   print(f"pasta: does not fit: {plan.reason()}", file=sys.stderr)
@@ -69,8 +73,4 @@ def run_decode_plan(args: argparse.Namespace) -> int:
     import dataclasses
     config = dataclasses.replace(config, mesh=_parse_mesh(args.mesh))
   plan = decode_plan(config)
-  print(format_decode_plan(plan))
-  if plan.fits:
-    return FITS
-  print(f"pasta: does not fit: {plan.reason()}", file=sys.stderr)
-  return DOES_NOT_FIT
+  return report(format_decode_plan(plan), plan)
