@@ -202,10 +202,8 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   # The content budget (free decoding) or the end of the scripts (forced) ends a run; every step writes
   # at least one token, so the pool's room bounds the steps. Bounding them by the pool, not by each
   # script's length, keeps one compiled loop per pool bucket for every forced answer that fits it.
-  steps = slots - prompt_len
-  content_budget = new if free else 0
-  if isinstance(rules, SuperposedRules):  # one draft token per step: the step budget is the draft length
-    steps, content_budget = new - 1, 0
+  steps, content_budget = rules.budgets(new, slots - prompt_len)
+  content_budget = content_budget if free else 0
   try:
     cfg = InterpreterConfig(vocab=vocab, lanes=lanes, max_threads=max_threads, pool_slots=slots, max_steps=steps,
                             max_content=content_budget,

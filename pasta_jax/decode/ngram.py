@@ -97,7 +97,10 @@ class NgramIndex:
     return cls(arrays, int(meta.pop("max_n")), meta)
 
   def device_arrays(self) -> NgramArrays:
-    return jax.tree.map(jnp.asarray, self.arrays)
+    """The arrays on the default device, copied once per index (every generate call reuses them)."""
+    if "_on_device" not in self.__dict__:  # frozen: cache beside the fields, as functools.cached_property does
+      self.__dict__["_on_device"] = jax.tree.map(jnp.asarray, self.arrays)
+    return self.__dict__["_on_device"]
 
   def count(self, keys: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Host counts: keys [..., L] (the first `lengths` [...] tokens of each row), L <= max_n."""

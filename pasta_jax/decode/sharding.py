@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pasta_jax.model.partitioning import RULES, param_shardings
+from pasta_jax.model.partitioning import RULES, mesh_axis_size, param_shardings
 
 BATCH_AXES = RULES["batch"]  # requests: data x fsdp
 
@@ -32,13 +32,9 @@ class DecodeSharding:
 
   mesh: Mesh
 
-  def axis_size(self, axes) -> int:
-    names = (axes,) if isinstance(axes, str) else axes
-    return int(np.prod([self.mesh.shape[a] for a in names]))
-
   def batch_axes(self, batch: int):
     """The mesh axes requests split over: data x fsdp when the batch divides them, else none."""
-    return BATCH_AXES if batch % self.axis_size(BATCH_AXES) == 0 else None
+    return BATCH_AXES if batch % mesh_axis_size(dict(self.mesh.shape), BATCH_AXES) == 0 else None
 
   def pool_spec(self, batch: int, kv_heads: int) -> PartitionSpec:
     heads = "tensor" if kv_heads % self.mesh.shape["tensor"] == 0 else None

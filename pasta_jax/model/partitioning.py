@@ -84,7 +84,8 @@ def param_logical_axes(params) -> dict:
   return jax.tree_util.tree_map_with_path(axes, params)
 
 
-def _mesh_size(mesh_shape: dict[str, int], axis) -> int:
+def mesh_axis_size(mesh_shape: dict[str, int], axis) -> int:
+  """Devices along `axis` (a mesh axis name, a tuple of them, or None) of a mesh {name: size}."""
   if axis is None:
     return 1
   names = (axis,) if isinstance(axis, str) else axis
@@ -97,7 +98,7 @@ def spec_for(shape: Sequence[int], logical: Sequence[str], mesh_shape: dict[str,
   out = []
   for dim, name in zip(shape, logical, strict=True):
     axis = RULES[name]
-    size = _mesh_size(mesh_shape, axis)
+    size = mesh_axis_size(mesh_shape, axis)
     if size > 1 and dim % size:
       if name in SOFT_AXES:
         axis = None

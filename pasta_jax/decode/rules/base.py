@@ -76,6 +76,11 @@ class Rules(abc.ABC):
     if not 1 <= self.initial_threads <= min(cfg.lanes, cfg.max_threads):
       raise ValueError(f"initial_threads={self.initial_threads} must be in [1, min(lanes, max_threads)]")
 
+  def budgets(self, new_tokens: int, pool_steps: int) -> tuple[int, int]:
+    """(max_steps, max_content) of a free run of `new_tokens` whose pool leaves room for `pool_steps` steps:
+    by default the pool bounds the steps and the answer's content tokens end the run."""
+    return pool_steps, new_tokens
+
   def max_records(self, cfg: InterpreterConfig) -> int:
     """Records one request can make: every record but the last per lane becomes a pool write, and one
     step records at most one token per lane (methods that free slots override this)."""

@@ -79,6 +79,11 @@ class SuperposedRules(SequentialRules):
     if self.ignore_eos:
       raise ValueError("superposed drafts finish at end ids: ignore_eos is not supported")
 
+  def budgets(self, new_tokens: int, pool_steps: int) -> tuple[int, int]:
+    """One draft token per step: the step budget is the drafts' length (the lane's token is a display)."""
+    del pool_steps
+    return new_tokens - 1, 0
+
   # --- state ---------------------------------------------------------------------------------------
   def init_rule_state(self, prompt_tokens, lengths, rule_inputs, cfg: InterpreterConfig) -> Drafts:
     if self.ngram_weight > 0 and rule_inputs is None:
