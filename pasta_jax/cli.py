@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
   from pasta_jax.commands.ngram import add_ngram_parser
 
   add_ngram_parser(sub)
+  from pasta_jax.commands.serve import add_serve_parser
+
+  add_serve_parser(sub)
   return parser
 
 
@@ -88,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
       from pasta_jax.commands.ngram import run_ngram
 
       return run_ngram(args)
+    if args.command == "serve":
+      from pasta_jax.commands.serve import run_serve
+
+      return run_serve(args)
     if args.command == "data-stats":
       from pasta_jax.commands.data_stats import run_stats_command
 

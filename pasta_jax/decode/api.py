@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import math
 import time
 from collections.abc import Iterator, Sequence
 
@@ -33,7 +32,7 @@ import numpy as np
 from pasta_jax.decode import loop
 from pasta_jax.decode.apar_text import encode_apar_text
 from pasta_jax.decode.config import InterpreterConfig
-from pasta_jax.decode.loop import RunOutput, bucket
+from pasta_jax.decode.loop import RunOutput, bucket, pool_size
 from pasta_jax.decode.result import (
   PastaResult,
   Result,
@@ -59,7 +58,6 @@ __all__ = ["GREEDY", "METHODS", "LangTokenizer", "PastaResult", "Result", "Threa
            "stream_ids"]
 
 GREEDY = SamplingConfig()  # frozen: safe as a default argument
-POOL_MARGIN = 1.25  # pool room per content token of the budget: tags, topics and `<async>`/`</async>` take slots too
 METHODS = ("pasta", "apar", "sot", "sequential", "superposed")
 PASTA = PastaRules()
 
@@ -161,10 +159,6 @@ class Prepared:
   rule_inputs: object = None  # read-only device arrays of the rules (Superposed Decoding's n-gram index)
 
 
-def pool_size(prompt_len: int, new_tokens: int, lanes: int) -> int:
-  return bucket(prompt_len + math.ceil(new_tokens * POOL_MARGIN) + lanes)
-
-
 def pad_scripts(scripts, batch: int, max_threads: int, length: int):
   """loop.pad_scripts, then padded to `length` (the pool size) so its shape never varies."""
   script, script_len = loop.pad_scripts(scripts, batch, max_threads)
@@ -181,7 +175,7 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
 
   max_new_tokens: in free decoding, the content-token budget of each answer (its text tokens, whatever
   the parallelism; tags and topics are not counted): a request is cut once it has written that many,
-  and the pool holds them plus a margin for tags (POOL_MARGIN). Forced scripts replay whole.
+  and the pool holds them plus a margin for tags (loop.POOL_MARGIN). Forced scripts replay whole.
 
   params: training-layout params (default `model.params`); they are converted (and cached) by `decode_params`.
   mesh: a (data, fsdp, tensor) `jax.sharding.Mesh` to decode on (decode/sharding.py); None: one device.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -27,6 +28,14 @@ from pasta_jax.visibility import HIDDEN, UNBOUNDED, visible
 def bucket(n: int, minimum: int = 16) -> int:
   """Smallest power of two >= n (and >= minimum): the shape buckets that bound recompiles."""
   return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+POOL_MARGIN = 1.25  # pool room per content token of the budget: tags, topics and `<async>`/`</async>` take slots too
+
+
+def pool_size(prompt_len: int, new_tokens: int, lanes: int) -> int:
+  """The pool of a free run: the (bucketed) prompt, the content budget plus a margin for tags, one slot per lane."""
+  return bucket(prompt_len + math.ceil(new_tokens * POOL_MARGIN) + lanes)
 
 
 def prefill(model_fn: ModelFn, params, prompt_tokens, lengths, pool_slots: int, pool_spec: tuple, sharding=None):
@@ -101,6 +110,9 @@ def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Arr
       content=is_content(token[:, :k], jnp.zeros((batch, k), bool), cfg.vocab).sum(axis=1).astype(jnp.int32),
       stalls=jnp.zeros((batch,), jnp.int32), fork_refusals=jnp.zeros((batch,), jnp.int32),
       last_fed_step=jnp.zeros((batch,), jnp.int32),
+      content_budget=jnp.full((batch,), cfg.max_content, jnp.int32),
+      step_limit=jnp.full((batch,), cfg.max_steps, jnp.int32),
+      slot_limit=jnp.full((batch,), cfg.pool_slots, jnp.int32),
       step=jnp.int32(0), records=records, num_records=jnp.full((batch,), k, jnp.int32),
       record_logits=rec_logits, key=key,
   )
@@ -135,9 +147,8 @@ def initial_state(pool, last, prompt_tokens, lengths, script, script_len, seed, 
 
 def run_loop(model_fn: ModelFn, params, state: InterpState, limit, cfg: InterpreterConfig, forced: bool,
              vocab_size: int) -> InterpState:
-  """`decode_step` until step `limit` (or the step budget), or until no request is live."""
+  """`decode_step` until step `limit`, or until no request is live."""
   length_table = jnp.asarray(cfg.vocab.length_table(vocab_size))
-  limit = jnp.minimum(limit, cfg.max_steps)
 
   def cond(s: InterpState):
     return (s.step < limit) & jnp.any(s.live)
@@ -180,7 +191,7 @@ def prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len
 def run_steps(model_fn, params, state: InterpState, *, cfg: InterpreterConfig, forced: bool, vocab_size: int,
               steps: int) -> InterpState:
   """Up to `steps` more steps in one device call (a chunk of a streamed run)."""
-  return run_loop(model_fn, params, state, state.step + steps, cfg, forced, vocab_size)
+  return run_loop(model_fn, params, state, jnp.minimum(state.step + steps, cfg.max_steps), cfg, forced, vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)

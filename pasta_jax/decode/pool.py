@@ -41,7 +41,12 @@ def append_slots(feed: jax.Array, state: InterpState, pool_slots: int) -> jax.Ar
 def lowest_free_slots(feed: jax.Array, state: InterpState, pool_slots: int) -> jax.Array:
   """[B, T] slots for a pool that frees slots: feeding lanes take the lowest invalid slots, in lane order."""
   offsets = jnp.cumsum(feed, axis=1) - 1
-  return jnp.where(feed, kth_true(~state.slot_valid, jnp.maximum(offsets, 0)), pool_slots).astype(jnp.int32)
+  return jnp.where(feed, kth_true(usable_slots(state), jnp.maximum(offsets, 0)), pool_slots).astype(jnp.int32)
+
+
+def usable_slots(state: InterpState) -> jax.Array:
+  """[B, S] bool: free slots below each request's slot limit."""
+  return ~state.slot_valid & (jnp.arange(state.slot_valid.shape[1])[None, :] < state.slot_limit[:, None])
 
 
 def kth_true(mask: jax.Array, k: jax.Array) -> jax.Array:

@@ -51,6 +51,10 @@ class InterpState:
   stalls: jax.Array  # [B] int32
   fork_refusals: jax.Array  # [B] int32 APAR: most likely token was [Fork], refused by a limit
   last_fed_step: jax.Array  # [B] int32
+  # Per-request budgets (cfg's for every row in `generate`; a server sets each request's own).
+  content_budget: jax.Array  # [B] int32 content tokens at which the request is cut (0: none; needs cfg.max_content)
+  step_limit: jax.Array  # [B] int32 the step after which the request is cut (absolute, like `step`)
+  slot_limit: jax.Array  # [B] int32 pool slots the request may write (slots >= it are never used)
   step: jax.Array  # [] int32
   # Records.
   records: jax.Array  # [B, R, 5] int32

@@ -123,11 +123,17 @@ def spend_budget(state: InterpState, recorded: jax.Array, cfg: InterpreterConfig
 
 
 def cut_at_budget(state: InterpState, cfg: InterpreterConfig) -> InterpState:
-  """Live requests whose content count has reached `cfg.max_content` (when set) stop, as truncated."""
+  """Live requests whose content count has reached their budget (`state.content_budget`, `cfg.max_content`
+  unless a server set its own; only when cfg.max_content is set) stop, as truncated."""
   if not cfg.max_content:
     return state
-  spent = state.live & (state.content >= cfg.max_content)
+  spent = state.live & (state.content_budget > 0) & (state.content >= state.content_budget)
   return dataclasses.replace(state, truncated=state.truncated | spent, budget_spent=state.budget_spent | spent)
+
+
+def cut_at_step_limit(state: InterpState) -> InterpState:
+  """Live requests at their step limit stop, as truncated (in `generate` the loop ends there anyway)."""
+  return dataclasses.replace(state, truncated=state.truncated | (state.live & (state.step >= state.step_limit)))
 
 
 def decode_step(model_fn: ModelFn, params, state: InterpState, cfg: InterpreterConfig, length_table: jax.Array,
@@ -144,4 +150,4 @@ def decode_step(model_fn: ModelFn, params, state: InterpState, cfg: InterpreterC
     state = advance_scripts(state, fed.feed, cfg)
   state, recorded = rules.after_model(state, fed, sampled, cfg, length_table)
   state = append_records(state, (fed.inserted, fed.inserted_keep), recorded, lane_logits, cfg)
-  return spend_budget(state, recorded, cfg)
+  return cut_at_step_limit(spend_budget(state, recorded, cfg))

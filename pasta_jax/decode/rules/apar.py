@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pasta_jax.decode.constraints import AllowedTokens, constrain
-from pasta_jax.decode.pool import inserted_rows, kth_true, lowest_free_slots, write_slots
+from pasta_jax.decode.pool import inserted_rows, kth_true, lowest_free_slots, usable_slots, write_slots
 from pasta_jax.decode.rules.base import InterpreterConfig, Rules, StepFeed
 from pasta_jax.decode.state import DONE, FREE, RUNNING, InterpState
 from pasta_jax.visibility import UNBOUNDED, visible
@@ -57,7 +57,7 @@ def plan_apar(state: InterpState, cfg: InterpreterConfig) -> AparPlan:
   needed = feed.sum(axis=1)
   # Every running lane waits on a fork that no lane can take: nothing will ever free one. Stop.
   deadlock = state.live & jnp.any(running, axis=1) & (needed == 0)
-  room = ((~state.slot_valid).sum(axis=1) >= needed) & ~deadlock
+  room = (usable_slots(state).sum(axis=1) >= needed) & ~deadlock
   feed = feed & room[:, None]
   target = target & room[:, None]
   slots = lowest_free_slots(feed, state, cfg.pool_slots)

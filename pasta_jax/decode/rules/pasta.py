@@ -57,7 +57,7 @@ def plan_feeds(state: InterpState, cfg: InterpreterConfig, length_table: jax.Arr
   feed = (live[:, None] & busy) | ((lane_idx == 0) & main_feeds[:, None])
   if rules.fork_feeds_at_spawn:
     feed = feed | (spawn[:, None] & (lane_idx == spawn_lane[:, None]))
-  room = state.next_slot + feed.sum(axis=1) <= cfg.pool_slots
+  room = state.next_slot + feed.sum(axis=1) <= state.slot_limit
   out_of_room = live & jnp.any(feed, axis=1) & ~room
   # A step without room changes nothing but `truncated`: no feed, spawn, stall or implicit sync.
   return FeedPlan(feed & room[:, None], spawn & room, spawn_lane, main_feeds & room & (main_token == vocab.sync),

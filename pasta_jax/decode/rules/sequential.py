@@ -28,7 +28,7 @@ class SequentialRules(Rules):
   def before_model(self, state: InterpState, cfg: InterpreterConfig, length_table: jax.Array):
     running = state.live & (state.status[:, 0] == RUNNING)
     at_end = running & jnp.isin(state.token[:, 0], jnp.asarray(cfg.vocab.eos_ids))  # the prefill's token
-    room = state.next_slot < cfg.pool_slots
+    room = state.next_slot < state.slot_limit
     feed = (running & ~at_end & room)[:, None]
     slots = append_slots(feed, state, cfg.pool_slots)
     state = write_slots(state, feed, slots)

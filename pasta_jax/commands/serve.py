@@ -1,0 +1,50 @@
+"""`pasta serve`: the OpenAI-compatible server (pasta_jax/serve/) on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+
+from pasta_jax.errors import PastaError
+
+
+def add_serve_parser(subparsers) -> None:
+  serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+  serve.add_argument("--model", default=None,
+                     help="as `pasta generate --model` (default: the tuned PASTA adapter on the embedded 270M)")
+  serve.add_argument("--host", default="127.0.0.1")
+  serve.add_argument("--port", type=int, default=8000)
+  serve.add_argument("--batch", type=int, default=8, help="rows per method batch (requests decoded together)")
+  serve.add_argument("--pool", type=int, default=1024, help="KV slots per row: prompt + answer, tags included")
+  serve.add_argument("--lanes", type=int, default=8, help="PASTA / APAR lanes per request")
+  serve.add_argument("--chunk", type=int, default=8, help="decode steps per device call between host visits")
+  serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+  serve.add_argument("--max-tokens", type=int, default=512, help="the largest max_tokens a request may ask")
+  serve.add_argument("--warmup", default="pasta,sequential",
+                     help="methods compiled before the port opens (comma list; 'none': compile on first use)")
+  serve.add_argument("--grace", type=float, default=10.0,
+                     help="seconds running requests may finish after SIGTERM before they are cut")
+  serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+  from pasta_jax.model.load import load_model
+  from pasta_jax.serve.app import make_server
+  from pasta_jax.serve.engine import Engine, ServeConfig
+
+  try:
+    cfg = ServeConfig(batch=args.batch, pool_slots=args.pool, lanes=args.lanes, chunk_steps=args.chunk,
+                      max_queue=args.max_queue, max_tokens=args.max_tokens, dtype=args.dtype)
+  except ValueError as err:
+    raise PastaError(str(err)) from None
+  model = load_model(args.model)
+  name = args.model or "pasta"  # the id clients name in `model` (GET /v1/models)
+  print(f"pasta serve: [model: {model.describe()}]", flush=True)
+  engine = Engine(model, cfg).start()
+  methods = [] if args.warmup == "none" else [m.strip() for m in args.warmup.split(",") if m.strip()]
+  if methods:
+    print(f"pasta serve: compiling {', '.join(methods)} (batch {cfg.batch}, pool {cfg.pool_slots}) ...", flush=True)
+    engine.warm_up(methods)
+  server = make_server(engine, name, host=args.host, port=args.port, grace_s=args.grace)
+  print(f"pasta serve: {name} on http://{args.host}:{args.port}/v1", flush=True)
+  server.run()
+  return 0

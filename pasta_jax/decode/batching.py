@@ -1,0 +1,214 @@
+"""Continuous batching on the one loop: B rows, one request each, refilled between chunks of steps.
+
+A `RowBatch` holds one compiled method (its rules, lanes and a pool of S slots per row) and one
+`InterpState` of fixed shape that stays on device. Between chunks the host:
+  - reads the small part of the state (`peek`: records and flags, never the pool),
+  - frees rows (`release`: finished, cancelled or cut requests leave the batch),
+  - prefills newcomers into free rows (`admit`): only the newcomers run through the model, and their
+    rows of the pool and thread table are written in place (the state is donated, nothing is copied);
+    their records' steps are shifted by the batch's step, so each request counts steps from its
+    admission, and their budgets (content tokens, steps, pool slots) are their own.
+`run_chunk` is `loop.run_steps`: the same compiled step, K steps per device call, no recompile.
+
+Every request decodes exactly as `generate` decodes it alone (greedy): the per-row budgets are the ones
+`api.prepare` would give it (`row_budgets`), and rows never see each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pasta_jax.decode import loop
+from pasta_jax.decode.config import InterpreterConfig
+from pasta_jax.decode.loop import RunOutput, bucket
+from pasta_jax.decode.state import STEP, InterpState
+from pasta_jax.decode.step import cut_at_budget
+from pasta_jax.errors import PastaError
+
+SHARED_FIELDS = ("step", "key")  # InterpState leaves without a batch axis
+HOST_FIELDS = ("records", "num_records", "finished", "truncated", "pool_full", "budget_spent", "content",
+               "stalls", "fork_refusals", "last_fed_step", "peak_live", "parent", "step")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBudget:
+  """One request's budgets, as `api.prepare` sizes a run of it alone."""
+
+  content: int  # content tokens (0: none)
+  steps: int  # steps from admission
+  slots: int  # pool slots (the prompt included)
+
+
+def row_budgets(cfg: InterpreterConfig, prompt_len: int, max_new_tokens: int) -> RowBudget:
+  """The budgets `api.prepare` gives a free run of this prompt alone, bounded by the batch's pool."""
+  padded = bucket(prompt_len)
+  slots = loop.pool_size(padded, max_new_tokens, cfg.lanes)
+  if padded >= cfg.pool_slots:
+    raise PastaError(f"a prompt of {prompt_len} tokens (padded to {padded}) does not fit a pool of "
+                     f"{cfg.pool_slots} slots")
+  slots = min(slots, cfg.pool_slots)
+  steps, content = cfg.rules.budgets(max_new_tokens, slots - padded)
+  return RowBudget(content=content, steps=steps, slots=slots)
+
+
+def batch_config(cfg: InterpreterConfig, max_new_tokens: int) -> InterpreterConfig:
+  """A config for chunked serving of requests of up to `max_new_tokens`: the largest row budgets sized
+  in (the record buffer is sized by the step budget), the content budget compiled in."""
+  steps, content = cfg.rules.budgets(max_new_tokens, cfg.pool_slots)
+  return dataclasses.replace(loop.static_config(cfg), max_steps=steps, max_content=max(content, 1))
+
+
+def _put_rows(running: InterpState, new: InterpState, rows: jax.Array) -> InterpState:
+  """`running` with rows `rows` [n] replaced by `new`'s n rows (index B: a padding row, dropped)."""
+  def put(axis):
+    index = (slice(None),) * axis + (rows,)
+    return lambda old, upd: old.at[index].set(upd.astype(old.dtype), mode="drop")
+  changes = {"pool": jax.tree.map(put(1), running.pool, new.pool)}  # [layers, B, S, K, hd]
+  for field in dataclasses.fields(InterpState):
+    if field.name not in SHARED_FIELDS + ("pool",):
+      changes[field.name] = jax.tree.map(put(0), getattr(running, field.name), getattr(new, field.name))
+  return dataclasses.replace(running, **changes)
+
+
+STATIC = ("model_fn", "cfg", "vocab_size", "pool_spec")
+
+
+@functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("state",))
+def admit(model_fn, params, state: InterpState, tokens, lengths, rows, content_budget, step_budget, slot_limit, *,
+          cfg: InterpreterConfig, vocab_size: int, pool_spec: tuple) -> InterpState:
+  """Prefills the newcomers' prompts (tokens [n, P], lengths [n]) and writes them into rows [n] of the
+  running batch with their budgets ([n] each; step_budget counts from now)."""
+  n = tokens.shape[0]
+  script = jnp.zeros((n, cfg.max_threads, 1), jnp.int32)
+  new = loop.start_state(model_fn, params, tokens, lengths, script, jnp.zeros((n, cfg.max_threads), jnp.int32),
+                         jnp.uint32(0), cfg=cfg, forced=False, vocab_size=vocab_size, pool_spec=pool_spec)
+  offset = state.step
+  new = dataclasses.replace(
+      new, records=new.records.at[:, :, STEP].add(offset), last_fed_step=new.last_fed_step + offset,
+      content_budget=content_budget, step_limit=offset + step_budget, slot_limit=slot_limit)
+  return _put_rows(state, cut_at_budget(new, cfg), rows)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def release(state: InterpState, rows: jax.Array) -> InterpState:
+  """Rows [B] bool leave the batch: they stop being live (their slots are rewritten by the next admit)."""
+  return dataclasses.replace(state, truncated=state.truncated | rows)
+
+
+@functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "vocab_size", "steps"), donate_argnames=("state",))
+def run_chunk(model_fn, params, state: InterpState, *, cfg: InterpreterConfig, vocab_size: int,
+              steps: int) -> InterpState:
+  """Up to `steps` steps of every live row in one device call. The batch's step counter runs on across
+  requests (each row stops at its own `step_limit`), so it is not bounded by cfg.max_steps."""
+  return loop.run_loop(model_fn, params, state, state.step + steps, cfg, False, vocab_size)
+
+
+def empty_batch(model_fn, params, batch: int, *, cfg: InterpreterConfig, vocab_size: int,
+                pool_spec: tuple) -> InterpState:
+  """A batch of `batch` free rows (a one-token prefill of each, then released)."""
+  tokens = jnp.ones((batch, bucket(1)), jnp.int32)
+  lengths = jnp.ones((batch,), jnp.int32)
+  script = jnp.zeros((batch, cfg.max_threads, 1), jnp.int32)
+  state = loop.start(model_fn, params, tokens, lengths, script, jnp.zeros((batch, cfg.max_threads), jnp.int32),
+                     jnp.uint32(0), cfg=cfg, forced=False, vocab_size=vocab_size, pool_spec=pool_spec)
+  return release(state, jnp.ones((batch,), bool))
+
+
+@dataclasses.dataclass(frozen=True)
+class HostView:
+  """The host's copy of the small part of a batch's state (no pool)."""
+
+  fields: dict  # HOST_FIELDS -> numpy arrays
+  rule_state: object  # numpy pytree of the rules' own state (None for most methods)
+
+  @property
+  def step(self) -> int:
+    return int(self.fields["step"])
+
+  def live(self, row: int) -> bool:
+    return not (self.fields["finished"][row] or self.fields["truncated"][row])
+
+  def run_output(self, row: int, cfg: InterpreterConfig, admitted_at: int) -> RunOutput:
+    """The request in `row` so far, as `loop.unpack` gives it for a run of its own (steps from admission)."""
+    f = self.fields
+    n = int(f["num_records"][row])
+    records = np.array(f["records"][row, :n])
+    records[:, STEP] -= admitted_at
+    return RunOutput(
+        records=records, logits=None, steps=max(int(f["last_fed_step"][row]) - admitted_at, 0),
+        stalls=int(f["stalls"][row]), finished=bool(f["finished"][row]), truncated=bool(f["truncated"][row]),
+        pool_full=bool(f["pool_full"][row]), budget_spent=bool(f["budget_spent"][row]),
+        content=int(f["content"][row]), fork_refusals=int(f["fork_refusals"][row]),
+        peak_live_slots=int(f["peak_live"][row]), parents=np.asarray(f["parent"][row]),
+        rule_outputs=cfg.rules.host_outputs(self.rule_state, row) if self.rule_state is not None else None)
+
+
+def peek(state: InterpState) -> HostView:
+  """Copies the records and flags of every row to the host (one transfer; the pool stays on device)."""
+  fields, rule_state = jax.device_get(({k: getattr(state, k) for k in HOST_FIELDS}, state.rule_state))
+  return HostView(fields, rule_state)
+
+
+class RowBatch:
+  """The host's handle on one batch: which request holds which row, admission, chunks, release.
+
+  `cfg` is the batch's config (`batch_config`); rows are admitted in groups padded to a power of two (so
+  only log2(B) admission shapes per prompt bucket compile); a row's records count steps from its admission.
+  """
+
+  def __init__(self, model_fn, params, cfg: InterpreterConfig, *, batch: int, vocab_size: int, pool_spec: tuple,
+               rule_inputs=None):
+    if rule_inputs is not None:
+      raise PastaError(f"method {cfg.rules.name!r} needs read-only rule inputs; chunked batches do not take them yet")
+    self.model_fn, self.params, self.cfg, self.batch = model_fn, params, cfg, batch
+    self.run_args = dict(cfg=cfg, vocab_size=vocab_size)
+    self.pool_spec = pool_spec
+    self.state = empty_batch(model_fn, params, batch, pool_spec=pool_spec, **self.run_args)
+    self.admitted_at: list[int | None] = [None] * batch  # the batch step at each row's admission; None: free
+
+  def free_rows(self) -> list[int]:
+    return [r for r, at in enumerate(self.admitted_at) if at is None]
+
+  def busy_rows(self) -> list[int]:
+    return [r for r, at in enumerate(self.admitted_at) if at is not None]
+
+  def admit(self, prompts: list[list[int]], budgets: list[RowBudget]) -> list[int]:
+    """Prefills `prompts` into free rows (as many as there are); returns their rows, in order."""
+    rows = self.free_rows()[: len(prompts)]
+    if len(rows) < len(prompts):
+      raise PastaError(f"{len(prompts)} requests for {len(rows)} free rows")
+    group = min(bucket(len(rows), minimum=1), self.batch)
+    padded = list(prompts) + [[1]] * (group - len(rows))  # padding rows prefill one token and are dropped
+    tokens, lengths = loop.pad_prompts(padded, self.cfg.pool_slots)
+    budgets = list(budgets) + [RowBudget(0, 0, 0)] * (group - len(rows))
+    column = lambda name: jnp.asarray([getattr(b, name) for b in budgets], jnp.int32)
+    step = int(self.state.step)
+    self.state = admit(self.model_fn, self.params, self.state, jnp.asarray(tokens), jnp.asarray(lengths),
+                       jnp.asarray(rows + [self.batch] * (group - len(rows)), jnp.int32), column("content"),
+                       column("steps"), column("slots"), pool_spec=self.pool_spec, **self.run_args)
+    for row in rows:
+      self.admitted_at[row] = step
+    return rows
+
+  def run(self, steps: int) -> None:
+    self.state = run_chunk(self.model_fn, self.params, self.state, steps=steps, **self.run_args)
+
+  def peek(self) -> HostView:
+    return peek(self.state)
+
+  def output(self, view: HostView, row: int) -> RunOutput:
+    return view.run_output(row, self.cfg, self.admitted_at[row])
+
+  def release(self, rows: list[int]) -> None:
+    if not rows:
+      return
+    mask = np.zeros((self.batch,), bool)
+    mask[rows] = True
+    self.state = release(self.state, jnp.asarray(mask))
+    for row in rows:
+      self.admitted_at[row] = None

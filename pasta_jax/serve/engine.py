@@ -1,0 +1,298 @@
+"""The serving engine: a queue, one `RowBatch` per (method, sampling), and a thread that runs them in chunks.
+
+Each turn of the engine thread: admit waiting requests into free rows (prefill of the newcomers only), run
+one chunk of `chunk_steps` steps on every batch with live rows, copy their records to the host, and hand
+each request its new settled text (`streaming.settled_text`). A finished, cut or cancelled request leaves
+its row at the end of the chunk; the row is reused by the next newcomer. Requests reach the engine from any
+thread (`submit`); updates go back through each request's `sink` callback.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+import jax.numpy as jnp
+
+from pasta_jax.decode import api, batching
+from pasta_jax.decode.result import Result
+from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.decode.tokenizing import LangTokenizer
+from pasta_jax.errors import PastaError
+from pasta_jax.serve import streaming
+from pasta_jax.serve.metrics import ServeMetrics
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+  """Fixed shapes and limits chosen at start-up."""
+
+  batch: int = 8  # rows per method batch
+  pool_slots: int = 1024  # KV slots per row (prompt + answer, tags included)
+  lanes: int = 8  # PASTA / APAR lanes per row
+  chunk_steps: int = 8  # steps per device call between host visits
+  max_queue: int = 64  # waiting requests before 429
+  max_tokens: int = 512  # the largest max_tokens a request may ask
+  default_max_tokens: int | None = None  # for a request without max_tokens (None: min(256, max_tokens))
+  max_batches: int = 4  # compiled (method, sampling) batches held at once
+  dtype: str = "float32"
+
+  def __post_init__(self):
+    if self.default_max_tokens is None:
+      object.__setattr__(self, "default_max_tokens", min(256, self.max_tokens))
+    for name in ("batch", "pool_slots", "lanes", "chunk_steps", "max_queue", "max_tokens", "default_max_tokens",
+                 "max_batches"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+    if self.default_max_tokens > self.max_tokens:
+      raise ValueError(f"default_max_tokens {self.default_max_tokens} > max_tokens {self.max_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+  """What a request learns after a chunk: new settled text, and at the end the result."""
+
+  delta: str
+  done: bool = False
+  finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+  result: Result | None = None
+  note: str = ""
+
+
+class QueueFull(PastaError):
+  pass
+
+
+class ShuttingDown(PastaError):
+  pass
+
+
+_IDS = itertools.count(1)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  """One completion: prompt ids, method and budgets, and where its updates go."""
+
+  ids: list[int]
+  method: str
+  max_tokens: int
+  sink: Callable[[Update], None]
+  sampling: SamplingConfig = SamplingConfig()
+  created: float = dataclasses.field(default_factory=time.perf_counter)
+  id: str = dataclasses.field(default_factory=lambda: f"cmpl-{next(_IDS)}")
+  cancelled: bool = False  # set by the client side; the engine drops the request at its next visit
+  sent: str = ""  # settled text already handed out
+  counted: int = 0  # content tokens already counted in the metrics
+  first_token_at: float | None = None
+
+  @property
+  def key(self) -> tuple:
+    return (self.method, self.sampling)
+
+
+@dataclasses.dataclass
+class MethodBatch:
+  """One compiled (method, sampling): its rows, the requests holding them, and its prepared config."""
+
+  rows: batching.RowBatch
+  prep: api.Prepared  # its cfg is the batch's (vocab, rules, tokenizer-facing parts for `to_result`)
+  holders: dict[int, Request] = dataclasses.field(default_factory=dict)
+
+
+class Engine:
+  """Continuous batching over the interpreter for one model. `start()` runs the engine thread."""
+
+  def __init__(self, model, cfg: ServeConfig = ServeConfig(), metrics: ServeMetrics | None = None):
+    self.model, self.cfg = model, cfg
+    self.metrics = metrics or ServeMetrics()
+    self.lang = LangTokenizer(model.tokenizer)
+    self.batches: collections.OrderedDict[tuple, MethodBatch] = collections.OrderedDict()
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.lock = threading.Condition()
+    self.thread: threading.Thread | None = None
+    self.stopping = False
+    self.drain_deadline: float | None = None
+    self.error: BaseException | None = None
+
+  # --- the client side ---------------------------------------------------------------------------------
+  def check(self, ids: list[int], max_tokens: int) -> None:
+    """Raises PastaError for a request this server cannot run (before it is queued)."""
+    if not 1 <= max_tokens <= self.cfg.max_tokens:
+      raise PastaError(f"max_tokens must be in [1, {self.cfg.max_tokens}], got {max_tokens}")
+    padded = batching.bucket(len(ids))
+    if padded >= self.cfg.pool_slots:
+      raise PastaError(f"the prompt has {len(ids)} tokens (padded to {padded}); the pool of "
+                       f"{self.cfg.pool_slots} slots per request leaves no room to answer")
+
+  def submit(self, request: Request) -> None:
+    """Queues a checked request; raises QueueFull or ShuttingDown."""
+    self.check(request.ids, request.max_tokens)
+    with self.lock:
+      if self.stopping:
+        raise ShuttingDown("the server is shutting down")
+      if len(self.waiting) >= self.cfg.max_queue:
+        self.metrics.rejected.labels("queue_full").inc()
+        raise QueueFull(f"the queue is full ({self.cfg.max_queue} waiting)")
+      self.waiting.append(request)
+      self.metrics.queue.set(len(self.waiting))
+      self.lock.notify()
+
+  def cancel(self, request: Request) -> None:
+    request.cancelled = True
+    with self.lock:
+      self.lock.notify()
+
+  # --- lifecycle ----------------------------------------------------------------------------------------
+  def start(self) -> Engine:
+    self.thread = threading.Thread(target=self._run_safely, name="pasta-engine", daemon=True)
+    self.thread.start()
+    return self
+
+  def stop(self, grace_s: float = 10.0) -> None:
+    """Refuses new requests, lets running ones finish for up to `grace_s`, then cuts the rest cleanly."""
+    with self.lock:
+      self.stopping = True
+      self.drain_deadline = time.perf_counter() + grace_s
+      self.lock.notify()
+    if self.thread is not None:
+      self.thread.join(timeout=grace_s + 60)
+
+  def warm_up(self, methods=("pasta",), prompt_tokens: int = 64) -> None:
+    """Compiles each method's batch, admission and chunk ahead of the first request (blocking)."""
+    for method in methods:
+      done = threading.Event()
+      ids = [self.model.tokenizer.encode(" ", add_bos=True)[0]] * max(prompt_tokens, 1)
+      self.submit(Request(ids=ids, method=method, max_tokens=2, sink=lambda u, d=done: u.done and d.set()))
+      if not done.wait(timeout=1800):
+        raise PastaError(f"warm-up of {method!r} did not finish")
+
+  @property
+  def running(self) -> int:
+    return sum(len(b.holders) for b in self.batches.values())
+
+  # --- the engine thread --------------------------------------------------------------------------------
+  def _run_safely(self) -> None:
+    try:
+      self._run()
+    except BaseException as err:  # a device or program error: fail every request loudly, keep the reason
+      self.error = err
+      for request in self._everyone():
+        request.sink(Update("", True, "error", note=f"server error: {err}"))
+      raise
+
+  def _everyone(self) -> list[Request]:
+    with self.lock:
+      waiting, self.waiting = list(self.waiting), collections.deque()
+    return waiting + [r for b in self.batches.values() for r in b.holders.values()]
+
+  def _run(self) -> None:
+    while True:
+      with self.lock:
+        if not self.waiting and not self.running and not self.stopping:
+          self.lock.wait(timeout=0.5)
+        if self.stopping and (not self.running or time.perf_counter() > self.drain_deadline):
+          break
+      self._admit_waiting()
+      for key in list(self.batches):
+        self._run_chunk(key)
+    for request in self._everyone():  # cut by shutdown
+      request.sink(Update("", True, "length", note="cut: the server shut down"))
+      self.metrics.finished.labels(request.method, "shutdown").inc()
+
+  def _admit_waiting(self) -> None:
+    with self.lock:
+      waiting = [r for r in self.waiting if not r.cancelled]
+      for request in self.waiting:
+        if request.cancelled:
+          self.metrics.finished.labels(request.method, "cancelled").inc()
+      self.waiting = collections.deque(waiting)
+    groups: dict[tuple, list[Request]] = collections.defaultdict(list)
+    for request in waiting:
+      entry = self._batch_for(request.key)
+      if entry is not None and len(groups[request.key]) < len(entry.rows.free_rows()):
+        groups[request.key].append(request)
+    for key, requests in groups.items():
+      entry = self.batches[key]
+      budgets = [batching.row_budgets(entry.rows.cfg, len(r.ids), r.max_tokens) for r in requests]
+      for row, request in zip(entry.rows.admit([r.ids for r in requests], budgets), requests, strict=True):
+        entry.holders[row] = request
+      with self.lock:
+        for request in requests:
+          self.waiting.remove(request)
+    self.metrics.queue.set(len(self.waiting))
+    self.metrics.running.set(self.running)
+
+  def _batch_for(self, key: tuple) -> MethodBatch | None:
+    """The batch of a (method, sampling), created (and an idle one evicted) when needed; None: wait."""
+    if key in self.batches:
+      self.batches.move_to_end(key)
+      return self.batches[key]
+    if len(self.batches) >= self.cfg.max_batches:
+      idle = next((k for k, b in self.batches.items() if not b.holders), None)
+      if idle is None:
+        return None
+      del self.batches[idle]
+    method, sampling = key
+    bos = self.model.tokenizer.encode(" ", add_bos=True)[:1]
+    prep = api.prepare_method(self.model, [bos], method=method, max_new_tokens=self.cfg.max_tokens,
+                              lanes=self.cfg.lanes, sampling=sampling, dtype=jnp.dtype(self.cfg.dtype))
+    cfg = batching.batch_config(dataclasses.replace(prep.cfg, pool_slots=self.cfg.pool_slots), self.cfg.max_tokens)
+    rows = batching.RowBatch(prep.model_fn, prep.params, cfg, batch=self.cfg.batch, vocab_size=prep.vocab_size,
+                             pool_spec=prep.pool_spec)
+    self.batches[key] = MethodBatch(rows, dataclasses.replace(prep, cfg=cfg))
+    return self.batches[key]
+
+  def _run_chunk(self, key: tuple) -> None:
+    entry = self.batches[key]
+    batch, holders = entry.rows, entry.holders
+    if not holders:
+      return
+    begin = time.perf_counter()
+    batch.run(self.cfg.chunk_steps)
+    view = batch.peek()
+    now = time.perf_counter()
+    self.metrics.chunk_seconds.observe(now - begin)
+    ended = []
+    for row, request in list(holders.items()):
+      run = batch.output(view, row)
+      if request.cancelled:
+        ended.append(row)
+        self.metrics.finished.labels(request.method, "cancelled").inc()
+        continue
+      live = view.live(row)
+      result = None if live else api.to_result(run, now - request.created, self.lang, entry.prep)
+      self._hand_out(request, run, entry.prep.vocab, result, now)
+      if not live:
+        ended.append(row)
+    for row in ended:
+      del holders[row]
+    batch.release(ended)
+    self.metrics.running.set(self.running)
+
+  def _hand_out(self, request: Request, run, vocab, result: Result | None, now: float) -> None:
+    """Counts the request's new tokens and hands it its new settled text (and, at the end, its result)."""
+    self.metrics.tokens.labels(request.method).inc(max(run.content - request.counted, 0))
+    request.counted = max(run.content, request.counted)
+    text = streaming.settled_text(run.records, self.lang, vocab, request.method) if result is None else result.text
+    delta = streaming.delta(request.sent, text)
+    if delta is None:  # the final text does not extend what was streamed (a detokenizer seam)
+      self.metrics.stream_seams.inc()
+      delta = ""
+    if delta:
+      request.sent += delta
+      if request.first_token_at is None:
+        request.first_token_at = now
+        self.metrics.ttft.observe(now - request.created)
+    if result is None:
+      if delta:
+        request.sink(Update(delta))
+      return
+    reason = "stop" if result.stop_reason == "end" else "length"
+    self.metrics.finished.labels(request.method, reason).inc()
+    self.metrics.latency.observe(now - request.created)
+    request.sink(Update(delta, True, reason, result, note=result.stop_note))

@@ -1,0 +1,102 @@
+"""Continuous batching (`decode.batching`): requests admitted into free rows of a running batch between chunks
+of steps decode exactly as each decodes alone, whatever the arrival order, chunk size and neighbours.
+
+The toy model with tag biases writes real programs greedily (promises, forks, syncs, ends), so PASTA rows
+fork, stall and sync while others are admitted and released around them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pasta_jax.decode import batching
+from pasta_jax.decode.config import InterpreterConfig
+from pasta_jax.decode.loop import run_interpreter
+from pasta_jax.decode.rules import AparRules, PastaRules, SequentialRules
+from pasta_jax.decode.state import THREAD
+from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
+from tests.programs import VOCAB, VOCAB_SIZE
+from tests.test_interpreter_vs_reference import POOL_SPEC, TAG_BIAS
+
+TOY = ToyConfig(vocab_size=VOCAB_SIZE)
+PARAMS = toy_params(TOY, {**TAG_BIAS, VOCAB.apar_fork: 2.0}, seed=0)  # greedy runs fork
+RULES = {"pasta": (PastaRules(), 4), "apar": (AparRules(max_depth=2), 4), "sequential": (SequentialRules(), 1)}
+BATCH, POOL = 3, 128
+TEXT = st.integers(70, 120)
+
+
+def alone(prompt, budget: batching.RowBudget, cfg: InterpreterConfig):
+  """The request decoded by itself, with the budgets `generate` gives it."""
+  own = dataclasses.replace(cfg, pool_slots=budget.slots, max_steps=budget.steps, max_content=budget.content)
+  return run_interpreter(toy_apply, PARAMS, [prompt], own, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)[0]
+
+
+def serve(requests, cfg: InterpreterConfig, chunk: int, admit_per_chunk: int):
+  """Runs `requests` [(prompt, max_new_tokens)] through one RowBatch, admitting in arrival order."""
+  batch = batching.RowBatch(toy_apply, PARAMS, batching.batch_config(cfg, 64), batch=BATCH, vocab_size=VOCAB_SIZE,
+                            pool_spec=POOL_SPEC)
+  waiting, holder, done = list(enumerate(requests)), {}, {}
+  while waiting or holder:
+    take = waiting[: min(admit_per_chunk, len(batch.free_rows()))]
+    waiting = waiting[len(take):]
+    budgets = [batching.row_budgets(batch.cfg, len(p), new) for _, (p, new) in take]
+    for row, (i, _) in zip(batch.admit([p for _, (p, _) in take], budgets), take, strict=True):
+      holder[row] = i
+    batch.run(chunk)
+    view = batch.peek()
+    ended = [row for row in holder if not view.live(row)]
+    for row in ended:
+      done[holder.pop(row)] = batch.output(view, row)
+    batch.release(ended)
+  return [done[i] for i in range(len(requests))]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(method=st.sampled_from(sorted(RULES)), chunk=st.sampled_from([1, 3, 8]), admit_per_chunk=st.integers(1, 3),
+       requests=st.lists(st.tuples(st.lists(TEXT, min_size=2, max_size=20), st.sampled_from([4, 20, 40])),
+                         min_size=1, max_size=5))
+def test_rows_decode_as_alone(method, chunk, admit_per_chunk, requests):
+  rules, lanes = RULES[method]
+  cfg = InterpreterConfig(vocab=VOCAB, lanes=lanes, max_threads=16, pool_slots=POOL, rules=rules)
+  for (prompt, new), got in zip(requests, serve(requests, cfg, chunk, admit_per_chunk), strict=True):
+    want = alone(prompt, batching.row_budgets(batching.batch_config(cfg, 64), len(prompt), new), cfg)
+    np.testing.assert_array_equal(got.records, want.records)
+    assert (got.steps, got.finished, got.truncated, got.pool_full, got.budget_spent, got.content, got.stalls) == \
+        (want.steps, want.finished, want.truncated, want.pool_full, want.budget_spent, want.content, want.stalls)
+    np.testing.assert_array_equal(got.parents, want.parents)
+
+
+def test_pasta_rows_fork_while_neighbours_come_and_go():
+  """The toy writes forks greedily: the equality above covers forking rows, not only plain ones."""
+  cfg = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=16, pool_slots=POOL)
+  rng = np.random.default_rng(0)
+  requests = [([int(t) for t in rng.integers(70, 120, size=n)], 40) for n in (5, 12, 3, 17, 8)]
+  outs = serve(requests, cfg, chunk=5, admit_per_chunk=1)
+  assert sum(int(o.records[:, THREAD].max()) > 0 for o in outs) >= 3
+  for (prompt, new), got in zip(requests, outs, strict=True):
+    want = alone(prompt, batching.row_budgets(batching.batch_config(cfg, 64), len(prompt), new), cfg)
+    np.testing.assert_array_equal(got.records, want.records)
+
+
+def test_budgets_equal_what_generate_sizes():
+  from pasta_jax.decode import api
+  from tests.tiny import tiny_model
+  model = tiny_model()
+  for method, new, length in [("pasta", 7, 5), ("sequential", 40, 30), ("apar", 100, 3)]:
+    prep = api.prepare_method(model, [[2] * length], method=method, max_new_tokens=new)
+    cfg = batching.batch_config(dataclasses.replace(prep.cfg, pool_slots=4096), new)
+    budget = batching.row_budgets(cfg, length, new)
+    assert (budget.slots, budget.steps, budget.content) == (prep.cfg.pool_slots, prep.cfg.max_steps,
+                                                            prep.cfg.max_content)
+
+
+def test_a_prompt_longer_than_the_pool_is_refused():
+  from pasta_jax.errors import PastaError
+  cfg = batching.batch_config(InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=16, pool_slots=64), 8)
+  with pytest.raises(PastaError, match="does not fit a pool of 64 slots"):
+    batching.row_budgets(cfg, 70, 8)

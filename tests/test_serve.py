@@ -1,0 +1,192 @@
+"""`pasta serve`: the real server (uvicorn on 127.0.0.1) over a tiny random Gemma, driven by the official
+`openai` client and by raw HTTP. Answers equal `pasta_jax.generate` on the same prompts (greedy), streamed or
+not, for every served method; bad input gets its status and OpenAI-style body; a full queue, a client that
+disconnects and a shutdown behave as documented."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from pasta_jax.decode import api
+from pasta_jax.serve.app import make_server
+from pasta_jax.serve.engine import Engine, ServeConfig
+from tests.tiny import tiny_model
+
+MODEL = tiny_model()
+NAME = "tiny"
+CFG = ServeConfig(batch=4, pool_slots=256, lanes=8, chunk_steps=4, max_queue=8, max_tokens=48, default_max_tokens=24)
+PROMPTS = ["Tell me about tea.", "x", "Why is the sky blue? Answer in one line please.", "abc def"]
+
+
+@contextlib.contextmanager
+def running_server(engine: Engine, grace_s: float = 5.0):
+  """Yields (base_url, uvicorn server) for `engine` behind the app, on a free loopback port."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  server = make_server(engine, NAME, port=port, grace_s=grace_s)
+  thread = threading.Thread(target=server.run, daemon=True)
+  thread.start()
+  deadline = time.time() + 60
+  while not server.started:
+    assert time.time() < deadline and thread.is_alive(), "the server did not start"
+    time.sleep(0.05)
+  try:
+    yield f"http://127.0.0.1:{port}", server
+  finally:
+    server.should_exit = True
+    thread.join(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server():
+  engine = Engine(MODEL, CFG).start()
+  with running_server(engine) as (url, _):
+    yield url, engine
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def reference(prompt: str, method: str, max_tokens: int, chat: bool) -> str:
+  return api.generate(MODEL, [prompt], method=method, max_new_tokens=max_tokens, lanes=CFG.lanes, chat=chat)[0].text
+
+
+@pytest.mark.parametrize("method", ["sequential", "pasta", "apar"])
+def test_completions_equal_generate_streamed_or_not(client, method):
+  """Four prompts at once (they share the batch), each streamed and whole, against generate alone."""
+  max_tokens = 20
+  results: dict = {}
+
+  def ask(i: int, stream: bool):
+    kw = dict(model=NAME, prompt=PROMPTS[i], max_tokens=max_tokens, extra_body={"method": method})
+    if stream:
+      chunks = list(client.completions.create(stream=True, **kw))
+      text = "".join(c.choices[0].text for c in chunks if c.choices)
+      results[i, stream] = (text, chunks[-1].choices[0].finish_reason)
+    else:
+      done = client.completions.create(**kw)
+      results[i, stream] = (done.choices[0].text, done.choices[0].finish_reason)
+
+  threads = [threading.Thread(target=ask, args=(i, s)) for i in range(len(PROMPTS)) for s in (True, False)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=300)
+  for i, prompt in enumerate(PROMPTS):
+    want = reference(prompt, method, max_tokens, chat=False)
+    assert results[i, True][0] == want, (method, i, "streamed")
+    assert results[i, False][0] == want, (method, i, "whole")
+    assert results[i, True][1] == results[i, False][1] in ("stop", "length")
+
+
+def test_chat_streams_pasta_and_returns_the_trace(client):
+  stream = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                          max_tokens=24, stream=True, extra_body={"method": "pasta"})
+  chunks = list(stream)
+  assert chunks[0].choices[0].delta.role == "assistant"
+  text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+  assert text == reference(PROMPTS[0], "pasta", 24, chat=True)
+  whole = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                         max_tokens=24, extra_body={"method": "pasta", "return_trace": True})
+  assert whole.choices[0].message.content == text
+  extra = whole.model_extra["pasta"]
+  assert extra["method"] == "pasta" and extra["threads"][0]["thread"] == 0
+  assert whole.usage.completion_tokens == api.generate(MODEL, [PROMPTS[0]], max_new_tokens=24)[0].content_tokens
+
+
+def test_models_health_and_metrics(server, client):
+  url, _ = server
+  assert [m.id for m in client.models.list().data] == [NAME]
+  assert httpx.get(f"{url}/health").json()["status"] == "ok"
+  client.completions.create(model=NAME, prompt="hello", max_tokens=4, extra_body={"method": "sequential"})
+  text = httpx.get(f"{url}/metrics").text
+  for name in ("pasta_queue_length", "pasta_running_requests", "pasta_tokens_per_second",
+               "pasta_time_to_first_token_seconds_bucket", 'pasta_requests_total{method="sequential"'):
+    assert name in text, name
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    ({"prompt": "hi", "colour": "red"}, 400, "colour"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 49}, 400, "max_tokens"),
+    ({"prompt": "hi", "method": "telepathy"}, 400, "method"),
+    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "y" * 300}, 400, "prompt"),
+    ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+])
+def test_bad_input_gets_its_status_and_an_openai_error_body(server, body, status, param):
+  url, engine = server
+  content = body if isinstance(body, bytes) else json.dumps(body).encode()
+  reply = httpx.post(f"{url}/v1/completions", content=content, headers={"content-type": "application/json"})
+  assert reply.status_code == status, reply.text
+  error = reply.json()["error"]
+  assert error["message"] and error["type"] and error["param"] == param
+  assert engine.error is None and httpx.get(f"{url}/health").json()["status"] == "ok"  # the server is untouched
+
+
+def test_a_full_queue_is_429_with_retry_after():
+  engine = Engine(MODEL, ServeConfig(batch=1, pool_slots=256, max_queue=1, max_tokens=8))  # not started: no draining
+  with running_server(engine, grace_s=1) as (url, _):
+    with httpx.Client(timeout=30) as http, http.stream("POST", f"{url}/v1/completions",
+                                                       json={"prompt": "a", "stream": True}) as first:
+      assert first.status_code == 200
+      deadline = time.time() + 10
+      while not engine.waiting and time.time() < deadline:
+        time.sleep(0.02)
+      second = http.post(f"{url}/v1/completions", json={"prompt": "b"})
+      assert second.status_code == 429 and second.headers["retry-after"] == "1"
+      assert second.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_a_client_that_disconnects_frees_its_row_for_the_next():
+  engine = Engine(MODEL, ServeConfig(batch=1, pool_slots=256, chunk_steps=1, max_tokens=48)).start()
+  with running_server(engine) as (url, _):
+    body = {"prompt": "a long answer please", "stream": True, "max_tokens": 48, "method": "sequential"}
+    with httpx.Client(timeout=60) as http:
+      with http.stream("POST", f"{url}/v1/completions", json=body) as reply:
+        next(reply.iter_lines())  # the first event, then hang up
+      deadline = time.time() + 30
+      while engine.running and time.time() < deadline:
+        time.sleep(0.05)
+      assert engine.running == 0  # the row was released at a chunk boundary
+      after = http.post(f"{url}/v1/completions", json={"prompt": "next", "max_tokens": 6, "method": "sequential"})
+      assert after.status_code == 200
+      assert after.json()["choices"][0]["text"] == reference("next", "sequential", 6, False)
+    assert 'outcome="cancelled"' in engine.metrics.text().decode()
+
+
+def test_shutdown_cuts_running_requests_cleanly_and_returns():
+  engine = Engine(MODEL, ServeConfig(batch=2, pool_slots=256, chunk_steps=1, max_tokens=48)).start()
+  events = []
+  with running_server(engine, grace_s=0) as (url, server):
+    with httpx.Client(timeout=60) as http:
+      body = {"prompt": "keep going", "stream": True, "max_tokens": 48, "method": "sequential"}
+      with http.stream("POST", f"{url}/v1/completions", json=body) as reply:
+        lines = reply.iter_lines()
+        events.append(next(lines))
+        server.should_exit = True  # what SIGTERM does
+        events += list(lines)
+  data = [json.loads(e[len("data: "):]) for e in events if e.startswith("data: {")]
+  assert [e for e in events if e][-1] == "data: [DONE]"  # the stream ended, not the connection
+  assert data[-1]["choices"][0]["finish_reason"] == "length" and "shut down" in data[-1]["pasta"]["note"]
+  assert not engine.thread.is_alive()  # nothing hangs
+  with pytest.raises(Exception, match="shutting down"):
+    engine.submit(engine_request())
+
+
+def engine_request():
+  from pasta_jax.serve.engine import Request
+  return Request(ids=[2, 100], method="sequential", max_tokens=4, sink=lambda u: None)
