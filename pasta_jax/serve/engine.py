@@ -133,6 +133,8 @@ class Engine:
     """Queues a checked request; raises QueueFull or ShuttingDown."""
     self.check(request.ids, request.max_tokens)
     with self.lock:
+      if self.error is not None:
+        raise ShuttingDown(f"the engine failed: {self.error}")
       if self.stopping:
         raise ShuttingDown("the server is shutting down")
       if len(self.waiting) >= self.cfg.max_queue:
@@ -159,8 +161,10 @@ class Engine:
       self.stopping = True
       self.drain_deadline = time.perf_counter() + grace_s
       self.lock.notify()
-    if self.thread is not None:
+    if self.thread is not None and self.thread.is_alive():
       self.thread.join(timeout=grace_s + 60)
+    else:  # never started (or already ended): nobody else will tell the waiting requests
+      self._cut_everyone()
 
   def warm_up(self, methods=("pasta",), prompt_tokens: int = 64) -> None:
     """Compiles each method's batch, admission and chunk ahead of the first request (blocking)."""
@@ -195,14 +199,19 @@ class Engine:
       with self.lock:
         if not self.waiting and not self.running and not self.stopping:
           self.lock.wait(timeout=0.5)
-        if self.stopping and (not self.running or time.perf_counter() > self.drain_deadline):
+        idle = not self.running and not self.waiting
+        if self.stopping and (idle or time.perf_counter() > self.drain_deadline):
           break
       self._admit_waiting()
       for key in list(self.batches):
         self._run_chunk(key)
-    for request in self._everyone():  # cut by shutdown
+    self._cut_everyone()
+
+  def _cut_everyone(self) -> None:
+    for request in self._everyone():
       request.sink(Update("", True, "length", note="cut: the server shut down"))
       self.metrics.finished.labels(request.method, "shutdown").inc()
+    self.batches.clear()
 
   def _admit_waiting(self) -> None:
     with self.lock:

@@ -1,0 +1,233 @@
+"""Load test of `pasta serve` on the embedded model, loopback only, bounded in count and time.
+
+Starts `pasta serve` as a subprocess on 127.0.0.1 (batch rows B, chunk K), then for each concurrency level
+(1, 4, 16, 64 streaming clients) runs a warm-up wave (not measured: it compiles the admission shapes) and a
+measured wave: every client streams chat completions of alpaca_eval_805 instructions (mixed lengths), the
+methods alternating pasta / sequential, greedy, `--max-tokens` each. Measured per level: throughput (content
+tokens / s over the wave), time to first streamed text (p50, p99), the gap between streamed events and tokens
+per event (p50, p99), requests lost (no final event, or an HTTP error). Then, with the load stopped, every
+answer is compared with `pasta_jax.generate` of its prompt alone (greedy): a streamed answer that differs is
+"mixed up". Batch-1 overhead: each request's wall time alone through the server against `generate` alone
+(both warm), as tokens/s, on a second server with one row (`--batch 1`: the cost of chunks and HTTP alone).
+The server's peak memory is its VmHWM. Throughput at 16 clients is divided by the better of one client on
+the same server and `generate` alone.
+
+  python -m bench.serve [--levels 1,4,16,64] [--max-tokens 64] [--batch 16] [--chunk 8]
+Last line: RESULT throughput_16_over_1=... ttft_p99_s=... (16 clients) lost=... mixed_up=... batch1_over_generate=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from pasta_jax.data import sources
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(args, batch: int, log: Path):
+  """`pasta serve` as a subprocess on a free loopback port; yields (url, process); SIGTERM at the end."""
+  port = free_port()
+  cmd = [sys.executable, "-m", "pasta_jax.cli", "serve", "--port", str(port), "--batch", str(batch),
+         "--chunk", str(args.chunk), "--max-tokens", str(args.max_tokens), "--max-queue", "256",
+         "--pool", str(args.pool), "--warmup", "pasta,sequential"]
+  proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+  url = f"http://127.0.0.1:{port}"
+  try:
+    deadline = time.time() + args.start_timeout
+    while True:
+      if proc.poll() is not None:
+        raise SystemExit(f"pasta serve exited ({proc.returncode}); see {log}")
+      if time.time() > deadline:
+        raise SystemExit(f"pasta serve did not start in {args.start_timeout} s; see {log}")
+      try:
+        if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+          break
+      except httpx.HTTPError:
+        pass
+      time.sleep(1)
+    yield url, proc
+  finally:
+    proc.terminate()
+    try:
+      proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+
+
+def peak_rss_mib(pid: int) -> float:
+  for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    if line.startswith("VmHWM:"):
+      return int(line.split()[1]) / 1024
+  return float("nan")
+
+
+async def one_request(http: httpx.AsyncClient, url: str, prompt: str, method: str, max_tokens: int) -> dict:
+  """Streams one chat completion; returns its text, timings and outcome."""
+  body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True,
+          "method": method, "stream_options": {"include_usage": True}}
+  start = time.perf_counter()
+  events, text, finish, usage = [], [], None, None
+  try:
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as reply:
+      if reply.status_code != 200:
+        return {"lost": True, "why": f"HTTP {reply.status_code}", "prompt": prompt, "method": method}
+      async for line in reply.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+          continue
+        data = json.loads(line[6:])
+        if data.get("usage"):
+          usage = data["usage"]
+        for choice in data.get("choices", []):
+          piece = choice["delta"].get("content") or ""
+          if piece:
+            events.append(time.perf_counter() - start)
+            text.append(piece)
+          finish = choice.get("finish_reason") or finish
+  except httpx.HTTPError as err:
+    return {"lost": True, "why": repr(err), "prompt": prompt, "method": method}
+  total = time.perf_counter() - start
+  return {"lost": finish is None, "why": "no final event" if finish is None else "", "prompt": prompt,
+          "method": method, "text": "".join(text), "events": events, "pieces": [len(t) for t in text],
+          "seconds": total, "tokens": usage["completion_tokens"] if usage else 0, "finish": finish}
+
+
+async def wave(url: str, clients: int, jobs: list[tuple[str, str]], max_tokens: int, bar) -> tuple[list[dict], float]:
+  """`clients` concurrent streams working through `jobs` [(prompt, method)]; returns answers and wall time."""
+  queue: asyncio.Queue = asyncio.Queue()
+  for job in jobs:
+    queue.put_nowait(job)
+  out: list[dict] = []
+  limits = httpx.Limits(max_connections=clients + 4)
+  async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
+    async def client():
+      while not queue.empty():
+        prompt, method = queue.get_nowait()
+        out.append(await one_request(http, url, prompt, method, max_tokens))
+        bar.update(1)
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+  return out, time.perf_counter() - start
+
+
+def pct(values, q: float) -> float:
+  return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def level_report(clients: int, answers: list[dict], seconds: float) -> dict:
+  ok = [a for a in answers if not a["lost"]]
+  ttft = [a["events"][0] for a in ok if a["events"]]
+  gaps = [b - a for x in ok for a, b in zip(x["events"], x["events"][1:])]
+  return {"clients": clients, "requests": len(answers), "lost": len(answers) - len(ok),
+          "tokens": sum(a["tokens"] for a in ok), "seconds": seconds,
+          "throughput": sum(a["tokens"] for a in ok) / seconds, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+          "gap_p50": pct(gaps, 50), "gap_p99": pct(gaps, 99),
+          "events_per_answer": statistics.mean(len(a["events"]) for a in ok) if ok else 0.0}
+
+
+def check_answers(model, answers: list[dict], max_tokens: int) -> int:
+  """Every answer against `generate` of its prompt alone (greedy); returns how many differ (mixed up)."""
+  from pasta_jax.decode import api
+  refs, mixed = {}, 0
+  for a in tqdm([a for a in answers if not a["lost"]], desc="greedy references", unit="answer"):
+    key = (a["prompt"], a["method"])
+    if key not in refs:
+      refs[key] = api.generate(model, [a["prompt"]], method=a["method"], max_new_tokens=max_tokens)[0].text
+    mixed += a["text"] != refs[key]
+  return mixed
+
+
+def generate_rate(model, prompt: str, method: str, max_tokens: int) -> float:
+  """Content tokens per second of `generate` alone, wall time of its second (warm) call."""
+  from pasta_jax.decode import api
+  api.generate(model, [prompt], method=method, max_new_tokens=max_tokens)
+  start = time.perf_counter()
+  result = api.generate(model, [prompt], method=method, max_new_tokens=max_tokens)[0]
+  return result.content_tokens / (time.perf_counter() - start)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--levels", default="1,4,16,64")
+  parser.add_argument("--per-client", type=float, default=2.0, help="requests per client in a wave (at least 4)")
+  parser.add_argument("--max-requests", type=int, default=64, help="at most this many requests in a wave")
+  parser.add_argument("--max-tokens", type=int, default=64)
+  parser.add_argument("--batch", type=int, default=16)
+  parser.add_argument("--chunk", type=int, default=8)
+  parser.add_argument("--pool", type=int, default=512)
+  parser.add_argument("--start-timeout", type=float, default=900)
+  parser.add_argument("--out", default="runs/bench_serve")
+  args = parser.parse_args(argv)
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  levels = [int(x) for x in args.levels.split(",")]
+  prompts = [r["instruction"] for r in sources.read_records("alpaca_eval_805", max_records=200)]
+  reports, answers_all, peak = [], [], float("nan")
+  with server(args, args.batch, out / "server.log") as (url, proc):
+    for i, clients in enumerate(levels):
+      n = min(max(4, int(clients * args.per_client)), args.max_requests)
+      start = sum(min(max(4, int(c * args.per_client)), args.max_requests) for c in levels[:i])
+      jobs = [(prompts[(start + j) % len(prompts)], ("pasta", "sequential")[j % 2]) for j in range(n)]
+      for measured in (False, True):  # the warm-up wave sends the same prompts: it compiles their shapes
+        with tqdm(total=n, desc=f"{clients} clients {'measured' if measured else 'warm-up'}", unit="req") as bar:
+          answers, seconds = asyncio.run(wave(url, clients, jobs, args.max_tokens, bar))
+      reports.append(level_report(clients, answers, seconds))
+      answers_all += answers
+    (out / "metrics.txt").write_text(httpx.get(f"{url}/metrics").text)
+    peak = peak_rss_mib(proc.pid)
+  alone_jobs = [(a["prompt"], a["method"]) for a in answers_all[:4]]
+  with server(args, 1, out / "server_batch1.log") as (url, _):  # the chunking overhead alone: one row
+    for label in ("warm-up", "measured"):
+      bar = tqdm(total=len(alone_jobs), desc=f"batch-1 server {label}", unit="req")
+      alone = asyncio.run(wave(url, 1, alone_jobs, args.max_tokens, bar))[0]
+  from pasta_jax.model.load import load_model
+  model = load_model(None)
+  mixed = check_answers(model, answers_all + alone, args.max_tokens)
+  rates = [generate_rate(model, a["prompt"], a["method"], args.max_tokens) for a in alone]
+  ratio = statistics.median((a["tokens"] / a["seconds"]) / rate for a, rate in zip(alone, rates, strict=True))
+  generate_tps = sum(a["tokens"] for a in alone) / sum(a["tokens"] / r for a, r in zip(alone, rates, strict=True))
+  print(f"\nserver: batch {args.batch}, chunk {args.chunk}, pool {args.pool}, max_tokens {args.max_tokens}; "
+        f"peak memory {peak:.0f} MiB; throughput_16_over_1 divides by the better of one client and generate alone")
+  print(f"{'clients':>7} {'reqs':>5} {'lost':>4} {'tokens':>7} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'gap p50':>8} {'gap p99':>8} {'events':>6}")
+  for r in reports:
+    print(f"{r['clients']:>7} {r['requests']:>5} {r['lost']:>4} {r['tokens']:>7} {r['throughput']:>7.1f} "
+          f"{r['ttft_p50']:>8.2f}s {r['ttft_p99']:>8.2f}s {r['gap_p50']:>7.2f}s {r['gap_p99']:>7.2f}s "
+          f"{r['events_per_answer']:>6.1f}")
+  by = {r["clients"]: r for r in reports}
+  top = by.get(16, reports[-1])
+  base = max(by.get(1, reports[0])["throughput"], generate_tps)
+  lost = sum(r["lost"] for r in reports)
+  (out / "report.json").write_text(json.dumps({"levels": reports, "mixed_up": mixed, "peak_mib": peak,
+                                               "batch1_over_generate": ratio, "generate_tps": generate_tps,
+                                               "args": vars(args)}, indent=1))
+  print(f"answers checked against generate alone: {len(answers_all) + len(alone) - lost}, mixed up: {mixed}")
+  print(f"one request at a time: generate alone {generate_tps:.1f} tok/s; a --batch 1 server {ratio:.2f}x that "
+        f"(median of {len(alone)}); the --batch {args.batch} server at 1 client "
+        f"{by.get(1, reports[0])['throughput']:.1f} tok/s (it computes all {args.batch} rows a step)")
+  print(f"RESULT throughput_16_over_1={top['throughput'] / base:.2f} ttft_p99_s={top['ttft_p99']:.2f} lost={lost} "
+        f"mixed_up={mixed} batch1_over_generate={ratio:.2f}")
+
+
+if __name__ == "__main__":
+  os.environ.setdefault("TQDM_MININTERVAL", "5")
+  main()
