@@ -100,12 +100,26 @@ def release(state: InterpState, rows: jax.Array) -> InterpState:
   return dataclasses.replace(state, truncated=state.truncated | rows)
 
 
-@functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "vocab_size", "steps"), donate_argnames=("state",))
-def run_chunk(model_fn, params, state: InterpState, *, cfg: InterpreterConfig, vocab_size: int,
-              steps: int) -> InterpState:
-  """Up to `steps` steps of every live row in one device call. The batch's step counter runs on across
-  requests (each row stops at its own `step_limit`), so it is not bounded by cfg.max_steps."""
-  return loop.run_loop(model_fn, params, state, state.step + steps, cfg, False, vocab_size)
+def _take_rows(state: InterpState, rows: int) -> InterpState:
+  """The first `rows` rows of the batch (shared fields as they are)."""
+  changes = {"pool": jax.tree.map(lambda x: x[:, :rows], state.pool)}
+  for field in dataclasses.fields(InterpState):
+    if field.name not in SHARED_FIELDS + ("pool",):
+      changes[field.name] = jax.tree.map(lambda x: x[:rows], getattr(state, field.name))
+  return dataclasses.replace(state, **changes)
+
+
+@functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "vocab_size", "steps", "rows"),
+                   donate_argnames=("state",))
+def run_chunk(model_fn, params, state: InterpState, *, cfg: InterpreterConfig, vocab_size: int, steps: int,
+              rows: int) -> InterpState:
+  """Up to `steps` steps of the first `rows` rows in one device call (every live row must be among them:
+  rows past them are free, and a free row never changes). The batch's step counter runs on across requests
+  (each row stops at its own `step_limit`), so it is not bounded by cfg.max_steps."""
+  if rows == state.finished.shape[0]:
+    return loop.run_loop(model_fn, params, state, state.step + steps, cfg, False, vocab_size)
+  head = loop.run_loop(model_fn, params, _take_rows(state, rows), state.step + steps, cfg, False, vocab_size)
+  return dataclasses.replace(_put_rows(state, head, jnp.arange(rows)), step=head.step, key=head.key)
 
 
 def empty_batch(model_fn, params, batch: int, *, cfg: InterpreterConfig, vocab_size: int,
@@ -196,7 +210,11 @@ class RowBatch:
     return rows
 
   def run(self, steps: int) -> None:
-    self.state = run_chunk(self.model_fn, self.params, self.state, steps=steps, **self.run_args)
+    """`steps` steps of the busy rows: only the smallest power-of-two prefix of rows that holds them all is
+    computed (rows are admitted lowest first), so a lightly loaded batch costs what a small one does."""
+    busy = self.busy_rows()
+    rows = min(bucket(max(busy) + 1, minimum=1), self.batch) if busy else 1
+    self.state = run_chunk(self.model_fn, self.params, self.state, steps=steps, rows=rows, **self.run_args)
 
   def peek(self) -> HostView:
     return peek(self.state)
