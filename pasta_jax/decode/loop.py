@@ -54,8 +54,9 @@ def prefill(model_fn: ModelFn, params, prompt_tokens, lengths, pool_slots: int, 
   slot_idx = jnp.broadcast_to(jnp.arange(pool_slots), (batch, pool_slots)).astype(jnp.int32)
   mask = visible(jnp.broadcast_to(horizon, (batch,) + horizon.shape), jnp.zeros_like(slot_idx), slot_idx, slot_valid)
   prefill_slots = jnp.where(idx[None, :] < lengths[:, None], positions, pool_slots)
-  logits, pool = model_fn(params, prompt_tokens, positions, mask, pool, prefill_slots, slot_idx)
-  return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1), pool
+  # Only the last prompt row's logits are computed: [B, P, V] of them would cost P output heads.
+  return model_fn(params, prompt_tokens, positions, mask, pool, prefill_slots, slot_idx,
+                  logit_rows=(lengths - 1)[:, None])
 
 
 def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Array, script, script_len,

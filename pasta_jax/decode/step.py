@@ -19,7 +19,7 @@ from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.state import CLOSING, InterpState
 from pasta_jax.visibility import visible
 
-# (params, tokens, positions, mask, pool, slots, kv_positions[, token_weights=]) -> (logits, pool)
+# (params, tokens, positions, mask, pool, slots, kv_positions[, token_weights=, logit_rows=]) -> (logits, pool)
 ModelFn = Callable
 
 

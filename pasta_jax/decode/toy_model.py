@@ -38,7 +38,7 @@ def toy_params(cfg: ToyConfig, tag_bias: dict[int, float], seed: int = 0) -> dic
 
 
 def toy_apply(params, tokens, positions, mask, pool: KVPool | None = None, slots=None,
-              kv_positions=None, token_weights=None):
+              kv_positions=None, token_weights=None, logit_rows=None):
   """Same contract as `Gemma.apply(params, ...)`: returns (logits [B, Q, V], pool). With token_weights
   [B, Q, K], tokens are [B, Q, K] and each input row is their weighted mix."""
   del kv_positions
@@ -54,4 +54,6 @@ def toy_apply(params, tokens, positions, mask, pool: KVPool | None = None, slots
   weights = mask.astype(jnp.float32)
   context = jnp.einsum("bqs,bsd->bqd", weights, keys) / jnp.maximum(weights.sum(-1, keepdims=True), 1.0)
   logits = mix(params["table"][tokens]) + context @ params["readout"] + params["bias"]
+  if logit_rows is not None:
+    logits = jnp.take_along_axis(logits, logit_rows[..., None], axis=1)
   return logits, pool

@@ -270,9 +270,11 @@ class Gemma(nn.Module):
 
   @nn.compact
   def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None,
-               kv_positions=None, return_hidden: bool = False, token_weights=None):
+               kv_positions=None, return_hidden: bool = False, token_weights=None, logit_rows=None):
     """tokens: [B, Q] ids; or [B, Q, K] ids with token_weights [B, Q, K], when each input row is the
-    weighted sum of K tokens' embeddings (a superposed input, as Superposed Decoding feeds)."""
+    weighted sum of K tokens' embeddings (a superposed input, as Superposed Decoding feeds).
+    logit_rows: [B, R] query rows whose logits (and hidden states) are returned, [B, R, V]; None: all Q.
+    A prefill needs only the last prompt row's: the output head is most of a small model's work."""
     cfg = self.config
     embedding = self.param("embedder", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.embed_dim))
     row_delta, x = self._embed(embedding, tokens, token_weights)
@@ -290,6 +292,8 @@ class Gemma(nn.Module):
       x, pk, pv = layer(x, positions, mask, kv_positions, pk, pv, slots)
       x = self._constrain(x)
     x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
+    if logit_rows is not None:
+      x = jnp.take_along_axis(x, logit_rows[..., None], axis=1)  # [B, R, D]
     unembed = embedding.astype(self.dtype)  # [V, D]: already [out, in], so in both layouts
     if self.decode_layout:
       logits = project(x, unembed, "d", "v", True, preferred_element_type=jnp.float32)
