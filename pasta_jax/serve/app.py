@@ -20,6 +20,7 @@ import fastapi
 import uvicorn
 from fastapi import responses
 
+from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.tokenizing import chat_text
 from pasta_jax.errors import PastaError
 from pasta_jax.serve import protocol
@@ -168,8 +169,7 @@ async def _json(http: fastapi.Request):
     raise ApiError(400, f"the request body is not valid JSON: {err}") from None
 
 
-def _sampling(body):
-  from pasta_jax.decode.sampling import SamplingConfig
+def _sampling(body) -> SamplingConfig:
   return SamplingConfig(temperature=body.temperature, top_p=body.top_p, seed=body.seed or 0)
 
 
