@@ -165,8 +165,10 @@ def generate_rate(model, prompt: str, method: str, max_tokens: int) -> float:
   return result.content_tokens / (time.perf_counter() - start)
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="bench.serve", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--prompts", default="alpaca_eval_805", help="instructions to send (a shared data name or JSONL)")
   parser.add_argument("--levels", default="1,4,16,64")
   parser.add_argument("--per-client", type=float, default=2.0, help="requests per client in a wave (at least 4)")
   parser.add_argument("--max-requests", type=int, default=64, help="at most this many requests in a wave")
@@ -176,11 +178,15 @@ def main(argv=None) -> None:
   parser.add_argument("--pool", type=int, default=512)
   parser.add_argument("--start-timeout", type=float, default=900)
   parser.add_argument("--out", default="runs/bench_serve")
-  args = parser.parse_args(argv)
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+  args = parse_args(argv)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   levels = [int(x) for x in args.levels.split(",")]
-  prompts = [r["instruction"] for r in sources.read_records("alpaca_eval_805", max_records=200)]
+  prompts = [r["instruction"] for r in sources.read_records(args.prompts, max_records=200)]
   reports, answers_all, peak = [], [], float("nan")
   with server(args, args.batch, out / "server.log") as (url, proc):
     for i, clients in enumerate(levels):

@@ -123,6 +123,7 @@ def test_models_health_and_metrics(server, client):
     ({"prompt": "hi", "max_tokens": 49}, 400, "max_tokens"),
     ({"prompt": "hi", "method": "telepathy"}, 400, "method"),
     ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "seed": 3}, 400, "seed"),
     ({"prompt": "y" * 300}, 400, "prompt"),
     ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),

@@ -111,8 +111,11 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0) -> fastap
     updates: asyncio.Queue[Update] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or engine.cfg.default_max_tokens
-    request = Request(ids=ids, method=body.method, max_tokens=max_tokens, sampling=_sampling(body),
-                      sink=lambda u: loop.call_soon_threadsafe(updates.put_nowait, u))
+    def sink(update: Update) -> None:  # called from the engine thread
+      with contextlib.suppress(RuntimeError):  # the event loop already closed (the server is gone)
+        loop.call_soon_threadsafe(updates.put_nowait, update)
+
+    request = Request(ids=ids, method=body.method, max_tokens=max_tokens, sampling=_sampling(body), sink=sink)
     try:
       engine.submit(request)
     except QueueFull as err:
@@ -170,7 +173,7 @@ async def _json(http: fastapi.Request):
 
 
 def _sampling(body) -> SamplingConfig:
-  return SamplingConfig(temperature=body.temperature, top_p=body.top_p, seed=body.seed or 0)
+  return SamplingConfig(temperature=body.temperature, top_p=body.top_p)
 
 
 def _sse(payload: dict) -> str:

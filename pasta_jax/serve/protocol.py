@@ -2,8 +2,9 @@
 
 Bodies are validated strictly: an unknown field, a wrong type or a value out of range is a 400 that names
 the field (OpenAI's error shape), never a silent default. Fields OpenAI defines that this server cannot
-honour (several choices, stop strings, penalties, log-probabilities) are refused by name unless they carry
-their neutral value. Two fields are ours: `method` (the decoding method) and `return_trace` (the thread
+honour (several choices, stop strings, penalties, log-probabilities, a seed: a sampled row's key folds in its
+batch row and step, so no per-request seed can be kept) are refused by name unless they carry their neutral
+value. Two fields are ours: `method` (the decoding method) and `return_trace` (the thread
 trace of the answer).
 """
 
@@ -53,7 +54,8 @@ class _Body(pydantic.BaseModel):
 
   def unsupported(self) -> str | None:
     """The first OpenAI field given a value this server cannot honour, or None."""
-    given = {"n": self.n != 1, "stop": bool(self.stop), "presence_penalty": self.presence_penalty != 0,
+    given = {"n": self.n != 1, "stop": bool(self.stop), "seed": self.seed is not None,
+             "presence_penalty": self.presence_penalty != 0,
              "frequency_penalty": self.frequency_penalty != 0, "logprobs": self.logprobs not in (None, False)}
     return next((name for name, bad in given.items() if bad), None)
 
