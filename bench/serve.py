@@ -44,11 +44,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(args, batch: int, log: Path):
+def server(args, batch: int, log: Path, chunk: int | None = None):
   """`pasta serve` as a subprocess on a free loopback port; yields (url, process); SIGTERM at the end."""
   port = free_port()
   cmd = [sys.executable, "-m", "pasta_jax.cli", "serve", "--port", str(port), "--batch", str(batch),
-         "--chunk", str(args.chunk), "--max-tokens", str(args.max_tokens), "--max-queue", "256",
+         "--chunk", str(chunk or args.chunk), "--max-tokens", str(args.max_tokens), "--max-queue", "256",
          "--pool", str(args.pool), "--warmup", "pasta,sequential"]
   proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
   url = f"http://127.0.0.1:{port}"
@@ -175,6 +175,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--max-tokens", type=int, default=64)
   parser.add_argument("--batch", type=int, default=16)
   parser.add_argument("--chunk", type=int, default=8)
+  parser.add_argument("--batch1-chunks", default="", help="more chunk sizes K for the batch-1 overhead (e.g. 4,16)")
   parser.add_argument("--pool", type=int, default=512)
   parser.add_argument("--start-timeout", type=float, default=900)
   parser.add_argument("--out", default="runs/bench_serve")
@@ -201,15 +202,21 @@ def main(argv=None) -> None:
     (out / "metrics.txt").write_text(httpx.get(f"{url}/metrics").text)
     peak = peak_rss_mib(proc.pid)
   alone_jobs = [(a["prompt"], a["method"]) for a in answers_all[:4]]
-  with server(args, 1, out / "server_batch1.log") as (url, _):  # the chunking overhead alone: one row
-    for label in ("warm-up", "measured"):
-      bar = tqdm(total=len(alone_jobs), desc=f"batch-1 server {label}", unit="req")
-      alone = asyncio.run(wave(url, 1, alone_jobs, args.max_tokens, bar))[0]
+  chunks = sorted({args.chunk, *(int(k) for k in args.batch1_chunks.split(",") if k)})
+  alone_by_chunk = {}
+  for chunk in chunks:  # the chunking overhead alone: one row, chunk K
+    with server(args, 1, out / f"server_batch1_k{chunk}.log", chunk) as (url, _):
+      for label in ("warm-up", "measured"):
+        with tqdm(total=len(alone_jobs), desc=f"batch-1 server K={chunk} {label}", unit="req") as bar:
+          alone_by_chunk[chunk] = asyncio.run(wave(url, 1, alone_jobs, args.max_tokens, bar))[0]
+  alone = alone_by_chunk[args.chunk]
   from pasta_jax.model.load import load_model
   model = load_model(None)
-  mixed = check_answers(model, answers_all + alone, args.max_tokens)
+  mixed = check_answers(model, answers_all + [a for k in chunks for a in alone_by_chunk[k]], args.max_tokens)
   rates = [generate_rate(model, a["prompt"], a["method"], args.max_tokens) for a in alone]
-  ratio = statistics.median((a["tokens"] / a["seconds"]) / rate for a, rate in zip(alone, rates, strict=True))
+  by_chunk = {k: statistics.median((a["tokens"] / a["seconds"]) / rate
+                                   for a, rate in zip(alone_by_chunk[k], rates, strict=True)) for k in chunks}
+  ratio = by_chunk[args.chunk]
   generate_tps = sum(a["tokens"] for a in alone) / sum(a["tokens"] / r for a, r in zip(alone, rates, strict=True))
   print(f"\nserver: batch {args.batch}, chunk {args.chunk}, pool {args.pool}, max_tokens {args.max_tokens}; "
         f"peak memory {peak:.0f} MiB; throughput_16_over_1 divides by the better of one client and generate alone")
@@ -225,8 +232,12 @@ def main(argv=None) -> None:
   lost = sum(r["lost"] for r in reports)
   (out / "report.json").write_text(json.dumps({"levels": reports, "mixed_up": mixed, "peak_mib": peak,
                                                "batch1_over_generate": ratio, "generate_tps": generate_tps,
+                                               "batch1_over_generate_by_chunk": by_chunk,
                                                "args": vars(args)}, indent=1))
-  print(f"answers checked against generate alone: {len(answers_all) + len(alone) - lost}, mixed up: {mixed}")
+  checked = len(answers_all) + len(chunks) * len(alone) - lost
+  print(f"answers checked against generate alone: {checked}, mixed up: {mixed}")
+  print("batch-1 server tokens/s over generate alone by chunk K: "
+        + ", ".join(f"K={k}: {r:.2f}" for k, r in by_chunk.items()))
   print(f"one request at a time: generate alone {generate_tps:.1f} tok/s; a --batch 1 server {ratio:.2f}x that "
         f"(median of {len(alone)}); the --batch {args.batch} server at 1 client "
         f"{by.get(1, reports[0])['throughput']:.1f} tok/s")
