@@ -191,3 +191,27 @@ def test_shutdown_cuts_running_requests_cleanly_and_returns():
 def engine_request():
   from pasta_jax.serve.engine import Request
   return Request(ids=[2, 100], method="sequential", max_tokens=4, sink=lambda u: None)
+
+
+def test_a_failing_request_ends_alone_and_the_engine_serves_on():
+  """A request whose client side raises (here: its sink) is ended with an error; its neighbours and later
+  requests are served as usual."""
+  import queue
+
+  from pasta_jax.serve.engine import Request
+  engine = Engine(MODEL, ServeConfig(batch=2, pool_slots=256, chunk_steps=2, max_tokens=16)).start()
+  try:
+    def broken(update):
+      raise RuntimeError("client went wrong")
+
+    good: queue.Queue = queue.Queue()
+    engine.submit(Request(ids=[2, 120, 130], method="sequential", max_tokens=12, sink=broken))
+    engine.submit(Request(ids=[2] + [100 + ord(c) for c in "Tea?"], method="sequential", max_tokens=12, sink=good.put))
+    updates = []
+    while not updates or not updates[-1].done:
+      updates.append(good.get(timeout=120))
+    assert updates[-1].finish_reason in ("stop", "length") and engine.error is None and engine.thread.is_alive()
+    assert "".join(u.delta for u in updates) == reference("Tea?", "sequential", 12, chat=False)
+    assert 'outcome="error"' in engine.metrics.text().decode()
+  finally:
+    engine.stop(grace_s=0)

@@ -10,6 +10,7 @@ thread (`submit`); updates go back through each request's `sink` callback.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -274,8 +275,14 @@ class Engine:
         self.metrics.finished.labels(request.method, "cancelled").inc()
         continue
       live = view.live(row)
-      result = None if live else api.to_result(run, now - request.created, self.lang, entry.prep)
-      self._hand_out(request, run, entry.prep.vocab, result, now)
+      try:
+        result = None if live else api.to_result(run, now - request.created, self.lang, entry.prep)
+        self._hand_out(request, run, entry.prep.vocab, result, now)
+      except Exception as err:  # one request's host-side failure (its text, its client) ends it, not the engine
+        with contextlib.suppress(Exception):
+          request.sink(Update("", True, "error", note=f"server error in this request: {err!r}"))
+        self.metrics.finished.labels(request.method, "error").inc()
+        live = False
       if not live:
         ended.append(row)
     for row in ended:
