@@ -100,3 +100,28 @@ def test_a_prompt_longer_than_the_pool_is_refused():
   cfg = batching.batch_config(InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=16, pool_slots=64), 8)
   with pytest.raises(PastaError, match="does not fit a pool of 64 slots"):
     batching.row_budgets(cfg, 70, 8)
+
+
+def test_settled_text_of_every_partial_run_is_a_prefix_of_the_final_text():
+  """Streaming (`serve.streaming.settled_ids`): at every step of forking PASTA runs, the settled content is a
+  prefix of the final answer's content (nothing streamed is taken back), and for a finished run it grows to
+  all of it but the held-back token."""
+  from pasta_jax.decode.result import content_ids
+  from pasta_jax.decode.state import STEP
+  from pasta_jax.lang import metrics
+  from pasta_jax.serve.streaming import settled_ids
+  cfg = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=16, pool_slots=POOL, max_steps=96, max_content=48)
+  rng = np.random.default_rng(1)
+  prompts = [[int(t) for t in rng.integers(70, 120, size=n)] for n in (4, 9, 13, 6)]
+  forked = 0
+  for run in run_interpreter(toy_apply, PARAMS, prompts, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC):
+    final = content_ids(metrics.annotated_from_records(run.records, VOCAB), VOCAB)
+    forked += int(run.records[:, THREAD].max()) > 0
+    shown = []
+    for step in range(int(run.records[:, STEP].max()) + 1):
+      now = content_ids(settled_ids(run.records[run.records[:, STEP] <= step], VOCAB), VOCAB)
+      assert final[: len(now)] == now and now[: len(shown)] == shown, step  # never taken back
+      shown = now
+    if run.finished:  # a run cut inside an open fork settles the rest only with its result (the engine sends it)
+      assert len(final) - len(shown) <= 1
+  assert forked >= 2
