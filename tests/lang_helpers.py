@@ -15,7 +15,8 @@ PAD, EOS, BOS = 0, 1, 2
 VOCAB = TagVocab.from_base(3, eos_ids=(EOS,))  # tags on ids 3 .. 58
 # Pred-1x: the same tags with one LENGTH token per exact length, on ids 1000 .. 1499 (above the text).
 EXACT_VOCAB = TagVocab(**{**{f: getattr(VOCAB, f) for f in ("promise", "async_open", "async_close", "sync",
-                                                              "apar_fork", "apar_child")},
+                                                              "apar_fork", "apar_child", "scope_open", "scope_close",
+                                                              "bare_promise")},
                           "lengths": tuple(range(1000, 1500)), "eos_ids": (EOS,), "length_step": 1})
 
 

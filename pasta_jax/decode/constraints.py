@@ -29,8 +29,8 @@ class AllowedTokens:
         mask[[t for t in group if t < vocab_size]] = False
       return mask
 
-    never = (vocab.async_open, vocab.apar_child, vocab.apar_fork)
-    pasta_tags = (vocab.promise, vocab.async_open, vocab.async_close, vocab.sync, *vocab.lengths)
+    never = (vocab.async_open, vocab.apar_child, vocab.apar_fork, *vocab.scoped_tags)
+    pasta_tags = (vocab.promise, vocab.async_open, vocab.async_close, vocab.sync, *vocab.lengths, *vocab.scoped_tags)
     return cls(
         main=allow(never, (vocab.async_close,), vocab.lengths),
         main_in_promise=allow(never, (vocab.promise, vocab.sync, vocab.async_close), vocab.eos_ids),

@@ -8,6 +8,8 @@ embeddings need no resizing and checkpoints stay compatible with stock ones:
                                                  it closes the promise and triggers the fork
   `<async>` `</async>` `<sync/>`  ASYNC, ASYNC_END, SYNC
   APAR's fork and child tokens    APAR_FORK, APAR_CHILD
+  the earlier paper's scoped form SCOPE `<scope>`, SCOPE_END `</scope>`, BARE_PROMISE `<promise/>`
+                                 (reserved after the LENGTH tokens, so the ids above never moved)
 
 A fork is detected by a token-id test (is it a LENGTH token?) inside `jit`, with no host trip.
 Text that merely contains "<promise" (HTML, code) tokenizes to ordinary tokens and never forks.
@@ -28,7 +30,9 @@ MAX_LENGTH = 500
 NUM_LENGTHS = MAX_LENGTH // LENGTH_STEP
 # Order of the reserved tokens, from <unused0> (or from `base` in a synthetic vocab).
 _LAYOUT = ("promise", "async_open", "async_close", "sync", "apar_fork", "apar_child")
-NUM_RESERVED = len(_LAYOUT) + NUM_LENGTHS
+# The scoped form's tags come after the LENGTH tokens: adding them moved no id that trained adapters use.
+_SCOPED_LAYOUT = ("scope_open", "scope_close", "bare_promise")
+NUM_RESERVED = len(_LAYOUT) + NUM_LENGTHS + len(_SCOPED_LAYOUT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +47,9 @@ class TagVocab:
   apar_child: int
   lengths: tuple[int, ...]  # lengths[i] is the token for tokens=(i + 1) * length_step
   eos_ids: tuple[int, ...]  # any of these ends main (and counts as </async> in a fork)
+  scope_open: int  # `<scope>` (the scoped form, pasta_jax.lang.scoped)
+  scope_close: int  # `</scope>`
+  bare_promise: int  # `<promise/>`: the scoped form's attribute-less promise; it forks at once
   length_step: int = LENGTH_STEP  # 10: Pred-10x buckets (the default); 1: one token per exact length (Pred-1x)
 
   def __post_init__(self):
@@ -55,25 +62,30 @@ class TagVocab:
     """Tags on ids base, base+1, ... (a synthetic vocab, or <unused0>'s id in Gemma)."""
     fixed = {name: base + i for i, name in enumerate(_LAYOUT)}
     start = base + len(_LAYOUT)
-    return cls(**fixed, lengths=tuple(range(start, start + MAX_LENGTH // length_step)), eos_ids=tuple(eos_ids),
+    end = start + MAX_LENGTH // length_step
+    scoped = {name: end + i for i, name in enumerate(_SCOPED_LAYOUT)}
+    return cls(**fixed, **scoped, lengths=tuple(range(start, end)), eos_ids=tuple(eos_ids),
                length_step=length_step)
 
   @classmethod
   def from_token_lookup(cls, token_to_id, eos_ids: tuple[int, ...], length_step: int = LENGTH_STEP) -> TagVocab:
-    """Tags on `<unused0>` ... `<unusedN>` as a tokenizer names them (N = 55 for 10-token length
-    buckets; 505 for one LENGTH token per exact length, which Gemma 3's vocabulary has room for).
+    """Tags on `<unused0>` ... `<unusedN>` as a tokenizer names them (N = 58 for 10-token length
+    buckets; 508 for one LENGTH token per exact length, which Gemma 3's vocabulary has room for).
 
     token_to_id: a callable or mapping from token string to id (None if absent).
     """
     lookup = token_to_id.get if hasattr(token_to_id, "get") else token_to_id
-    ids = [lookup(f"<unused{i}>") for i in range(len(_LAYOUT) + MAX_LENGTH // length_step)]
+    num_lengths = MAX_LENGTH // length_step
+    ids = [lookup(f"<unused{i}>") for i in range(len(_LAYOUT) + num_lengths + len(_SCOPED_LAYOUT))]
     missing = [f"<unused{i}>" for i, t in enumerate(ids) if t is None]
     if missing:
       raise TagError(f"the tokenizer lacks {len(missing)} reserved tokens needed for PASTA tags with a length "
                      f"step of {length_step}: {missing[:3]}...")
-    lengths = tuple(ids[len(_LAYOUT):])  # not always consecutive ids (Gemma 3's <unused*> are not)
+    end = len(_LAYOUT) + num_lengths
+    lengths = tuple(ids[len(_LAYOUT):end])  # not always consecutive ids (Gemma 3's <unused*> are not)
     fixed = dict(zip(_LAYOUT, ids[: len(_LAYOUT)]))
-    return cls(**fixed, lengths=lengths, eos_ids=tuple(eos_ids), length_step=length_step)
+    scoped = dict(zip(_SCOPED_LAYOUT, ids[end:]))
+    return cls(**fixed, **scoped, lengths=lengths, eos_ids=tuple(eos_ids), length_step=length_step)
 
   # --- length buckets -------------------------------------------------------------------------
   def length_token(self, tokens: int) -> int:
@@ -104,7 +116,12 @@ class TagVocab:
   @property
   def tag_ids(self) -> frozenset[int]:
     return frozenset((self.promise, self.async_open, self.async_close, self.sync, self.apar_fork,
-                      self.apar_child) + self.lengths)
+                      self.apar_child) + self.lengths + self.scoped_tags)
+
+  @property
+  def scoped_tags(self) -> tuple[int, ...]:
+    """The scoped form's own tags (it shares `<async>` and `</async>` with the later form)."""
+    return (self.scope_open, self.scope_close, self.bare_promise)
 
   def length_table(self, vocab_size: int) -> np.ndarray:
     """[V] int32: the `tokens` value of each LENGTH token, 0 elsewhere (for use under jit)."""

@@ -31,7 +31,8 @@ from pasta_jax.lang.tags import TagVocab
 
 def apar_constraint_mask(vocab: TagVocab, vocab_size: int, may_fork: bool) -> np.ndarray:
   allowed = np.ones((vocab_size,), bool)
-  banned = {vocab.promise, vocab.async_open, vocab.async_close, vocab.sync, vocab.apar_child, *vocab.lengths}
+  banned = {vocab.promise, vocab.async_open, vocab.async_close, vocab.sync, vocab.apar_child, *vocab.lengths,
+            *vocab.scoped_tags}
   if not may_fork:
     banned.add(vocab.apar_fork)
   allowed[[t for t in banned if 0 <= t < vocab_size]] = False

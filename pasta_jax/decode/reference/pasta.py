@@ -55,7 +55,8 @@ FREE, RUNNING, CLOSING, DONE = "free", "running", "closing", "done"
 def constraint_mask(vocab: TagVocab, vocab_size: int, is_main: bool, in_promise: bool) -> np.ndarray:
   """[V] bool, True where a token may be sampled (docs/interpreter.md, Constraints).
 
-  - every thread: no `ASYNC`, `APAR_CHILD` (the interpreter inserts those) or `APAR_FORK` (PASTA mode);
+  - every thread: no `ASYNC`, `APAR_CHILD` (the interpreter inserts those), `APAR_FORK` or the scoped
+    form's tags (PASTA mode);
   - main outside a promise: no `ASYNC_END`, no `LENGTH`;
   - main inside a promise: only topic text (non-tag tokens) and `LENGTH`;
   - a fork: no `PROMISE`, `LENGTH` or `SYNC`.
@@ -66,7 +67,7 @@ def constraint_mask(vocab: TagVocab, vocab_size: int, is_main: bool, in_promise:
   def ban(tokens):
     allowed[[t for t in tokens if 0 <= t < vocab_size]] = False
 
-  ban((vocab.async_open, vocab.apar_child, vocab.apar_fork))
+  ban((vocab.async_open, vocab.apar_child, vocab.apar_fork, *vocab.scoped_tags))
   if not is_main:
     ban((vocab.promise, vocab.sync, *vocab.lengths))
   elif in_promise:
