@@ -116,3 +116,13 @@ def test_compose_replaces_each_promise_with_its_block():
   text = "<scope>Two: <promise/><async>A, nested <scope><promise/><async>a1</async></scope>.</async> and B</scope>!"
   assert scoped.compose_text(text) == "Two: A, nested a1. and B!"
   assert scoped.depth(scoped.parse(text)) == (2, 2)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(tree=scoped_programs(well_formed=True))
+def test_critical_path_is_the_schedule_with_unlimited_lanes(tree):
+  run = run_scoped_reference(None, None, [[3, 4]], VOCAB, lanes=64, max_threads=64, pool_slots=1024,
+                             max_steps=1000, sampling=SamplingConfig(), scripts=[tree])[0]
+  assert run.finished and run.stalls == 0
+  ids = text_order(tree)[:-1]
+  assert scoped.critical_path(scoped.parse_tokens(ids, VOCAB), VOCAB) == run.steps

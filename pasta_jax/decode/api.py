@@ -33,6 +33,7 @@ from pasta_jax.decode import loop
 from pasta_jax.decode.apar_text import encode_apar_text
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import RunOutput, bucket, pool_size
+from pasta_jax.decode.reference.scoped import run_scoped_reference
 from pasta_jax.decode.result import (
   PastaResult,
   Result,
@@ -40,15 +41,17 @@ from pasta_jax.decode.result import (
   content_ids,
   drafts_result,
   pasta_result,
+  scoped_result,
   tree_result,
 )
-from pasta_jax.decode.rules import AparRules, PastaRules, Rules, SequentialRules, SotRules, SuperposedRules
+from pasta_jax.decode.rules import AparRules, PastaRules, Rules, ScopedRules, SequentialRules, SotRules, SuperposedRules
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.sharding import DecodeSharding
 from pasta_jax.decode.state import PositionMode
 from pasta_jax.decode.tokenizing import LangTokenizer, chat_text, prompt_ids
 from pasta_jax.errors import PastaError, TagError
 from pasta_jax.lang import apar_tree as tree
+from pasta_jax.lang import scoped
 from pasta_jax.lang import tokens as tok
 from pasta_jax.lang.layout import answer_for_mode
 from pasta_jax.lang.tags import TagVocab, tag_vocab_for
@@ -58,7 +61,7 @@ __all__ = ["GREEDY", "METHODS", "LangTokenizer", "PastaResult", "Result", "Threa
            "stream_ids"]
 
 GREEDY = SamplingConfig()  # frozen: safe as a default argument
-METHODS = ("pasta", "apar", "sot", "sequential", "superposed")
+METHODS = ("pasta", "pasta-v0", "apar", "sot", "sequential", "superposed")
 PASTA = PastaRules()
 
 
@@ -69,6 +72,8 @@ def rules_for(method: str, *, max_depth: int = 3, fan_out: int = 1, ignore_eos: 
     return SuperposedRules(drafts=drafts, ngram_weight=ngram_weight)
   if method == "pasta":
     return PastaRules()
+  if method == "pasta-v0":
+    return ScopedRules(max_depth=max_depth)
   if method == "apar":
     return AparRules(max_depth=max_depth)
   if method == "sot":
@@ -131,6 +136,21 @@ def scripts_from_ids(ids: Sequence[int], vocab: TagVocab) -> list[list[int]]:
     else:
       main += list(seg.all_ids)
   return [main + [vocab.eos_ids[0]]] + forks
+
+
+def scoped_scripts(answer: str, tokenizer: LangTokenizer, vocab: TagVocab, lanes: int, max_threads: int,
+                   max_depth: int, where: str = "") -> list[list[int]]:
+  """Scoped text form -> per-thread scripts by thread id. Thread ids follow the spawn order, which depends on
+  timing, so a schedule-only run of the reference interpreter (no model: forced tokens need none) assigns them
+  with the same lanes and thread ids as the jitted run."""
+  try:
+    items = scoped.parse(answer, max_depth)
+  except TagError as err:
+    raise TagError(f"{where}{err}") from None
+  script = scoped.answer_script(scoped.encode(items, tokenizer.encode, vocab), vocab)
+  run = run_scoped_reference(None, None, [[0]], vocab, lanes=lanes, max_threads=max_threads, pool_slots=2**30,
+                             max_steps=2**30, sampling=GREEDY, scripts=[script], max_depth=max_depth)[0]
+  return run.scripts_by_thread
 
 
 def apar_scripts(answer: str, tokenizer: LangTokenizer, vocab: TagVocab, lanes: int, max_threads: int,
@@ -263,7 +283,7 @@ def run_prepared(prep: Prepared, runner=loop.prefill_and_run) -> tuple[list[RunO
 def to_result(run: RunOutput, seconds: float, tokenizer: LangTokenizer, prep: Prepared) -> Result:
   rules = prep.cfg.rules
   build = tree_result if isinstance(rules, AparRules) else drafts_result if isinstance(rules, SuperposedRules) \
-      else pasta_result
+      else scoped_result if isinstance(rules, ScopedRules) else pasta_result
   return build(run, seconds, tokenizer, prep.vocab, prep.cfg.rules.name)
 
 
@@ -291,6 +311,9 @@ def prepare_method(model, ids: Sequence[Sequence[int]], *, method: str = "pasta"
     vocab, lang = tag_vocab_for(model.tokenizer, mode), LangTokenizer(model.tokenizer)
     if method in ("apar", "sot"):
       scripts = [apar_scripts(a, lang, vocab, lanes, max_threads, f"forced answer {i}: ")
+                 for i, a in enumerate(forced_answers)]
+    elif method == "pasta-v0":
+      scripts = [scoped_scripts(a, lang, vocab, lanes, max_threads, max_depth, f"forced answer {i}: ")
                  for i, a in enumerate(forced_answers)]
     else:
       scripts = [forced_scripts(a, lang, vocab, f"forced answer {i}: ", mode) for i, a in enumerate(forced_answers)]
@@ -344,10 +367,12 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
 
   method: "pasta", "apar", "sequential" ("sot" needs point prompts: `generate_ids(..., scripts=...)`, or
   `pasta_jax.baselines.sot.SkeletonOfThought` for the whole two-stage method).
-  forced_answers: one per prompt, replayed instead of sampled (promise form; APAR's text form for "apar");
+  method "pasta-v0": the earlier paper's scoped form (`<scope>`, `<promise/>`; lang/scoped.py).
+  forced_answers: one per prompt, replayed instead of sampled (promise form; APAR's text form for "apar"; the
+  scoped form for "pasta-v0");
   a malformed one raises TagError naming the place. Their length overrides max_new_tokens.
   return_logits: keep the logits behind every recorded token (`Result.logits`, [N, V]).
-  max_depth: APAR's fork depth limit (main = 0).
+  max_depth: APAR's fork depth limit (main = 0); for "pasta-v0", the limit of scope and of fork nesting.
   drafts, ngram: method "superposed" (Superposed Decoding): k drafts (default 3; `Result.drafts`, best
   first) and the n-gram index that smooths them ("default": the training pools' index, which
   `pasta ngram build` writes; a folder; an `NgramIndex`; None: no smoothing). max_new_tokens is the drafts' length.

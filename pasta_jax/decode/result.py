@@ -13,7 +13,7 @@ from pasta_jax.decode.loop import RunOutput
 from pasta_jax.decode.state import LANE, STEP, THREAD, TOKEN
 from pasta_jax.errors import TagError
 from pasta_jax.lang import apar_tree as tree
-from pasta_jax.lang import metrics
+from pasta_jax.lang import metrics, scoped
 from pasta_jax.lang import text as T
 from pasta_jax.lang import tokens as tok
 from pasta_jax.lang.tags import TagVocab
@@ -151,6 +151,44 @@ def pasta_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, met
       theoretical_parallelism=parallelism, seconds=seconds, tokens=len(body), content_tokens=content,
       pool_full=run.pool_full, budget_spent=run.budget_spent, method=method, critical_path=path,
       fork_refusals=run.fork_refusals, peak_live_slots=run.peak_live_slots, parents=run.parents, logits=run.logits)
+
+
+def scoped_text_order(records: np.ndarray, parents: np.ndarray, vocab: TagVocab) -> list[int]:
+  """A scoped run's tokens in text order: each thread's tokens, its k-th fed `<promise/>` followed by its k-th
+  child's tokens (`<async>` ... `</async>`), recursively; main's end id last (lenient: works on cut-off runs)."""
+  own = {int(u): records[records[:, THREAD] == u, TOKEN].tolist() for u in np.unique(records[:, THREAD])}
+  children = {u: [v for v in sorted(own) if v > 0 and int(parents[v]) == u] for u in own}
+
+  def walk(u: int) -> list[int]:
+    out, kids = [], iter(children[u])
+    for token in own[u]:
+      out.append(token)
+      if token == vocab.bare_promise:
+        child = next(kids, None)
+        out += walk(child) if child is not None else []
+    return out
+
+  return walk(0)
+
+
+def scoped_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, method: str = "pasta-v0") -> Result:
+  """A scoped (earlier-paper) run -> its Result: the annotated answer in the scoped text form, the clean text
+  (each `<promise/>` replaced by its block: the text order without tags), metrics and trace."""
+  ids = scoped_text_order(run.records, run.parents, vocab)
+  body = [t for t in ids if t not in vocab.eos_ids]
+  content = [t for t in body if t not in vocab.tag_ids]
+  try:
+    path = float(scoped.critical_path(scoped.parse_tokens(body, vocab), vocab))
+    speedup = len(content) / path if path else math.nan
+  except TagError:  # cut off mid-block or mid-scope
+    path = speedup = math.nan
+  return Result(
+      text=tokenizer.decode(content), annotated=scoped.decode(body, tokenizer.decode, vocab), records=run.records,
+      threads=thread_traces(run.records, vocab), sync_steps=(), steps=run.steps, stalls=run.stalls,
+      finished=run.finished, truncated=run.truncated, theoretical_speedup=speedup, theoretical_parallelism=speedup,
+      seconds=seconds, tokens=len(body), content_tokens=len(content), pool_full=run.pool_full,
+      budget_spent=run.budget_spent, method=method, critical_path=path, fork_refusals=run.fork_refusals,
+      peak_live_slots=run.peak_live_slots, parents=run.parents, logits=run.logits)
 
 
 def drafts_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, method: str = "superposed") -> Result:

@@ -280,3 +280,45 @@ def depth(items: Iterable[Item]) -> tuple[int, int]:
       s, f = depth(item.block)
       scopes, forks = max(scopes, s), max(forks, f + 1)
   return scopes, forks
+
+
+def critical_path(items: Iterable[Item], vocab: TagVocab) -> int:
+  """Steps the interpreter needs with unlimited lanes (its `steps`: the last step anything feeds), for a
+  well-formed answer (token items). Main feeds its answer from step 1 on; a child feeds its `<async>` in the
+  step its promise feeds, then one token a step; a `</scope>` feeds no earlier than the step each block of
+  its scope feeds its `</async>` (a closing fork no longer blocks). A tag-free answer of N tokens takes N."""
+  step, last = _thread_steps(list(items), vocab, start=1, is_fork=False)
+  return max(step - 1, last)
+
+
+def _thread_steps(items: list, vocab: TagVocab, start: int, is_fork: bool) -> tuple[int, int]:
+  """(the step after the thread's last feed, the last feed step of the thread and everything it spawned)."""
+  step, last = start, start - 1
+  scope_ends: list[int] = []  # per open scope: the latest `</async>` feed step of its blocks (and theirs)
+
+  def walk(seq):
+    nonlocal step, last
+    for item in seq:
+      if isinstance(item, Scope):
+        step += 1  # `<scope>`
+        scope_ends.append(0)
+        walk(item.body)
+        step = max(step, scope_ends.pop())  # `</scope>` waits for its blocks
+        last = max(last, step)
+        step += 1
+      elif isinstance(item, Fork):
+        child_end, child_last = _thread_steps(list(item.block), vocab, start=step + 1, is_fork=True)
+        # The child's `<async>` feeds with the promise (step); its `</async>` feeds at child_end.
+        for k in range(len(scope_ends)):
+          scope_ends[k] = max(scope_ends[k], child_last)
+        last = max(last, child_last, step)
+        step += 1
+      else:
+        step += len(item)
+        last = max(last, step - 1)
+
+  walk(items)
+  if is_fork:
+    last = max(last, step)  # `</async>` feeds one step after the block's last content token
+    return step + 1, last
+  return step, last

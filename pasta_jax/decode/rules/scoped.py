@@ -127,7 +127,7 @@ class ScopedRules(Rules):
   """Scoped PASTA (the earlier paper): `<scope>` nests, `<promise/>` forks at once in any thread, and
   `</scope>` waits only for the forks of its own scope."""
 
-  name: ClassVar[str] = "scoped"
+  name: ClassVar[str] = "pasta-v0"
   max_depth: int = DEFAULT_MAX_DEPTH  # limit of scope nesting, and of fork nesting (constraints only)
 
   def validate(self, cfg: InterpreterConfig) -> None:
