@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "trained on chat turns; off for a base model, which continues plain text)")
   gen.add_argument("--pasta", action="store_true", help="decode with the PASTA interpreter and show threads "
                                                         "(= --method pasta)")
-  gen.add_argument("--method", choices=["sequential", "pasta", "superposed"], default=None,
-                   help="sequential (default; streams), pasta (threads), superposed (k drafts from one decode)")
+  gen.add_argument("--method", choices=["sequential", "pasta", "pasta-v0", "superposed"], default=None,
+                   help="sequential (default; streams), pasta (threads), pasta-v0 (the earlier paper's scoped "
+                        "tags, threads), superposed (k drafts from one decode)")
   gen.add_argument("--drafts", type=int, default=3, help="--method superposed: how many drafts (k)")
   gen.add_argument("--ngram", default="default",
                    help="--method superposed: n-gram index folder (`pasta ngram build`), 'default' (the training "

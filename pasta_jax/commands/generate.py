@@ -59,10 +59,10 @@ def run_generate(args) -> int:
     return run_superposed(model, prompt_ids, args, dtype)
   if args.drafts != 3:
     raise PastaError("--drafts is for --method superposed")
-  if method == "pasta":
+  if method in ("pasta", "pasta-v0"):
     from pasta_jax.commands.pasta_view import run_pasta
 
-    return run_pasta(model, prompt_ids, args, sampling, dtype)
+    return run_pasta(model, prompt_ids, args, sampling, dtype, method)
   start = time.perf_counter()
   first_token_at = None
   shown, tokens = "", 0

@@ -1,4 +1,4 @@
-"""`pasta generate --pasta`: decode with the interleaved interpreter and show its threads.
+"""`pasta generate --pasta` (or `--method pasta-v0`): decode with the interleaved interpreter, show its threads.
 
 Prints the clean answer, then one row per thread: lane, spawn -> finish steps, content tokens and a
 text Gantt chart over the steps (`█` feeds, `▒` main waits at a sync or its end, `░` main stalls
@@ -21,7 +21,8 @@ _RANK = {FEED: 3, WAIT: 2, STALL: 1, IDLE: 0}
 
 
 def main_states(result: PastaResult, vocab: TagVocab) -> dict[int, str]:
-  """Steps where main does not feed: WAIT (pending `<sync/>` or end) or STALL (pending LENGTH)."""
+  """Steps where main does not feed: WAIT (pending `<sync/>`, `</scope>` or end) or STALL (pending LENGTH or
+  `<promise/>`: no free lane)."""
   records = result.records
   main = records[records[:, THREAD] == 0]
   states = {}
@@ -29,7 +30,8 @@ def main_states(result: PastaResult, vocab: TagVocab) -> dict[int, str]:
     start = int(row[STEP]) + 1
     stop = int(main[k + 1, STEP]) if k + 1 < len(main) else result.steps + 1
     token = int(row[TOKEN])
-    mark = WAIT if token == vocab.sync or token in vocab.eos_ids else STALL if vocab.is_length(token) else None
+    waits = token in (vocab.sync, vocab.scope_close) or token in vocab.eos_ids
+    mark = WAIT if waits else STALL if vocab.is_length(token) or token == vocab.bare_promise else None
     for step in range(start, stop):
       if mark:
         states[step] = mark
@@ -70,9 +72,9 @@ def summary(result: PastaResult, compile_seconds: float) -> str:
           f"(+{compile_seconds:.1f}s compile/setup)]")
 
 
-def run_pasta(model, prompt_ids, args, sampling, dtype) -> int:
+def run_pasta(model, prompt_ids, args, sampling, dtype, method: str = "pasta") -> int:
   start = time.perf_counter()
-  result = generate_ids(model, [prompt_ids], max_new_tokens=args.max_new_tokens, lanes=args.lanes,
+  result = generate_ids(model, [prompt_ids], method=method, max_new_tokens=args.max_new_tokens, lanes=args.lanes,
                         sampling=sampling, dtype=dtype, mesh=getattr(args, "mesh_obj", None))[0]
   setup = time.perf_counter() - start - result.seconds
   vocab = model.tokenizer.tag_vocab()
