@@ -68,7 +68,8 @@ def scoped_programs(draw, budget: int = 60, well_formed: bool = False) -> Thread
     tokens += [VOCAB.scope_open, *inner, VOCAB.scope_close]
     children += kids
   tokens += draw(st.lists(PLAIN_TOKENS, max_size=3))
-  if not well_formed and draw(st.booleans()) and VOCAB.scope_close in tokens:  # EOS inside a scope: cut before a `</scope>`
+  # EOS inside a scope: cut before a `</scope>`
+  if not well_formed and draw(st.booleans()) and VOCAB.scope_close in tokens:
     cut = draw(st.sampled_from([i for i, t in enumerate(tokens) if t == VOCAB.scope_close]))
     promises = tokens[:cut].count(VOCAB.bare_promise)
     tokens, children = tokens[:cut], children[:promises]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from pasta_jax.decode.reference.scoped import run_scoped_reference
 from pasta_jax.decode.sampling import SamplingConfig

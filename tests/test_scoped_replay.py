@@ -50,7 +50,7 @@ def forced_replay(cfg, params, prompt, answer, vocab, *, lanes=4, max_threads=8,
 def replay_by_input(out, prompt_len: int) -> dict:
   """(thread, position of the fed token) -> the logits its query produced."""
   by_input, last_pos = {}, {0: prompt_len - 1}
-  for (_, _, thread, token, position), logits in zip(out.records.tolist(), out.logits):
+  for (_, _, thread, _, position), logits in zip(out.records.tolist(), out.logits):
     if thread in last_pos:
       by_input[(thread, last_pos[thread])] = logits
     last_pos[thread] = position

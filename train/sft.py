@@ -34,8 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="train.sft", description=__doc__.split("\n\n")[0])
   parser.add_argument("--data", required=True, help="lima, alpaca_gpt4_1k, alpaca_5k or a JSONL path")
   parser.add_argument("--data-dir", default=None, help="TFDS data dir (default: ~/tensorflow_datasets)")
-  parser.add_argument("--objective", choices=["sft", "baseline_sft", "apar_sft"], default="sft",
-                      help="sft (PASTA), baseline_sft (tags stripped) or apar_sft (APAR-format data, APAR's mask)")
+  parser.add_argument("--objective", choices=["sft", "baseline_sft", "apar_sft", "scoped_sft"], default="sft",
+                      help="sft (PASTA), baseline_sft (tags stripped), apar_sft (APAR-format data, APAR's mask) or "
+                           "scoped_sft (the earlier paper's scoped form: its structural rule, synchronous prefixes)")
   parser.add_argument("--annotate", choices=["structural", "none"], default="structural")
   parser.add_argument("--limit", type=int, help="use the first N training records")
   parser.add_argument("--only-annotated", action="store_true",
@@ -54,28 +55,31 @@ def training_records(args, tokenizer) -> tuple[list[dict], list[dict]]:
     held_out = list(data_source(args.data, args.data_dir, "validation"))
   except DataError:  # sources without a validation split: hold out nothing
     held_out = []
-  if args.annotate == "structural" and args.objective in ("sft", "baseline_sft"):  # same records for both
-    todo = [i for i, r in enumerate(train) if not r.get("annotated")]
-    for i, record in zip(todo, annotate_records([train[i] for i in todo], tokenizer, progress=True)):
+  if args.annotate == "structural" and args.objective in ("sft", "baseline_sft", "scoped_sft"):  # same records
+    scoped = args.objective == "scoped_sft"
+    field, annotator = ("scoped", "structural_scoped") if scoped else ("annotated", "structural")
+    todo = [i for i, r in enumerate(train) if not r.get(field)]
+    for i, record in zip(todo, annotate_records([train[i] for i in todo], tokenizer, annotator, progress=True)):
       train[i] = record
   if args.objective == "apar_sft":
     from pasta_jax.data.apar_format import apar_records
     train, kinds = apar_records(train)
     print(f"APAR format: {dict(kinds)}")
   if args.only_annotated:
-    field = "apar" if args.objective == "apar_sft" else "annotated"
-    train = [r for r in train if r.get(field)]
+    train = [r for r in train if r.get(annotation_field(args.objective))]
   return train, held_out
 
 
-def sample_held_out(model_dir, prompts: list[str], out_dir, tokens: int, apar: bool = False) -> str:
-  """Decodes held-out prompts with the trained model (PASTA or, for apar_sft, APAR mode)."""
+def annotation_field(objective: str) -> str:
+  return {"apar_sft": "apar", "scoped_sft": "scoped"}.get(objective, "annotated")
+
+
+def sample_held_out(model_dir, prompts: list[str], out_dir, tokens: int, method: str = "pasta") -> str:
+  """Decodes held-out prompts with the trained model (PASTA; APAR for apar_sft; pasta-v0 for scoped_sft)."""
   from pasta_jax.decode import api
   model = load_model(model_dir)
-  if apar:
-    results = api.generate(model, prompts, method="apar", max_new_tokens=tokens, chat=True)
-  else:
-    results = api.generate(model, prompts, max_new_tokens=tokens, chat=True)
+  apar = method == "apar"
+  results = api.generate(model, prompts, method=method, max_new_tokens=tokens, chat=True)
   lines, well_formed = [], 0
   for prompt, result in zip(prompts, results):
     threads = len(result.thread_texts) if apar else len(result.threads)
@@ -101,7 +105,7 @@ def main(argv=None) -> int:
                         objective=config.objective)
   dataset = layout_dataset(train, model.tokenizer, vocab, encode, batch_size=config.batch_size, seed=config.seed,
                            epochs=config.epochs, shard_index=jax.process_index(), shard_count=jax.process_count())
-  annotated = sum(bool(r.get("apar" if args.objective == "apar_sft" else "annotated")) for r in train)
+  annotated = sum(bool(r.get(annotation_field(args.objective))) for r in train)
   print(f"data: {len(train)} records ({annotated} annotated); {dataset.report.summary()}; {len(dataset)} steps")
   out = run_path(args.out)
   result = Trainer(config, model, dataset, out).run(args.stop_after)
@@ -116,8 +120,9 @@ def main(argv=None) -> int:
     print("--sample skipped: the model is remote; load it locally with pasta generate --pasta")
   elif args.sample and held_out:
     from pasta_jax.data.encode import record_prompt
+    method = {"apar_sft": "apar", "scoped_sft": "pasta-v0"}.get(args.objective, "pasta")
     print(sample_held_out(result.model_dir, [record_prompt(r) for r in held_out[:args.sample]], out,
-                          args.sample_tokens, apar=args.objective == "apar_sft"))
+                          args.sample_tokens, method))
   return 0
 
 

@@ -7,6 +7,9 @@ PASTA-LANG text, the Pasta-SFT field) or `output` (the source answer). Objective
   apar_sft      the record's `apar` answer (APAR text form, data/apar_format.py) laid out with APAR's
                 mask and exact path positions (lang/apar_layout.py); without one, `output` as a
                 single node (APAR's negative examples).
+  scoped_sft    the record's `scoped` answer (the earlier paper's scoped form, lang/scoped.py) laid out
+                with its synchronous prefixes as mask and positions (lang/scoped_layout.py); without one,
+                `output` as a plain answer.
 Prompts use Gemma's chat turns; the answer ends with `<end_of_turn>` (the chat end id).
 """
 
@@ -17,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pasta_jax.decode.api import LangTokenizer, chat_text
-from pasta_jax.errors import PastaError
+from pasta_jax.errors import PastaError, TagError
 from pasta_jax.lang.layout import Layout, PositionMode, layout_example, pad_layout, plain_layout
 from pasta_jax.lang.tags import TagVocab
 from pasta_jax.lang.text import strip_tags
@@ -33,7 +36,7 @@ class EncodeConfig:
   seq_len: int | None = 1024  # None: the example's own length, unpadded (reference log-probs)
   num_threads: int | None = 16  # None: the example's own thread count
   position_mode: PositionMode = "pred"
-  objective: str = "sft"  # "sft" | "baseline_sft" | "apar_sft"
+  objective: str = "sft"  # "sft" | "baseline_sft" | "apar_sft" | "scoped_sft"
   chat: bool = True
 
 
@@ -77,6 +80,15 @@ def encode_example(record: Mapping[str, Any], tokenizer, vocab: TagVocab, config
     text = record.get("apar") or record.get("output") or ""
     tree_ids = encode_apar_text(text, lang, vocab, f"record {record.get('id', '?')!r}: ", end_id=end)
     return fit_layout(apar_layout(prompt, tree_ids, vocab, eos_id=end), config, str(record.get("id", "?")))
+  if config.objective == "scoped_sft":
+    from pasta_jax.lang import scoped
+    from pasta_jax.lang.scoped_layout import scoped_layout
+    text = record.get("scoped") or record.get("output") or ""
+    try:
+      ids = scoped.encode(scoped.parse(text), lang.encode, vocab)
+    except TagError as err:
+      raise TagError(f"record {record.get('id', '?')!r}: {err}") from None
+    return fit_layout(scoped_layout(prompt, ids, vocab, eos_id=end), config, str(record.get("id", "?")))
   answer_text = record_answer(record, config.objective)
   if config.objective == "baseline_sft":
     layout = plain_layout(prompt, lang.encode(answer_text), end)

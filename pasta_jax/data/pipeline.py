@@ -34,6 +34,7 @@ from tqdm import tqdm
 from pasta_jax.data import structural
 from pasta_jax.data.encode import EncodeConfig, ExampleTooLong, encode_example
 from pasta_jax.data.sources import DataError
+from pasta_jax.data.structural_scoped import annotate_scoped
 from pasta_jax.decode.api import LangTokenizer
 from pasta_jax.errors import ConfigError, PastaError, TagError
 from pasta_jax.lang.layout import Layout, stack_layouts
@@ -238,7 +239,7 @@ def layout_dataset(source: Sequence[Mapping[str, Any]], tokenizer, vocab: TagVoc
 
 
 # --- annotation --------------------------------------------------------------------------------------
-ANNOTATORS = ("structural",)
+ANNOTATORS = ("structural", "structural_scoped")  # the later form (`annotated`); the earlier one (`scoped`)
 
 
 def token_counter(tokenizer) -> Callable[[str], int]:
@@ -249,7 +250,8 @@ def token_counter(tokenizer) -> Callable[[str], int]:
 
 def annotate_records(records: Sequence[Mapping[str, Any]], tokenizer, annotator: str = "structural", *,
                      min_saving: int = 0, progress: bool = False) -> list[dict]:
-  """Records with `annotated` computed from each `output` (any earlier annotation is replaced).
+  """Records with `annotated` (annotator "structural") or `scoped` ("structural_scoped", the earlier paper's
+  form and rule) computed from each `output` (any earlier annotation of that field is replaced).
 
   min_saving: an item forks only if that saves main at least this many tokens (`structural.annotate`).
 
@@ -259,10 +261,15 @@ def annotate_records(records: Sequence[Mapping[str, Any]], tokenizer, annotator:
   if annotator not in ANNOTATORS:
     raise ConfigError(f"unknown annotator {annotator!r}; available: {', '.join(ANNOTATORS)}")
   count_tokens = token_counter(tokenizer)
+  field = "scoped" if annotator == "structural_scoped" else "annotated"
   out = []
   for record in tqdm(records, desc=f"annotating ({annotator})", disable=not progress, leave=False):
-    plain = {key: value for key, value in record.items() if key != "annotated"}
-    annotated = structural.annotate(record["output"], count_tokens, min_saving) if record.get("output") else None
-    out.append(plain if annotated is None else {**plain, "annotated": annotated})
+    plain = {key: value for key, value in record.items() if key != field}
+    annotated = None
+    if record.get("output") and annotator == "structural_scoped":
+      annotated = annotate_scoped(record["output"], count_tokens)
+    elif record.get("output"):
+      annotated = structural.annotate(record["output"], count_tokens, min_saving)
+    out.append(plain if annotated is None else {**plain, field: annotated})
   return out
 

@@ -14,6 +14,11 @@ overhead over plain decoding (about 7% on CPU, `bench.interpreter`).
   sequential-forced  that twin: the same truncated answer without tags, replayed sequentially
   superposed         Superposed Decoding (paper 002): 3 drafts from one decode, n-gram smoothed; the
                      answer is the most probable draft
+  pasta-v0           the earlier paper's scoped mode: the model decodes freely, its `<scope>` and
+                     `<promise/>` tags fork threads (a model trained with `train.sft --objective scoped_sft`)
+  pasta-v0-forced    replays the earlier paper's structural annotation (lists are scopes, item elaborations
+                     async blocks) of the reference answer, truncated to --max-new-tokens, against its
+                     tag-free twin replayed through the same scoped interpreter (`sequential-forced-v0`)
 
 A method's `reference` is what it is measured against: None means the run's baseline. Methods are
 named `name[:model_path]` (no path: the run's default model). The baselines (apar, apar-forced, sot,
@@ -24,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -32,9 +36,10 @@ import jax.numpy as jnp
 
 from pasta_jax.data.encode import record_prompt
 from pasta_jax.data.structural import annotate
+from pasta_jax.data.structural_scoped import annotate_scoped
 from pasta_jax.decode import api
 from pasta_jax.errors import PastaError, TagError
-from pasta_jax.lang import metrics
+from pasta_jax.lang import scoped
 from pasta_jax.lang.text import strip_tags
 
 
@@ -114,27 +119,21 @@ class InterpreterMethod:
 
 
 def output_of(result: api.PastaResult, vocab, note: str = "") -> MethodOutput:
+  del vocab  # every method's Result carries its own critical path (nan when the answer is cut off mid-block)
   return MethodOutput(text=result.text, annotated=result.annotated, steps=result.steps, seconds=result.seconds,
                       theoretical_speedup=result.theoretical_speedup, parallelism=result.theoretical_parallelism,
-                      content_tokens=result.content_tokens, critical_path=critical_path(result.records, vocab),
+                      content_tokens=result.content_tokens, critical_path=result.critical_path,
                       finished=result.finished, threads=len(result.threads), note=note)
-
-
-def critical_path(records, vocab) -> float:
-  try:
-    return float(metrics.answer_metrics(metrics.annotated_from_records(records, vocab), vocab).critical_path)
-  except TagError:  # cut off inside a block: no well-defined answer
-    return math.nan
 
 
 class ForcedAnswer:
   """The answer a forced method replays: the record's reference answer cut to the token budget, with
   the structural annotation (`tagged=True`) or without tags (its sequential twin)."""
 
-  def __init__(self, model, budget: int, tagged: bool):
+  def __init__(self, model, budget: int, tagged: bool, scoped_form: bool = False):
     self.tokenizer = api.LangTokenizer(model.tokenizer)
     self.vocab = model.tokenizer.tag_vocab()
-    self.budget, self.tagged = budget, tagged
+    self.budget, self.tagged, self.scoped_form = budget, tagged, scoped_form
 
   def check(self, records: Sequence[Mapping[str, str]], method: str) -> None:
     missing = [r["id"] for r in records if not reference_answer(r)]
@@ -148,23 +147,31 @@ class ForcedAnswer:
     twins: equal pools and step budgets, so their per-step costs compare."""
     tagged, plain, note = self.answers(record)
     try:
-      scripts = api.forced_scripts(tagged, self.tokenizer, self.vocab)
+      scripts = self.scripts(tagged)
     except TagError as err:
       raise MethodError(f"prompt {record['id']}: its annotated answer cannot be replayed: {err}") from None
     budget = max(self.budget, sum(len(t) for t in scripts) + 2 * len(scripts))  # as decode.api.prepare sizes it
     return (tagged, note, budget) if self.tagged else (plain, "", budget)
 
+  def scripts(self, answer: str) -> list[list[int]]:
+    if self.scoped_form:
+      return api.scoped_scripts(answer, self.tokenizer, self.vocab, lanes=64, max_threads=64, max_depth=3)
+    return api.forced_scripts(answer, self.tokenizer, self.vocab)
+
   def answers(self, record: Mapping[str, str]) -> tuple[str, str, str]:
     """(tagged answer, its tag-free twin, note). Given annotations are replayed whole; otherwise the
-    reference answer is cut to the token budget and annotated structurally."""
-    if record.get("annotated"):
-      return record["annotated"], strip_tags(record["annotated"]), ""
+    reference answer is cut to the token budget and annotated structurally (the scoped form: the earlier
+    paper's rule, `data.structural_scoped`)."""
+    field, strip = ("scoped", scoped.compose_text) if self.scoped_form else ("annotated", strip_tags)
+    if record.get(field):
+      return record[field], strip(record[field]), ""
     plain = self.truncated(reference_answer(record))
-    annotated = annotate(plain, lambda text: len(self.tokenizer.encode(text)))
+    annotator = annotate_scoped if self.scoped_form else annotate
+    annotated = annotator(plain, lambda text: len(self.tokenizer.encode(text)))
     if annotated is None:
       return plain, plain, "no list structure: replayed without tags"
     try:
-      api.forced_scripts(annotated, self.tokenizer, self.vocab)
+      self.scripts(annotated)
     except TagError as err:
       return plain, plain, f"annotation rejected ({err}): replayed without tags"
     return annotated, plain, ""
@@ -200,6 +207,19 @@ def _sequential_forced(spec: MethodSpec, model, settings: DecodeSettings) -> Met
   return InterpreterMethod(spec.label, model, settings, ForcedAnswer(model, settings.max_new_tokens, tagged=False))
 
 
+def _pasta_v0(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
+  return InterpreterMethod(spec.label, model, settings, method="pasta-v0")
+
+
+def _pasta_v0_forced(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
+  twin = InterpreterMethod(MethodSpec("sequential-forced-v0", spec.model_path).label, model, settings,
+                           ForcedAnswer(model, settings.max_new_tokens, tagged=False, scoped_form=True),
+                           method="pasta-v0")
+  return InterpreterMethod(spec.label, model, settings,
+                           ForcedAnswer(model, settings.max_new_tokens, tagged=True, scoped_form=True),
+                           reference=twin, method="pasta-v0")
+
+
 def _pasta_forced(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
   twin = _sequential_forced(MethodSpec("sequential-forced", spec.model_path), model, settings)
   return InterpreterMethod(spec.label, model, settings, ForcedAnswer(model, settings.max_new_tokens, tagged=True),
@@ -212,6 +232,8 @@ CORE_METHODS: dict[str, MethodFactory] = {
   "pasta-forced": _pasta_forced,
   "superposed": _superposed,
   "sequential-forced": _sequential_forced,
+  "pasta-v0": _pasta_v0,
+  "pasta-v0-forced": _pasta_v0_forced,
 }  # the paper's baselines add theirs in baselines/methods.py; eval/registry.py holds them all
 
 

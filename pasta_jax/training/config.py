@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pasta_jax.errors import ConfigError
 
-Objective = Literal["sft", "baseline_sft", "apar_sft", "bonbon"]
+Objective = Literal["sft", "baseline_sft", "apar_sft", "scoped_sft", "bonbon"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +89,7 @@ class TrainConfig:
     if micro % replicas:
       problems.append(f"the micro-batch of {micro} examples (batch_size / grad_accum) does not divide over "
                       f"data x fsdp = {self.mesh.data} x {self.mesh.fsdp} = {replicas} devices")
-    if self.objective not in ("sft", "baseline_sft", "apar_sft", "bonbon"):
+    if self.objective not in ("sft", "baseline_sft", "apar_sft", "scoped_sft", "bonbon"):
       problems.append(f"unknown objective {self.objective!r}; use sft, baseline_sft, apar_sft or bonbon")
     for name in ("compute_dtype", "param_dtype", "mu_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16"):

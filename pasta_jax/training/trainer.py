@@ -58,7 +58,8 @@ class TrainResult:
 
 def make_loss_fn(config: TrainConfig, apply_fn: Callable, base_apply_fn: Callable | None = None) -> step_lib.LossFn:
   """The objective as a (numerator, denominator, aux) micro-batch loss."""
-  sft_like = config.objective in ("sft", "baseline_sft", "apar_sft")  # the layout carries mask and targets
+  # the layout carries mask and targets
+  sft_like = config.objective in ("sft", "baseline_sft", "apar_sft", "scoped_sft")
   if sft_like and config.kl_weight > 0:
     return lambda params, batch: sft_kl_loss_sum(apply_fn, base_apply_fn, params, batch, config.kl_weight)
   if sft_like:

@@ -296,7 +296,8 @@ class ScopedRequest:
     scripts = [list(t.script.tokens) if t.script is not None else [] for t in self.threads]
     return ScopedResult(records=list(self.records), logits=list(self.logits), steps=self.last_fed,
                         stalls=self.stalls, finished=self.finished, truncated=self.truncated, pool=pool,
-                        vocab=self.vocab, pool_full=self.pool_full, parents=[t.parent for t in self.threads], scripts_by_thread=scripts)
+                        vocab=self.vocab, pool_full=self.pool_full, parents=[t.parent for t in self.threads],
+                        scripts_by_thread=scripts)
 
 
 def run_scoped_reference(model_fn, params, prompts: list[list[int]], vocab: TagVocab, *, lanes: int,

@@ -8,4 +8,5 @@ from pasta_jax.decode.rules.sequential import SequentialRules
 from pasta_jax.decode.rules.sot import SotRules
 from pasta_jax.decode.rules.superposed import SuperposedRules
 
-__all__ = ["AparRules", "PastaRules", "Rules", "ScopedRules", "SequentialRules", "SotRules", "StepFeed", "SuperposedRules"]
+__all__ = ["AparRules", "PastaRules", "Rules", "ScopedRules", "SequentialRules", "SotRules", "StepFeed",
+           "SuperposedRules"]
