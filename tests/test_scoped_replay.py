@@ -66,7 +66,7 @@ def compare(layout, train_logits, out, prompt_len: int, atol: float) -> int:
   for j in range(prompt_len - 1, n):
     key = (int(layout.thread[j]), int(layout.positions[j]))
     if key in replay:
-      np.testing.assert_allclose(train_logits[j], replay[key], atol=atol, rtol=1e-4, err_msg=f"index {j} {key}")
+      np.testing.assert_allclose(train_logits[j], replay[key], atol=atol, rtol=1e-5, err_msg=f"index {j} {key}")
       matched += 1
   return matched
 
@@ -84,3 +84,24 @@ def test_scoped_training_forward_equals_decode_replay(name):
   causal, _ = model.apply(params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
                           causal_mask(1, len(layout.tokens)))
   assert np.abs(np.asarray(causal - train_logits)).max() > 1e-2  # the mask matters: the check is not vacuous
+
+
+@pytest.mark.slow
+def test_real_270m_scoped_training_forward_equals_decode_replay():
+  """One scoped annotation (a list scope, a nested scope inside a block) on the real Gemma 3 270M."""
+  from pasta_jax.model.gemma import Gemma
+  from pasta_jax.model.load import load_model
+
+  model = load_model("base")
+  vocab = model.tokenizer.tag_vocab()
+  lang = api.LangTokenizer(model.tokenizer)
+  text = ("Two fuels:\n<scope>1. Coal:<promise/><async> a fossil fuel.</async>\n2. Wood:<promise/><async> it regrows."
+          "\n<scope>- Oak:<promise/><async> dense.</async></scope></async>\n</scope>Both burn.")
+  answer = scoped.encode(scoped.parse(text), lang.encode, vocab) + [vocab.eos_ids[0]]
+  prompt = model.tokenizer.encode("Name two fuels.", add_bos=True)
+  layout = scoped_layout(prompt, answer, vocab)
+  train_logits, _ = Gemma(model.config).apply(model.params, jnp.asarray(layout.tokens)[None],
+                                              jnp.asarray(layout.positions)[None], layout.mask()[None])
+  out = forced_replay(model.config, model.params, prompt, answer, vocab)
+  matched = compare(layout, np.asarray(train_logits[0]), out, len(prompt), atol=1e-4)
+  assert matched == 1 + len(answer) - answer.count(vocab.async_close) - 1

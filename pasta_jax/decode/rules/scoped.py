@@ -62,6 +62,29 @@ def scope_subtree(state: InterpState, rs: ScopedState, cfg: InterpreterConfig) -
   return child | below
 
 
+def scoped_allowed(vocab, vocab_size: int, *, open_scopes, scope_depth, fork_depth, is_main, may_fork,
+                   max_depth: int) -> jax.Array:
+  """[..., V] bool: what a lane may sample in the scoped mode, per row of the [...] arrays (the rules of
+  the reference's `scoped_constraint_mask`): never `<async>` or the later form's tags; `<scope>` below the
+  scope-depth limit; `</scope>` with an open scope; `</async>` and end ids with none (`</async>` in forks
+  only); `<promise/>` below the fork-depth limit, in main only inside a scope, and only when `may_fork`."""
+  ids = jnp.arange(vocab_size)
+  usable = {vocab.scope_open, vocab.scope_close, vocab.bare_promise, vocab.async_close}
+  banned = jnp.isin(ids, jnp.asarray(sorted(vocab.tag_ids - usable), jnp.int32))
+  ends = jnp.isin(ids, jnp.asarray(vocab.eos_ids))
+
+  def when(token_mask, condition):  # ban `token_mask` on the rows where `condition` holds
+    return token_mask & condition[..., None]
+
+  is_open, is_close, is_promise, is_async_end = (ids == t for t in (vocab.scope_open, vocab.scope_close,
+                                                                    vocab.bare_promise, vocab.async_close))
+  no_promise = (fork_depth >= max_depth) | (is_main & (open_scopes == 0)) | ~may_fork
+  banned_rows = (when(is_open, scope_depth >= max_depth) | when(is_close, open_scopes == 0)
+                 | when(is_async_end | ends, open_scopes > 0) | when(is_async_end, is_main)
+                 | when(is_promise, no_promise))
+  return ~banned & ~banned_rows
+
+
 def plan_scoped(state: InterpState, rs: ScopedState, cfg: InterpreterConfig) -> ScopedPlan:
   vocab, b = cfg.vocab, jnp.arange(state.token.shape[0])[:, None]
   lanes = jnp.arange(cfg.lanes)
@@ -163,33 +186,22 @@ class ScopedRules(Rules):
     return state, StepFeed(plan.feed, slots, inserted_rows(state, lanes), plan.child, (plan, seen))
 
   def allowed(self, state: InterpState, rows_lane: jax.Array, logits: jax.Array, cfg: InterpreterConfig):
-    """The constraint masks (the reference's `scoped_constraint_mask`), per query row; a row counts a
-    refused promise when `<promise/>` is its most likely token under the grammar but a limit bans it."""
+    """The constraint masks (`scoped_allowed`) per query row; a row counts a refused promise when
+    `<promise/>` is its most likely token under the grammar but a limit (depth, lane reservation) bans it."""
     vocab, rs = cfg.vocab, state.rule_state
     b = jnp.arange(rows_lane.shape[0])[:, None]
-    ids = jnp.arange(logits.shape[-1])
-    open_ = rs.scopes[b, rows_lane]
-    is_main = rows_lane == 0
     lanes = jnp.arange(cfg.lanes)
     free_now = ((state.status == FREE) & (lanes > 0)).sum(axis=1)
     waiting = ((state.status == RUNNING) & ~rs.fed & (state.token == vocab.bare_promise)).sum(axis=1)
-    may_fork = is_main | (free_now > waiting)[:, None]
-    usable = {vocab.scope_open, vocab.scope_close, vocab.bare_promise, vocab.async_close}
-    banned_tags = jnp.asarray(sorted(vocab.tag_ids - usable), jnp.int32)
-    ends = jnp.isin(ids, jnp.asarray(vocab.eos_ids))
-
-    def token(t):
-      return (ids == t)[None, None, :]
-
-    row = lambda x: x[..., None]  # noqa: E731
-    grammar = ~jnp.isin(ids, banned_tags)[None, None, :] & ~(token(vocab.scope_open) & row(
-        rs.base_scope[b, rows_lane] + open_ >= self.max_depth)) & ~(token(vocab.scope_close) & row(open_ == 0)) \
-        & ~((token(vocab.async_close) | ends) & row(open_ > 0)) & ~(token(vocab.async_close) & row(is_main)) \
-        & ~(token(vocab.bare_promise) & row(is_main & (open_ == 0)))
-    limited = (state.depth[b, rows_lane] >= self.max_depth) | ~may_fork
+    open_ = rs.scopes[b, rows_lane]
+    args = dict(vocab=vocab, vocab_size=logits.shape[-1], open_scopes=open_,
+                scope_depth=rs.base_scope[b, rows_lane] + open_, is_main=rows_lane == 0, max_depth=self.max_depth)
+    grammar = scoped_allowed(fork_depth=jnp.zeros_like(open_), may_fork=jnp.ones_like(open_, bool), **args)
+    allowed = scoped_allowed(fork_depth=state.depth[b, rows_lane], may_fork=(rows_lane == 0) |
+                             (free_now > waiting)[:, None], **args)
     top = jnp.argmax(constrain(logits, grammar), axis=-1)
-    refused = limited & (top == vocab.bare_promise)
-    return grammar & ~(token(vocab.bare_promise) & row(limited)), refused
+    refused = ~allowed[..., vocab.bare_promise] & grammar[..., vocab.bare_promise] & (top == vocab.bare_promise)
+    return allowed, refused
 
   def script_end(self, rows_lane: jax.Array, cfg: InterpreterConfig) -> jax.Array:
     return jnp.where(rows_lane == 0, cfg.vocab.eos_ids[0], cfg.vocab.async_close).astype(jnp.int32)
