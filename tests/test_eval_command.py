@@ -112,3 +112,29 @@ def test_judges_are_built_lazily_and_cached_in_the_run_folder(tmp_path, monkeypa
   assert "not a meaningful judge" in make_judge("local", tmp_path)[1]
   with pytest.raises(PastaError, match=r"needs pasta_jax.judges.EndpointConfig, HttpJudge"):
     make_judge("http", tmp_path)
+
+
+SCOPED_RECORDS = [dict(id="fuels", instruction="Name two fuels.",
+                       output="Fuels:\n- **Coal**: a rock that burns hot\n- **Wood**: grows back in forests\n")]
+
+
+def test_scoped_methods_on_the_tiny_model(tmp_path, monkeypatch):
+  """pasta-v0-forced replays the earlier paper's scoped annotation against its tag-free twin, through the same
+  scoped interpreter; pasta-v0 decodes freely in the scoped mode. Both land on the one report."""
+  model = tiny_model()
+  monkeypatch.setattr(M, "cached_model", lambda path: model)
+  monkeypatch.delenv("PASTA_JUDGE_BASE_URL", raising=False)
+  out = tmp_path / "run"
+  args = parse("--prompts", write_prompts(tmp_path, SCOPED_RECORDS), "--methods", "pasta-v0-forced", "pasta-v0",
+               "--out", str(out), "--max-new-tokens", "96", "--lanes", "4", "--no-progress")
+  assert run_eval(args) == 0
+  results = json.loads((out / "results.json").read_text())
+  assert [(m["name"], m["role"]) for m in results["methods"]] == [
+    ("sequential", "baseline"), ("sequential-forced-v0", "reference"), ("pasta-v0-forced", "method"),
+    ("pasta-v0", "method")]
+  runs = results["prompts"][0]["runs"]
+  assert runs["pasta-v0-forced"]["text"] == runs["sequential-forced-v0"]["text"] == SCOPED_RECORDS[0]["output"]
+  assert "<scope>" in runs["pasta-v0-forced"]["annotated"] and runs["pasta-v0-forced"]["threads"] == 3
+  assert runs["sequential-forced-v0"]["threads"] == 1
+  assert runs["pasta-v0-forced"]["critical_path"] < runs["sequential-forced-v0"]["critical_path"]
+  assert "pasta-v0-forced" in (out / "report.md").read_text()

@@ -26,7 +26,8 @@ def build_eval_parser(subparsers) -> argparse.ArgumentParser:
   parser.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts only")
   parser.add_argument("--methods", nargs="+", default=["pasta-forced"], metavar="NAME[:MODEL]",
                       help="methods to compare: sequential, pasta, pasta-forced, sequential-forced, apar, "
-                           "apar-forced, sot, sot-router, superposed (default: pasta-forced)")
+                           "apar-forced, sot, sot-router, superposed, pasta-v0, pasta-v0-forced "
+                           "(default: pasta-forced)")
   parser.add_argument("--baseline", default="sequential", metavar="NAME[:MODEL]",
                       help="what methods without their own reference are measured against (default: sequential)")
   parser.add_argument("--model", default=None,
