@@ -269,6 +269,18 @@ def answer_script(answer_ids: Sequence[int], vocab: TagVocab, end: int | None = 
   return thread_script(parse_tokens(ids, vocab), vocab, vocab.eos_ids[0] if end is None else end)
 
 
+def descendants(roots: Iterable[int], children: dict[int, list[int]]) -> set[int]:
+  """The threads `roots` and every thread they spawned, transitively (`children`: thread -> its spawns):
+  what a `</scope>` syncs when `roots` are the threads its scope started."""
+  out, todo = set(), list(roots)
+  while todo:
+    u = todo.pop()
+    if u not in out:
+      out.add(u)
+      todo += children.get(u, [])
+  return out
+
+
 def depth(items: Iterable[Item]) -> tuple[int, int]:
   """(deepest scope nesting, deepest fork nesting) of the items."""
   scopes = forks = 0

@@ -25,7 +25,7 @@ import numpy as np
 
 from pasta_jax.errors import PastaError
 from pasta_jax.lang.layout import Layout, stream_targets
-from pasta_jax.lang.scoped import Fork, Item, Scope, parse_tokens
+from pasta_jax.lang.scoped import Fork, Item, Scope, descendants, parse_tokens
 from pasta_jax.lang.tags import TagVocab
 from pasta_jax.visibility import HIDDEN, UNBOUNDED, visible
 
@@ -57,13 +57,7 @@ class _Walk:
     return thread
 
   def subtree(self, roots: list[int]) -> set[int]:
-    out, todo = set(), list(roots)
-    while todo:
-      u = todo.pop()
-      if u not in out:
-        out.add(u)
-        todo += self.children[u]
-    return out
+    return descendants(roots, self.children)
 
   def thread(self, items: Sequence[Item], thread: int, view: dict[int, int], scopes: list[list[int]]) -> None:
     """Lays out one thread's items; `view` is its horizon on other threads (it grows at each `</scope>`)."""

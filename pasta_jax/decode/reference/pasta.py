@@ -359,23 +359,7 @@ class Request:
     return span_for(self.cfg.position_mode, length_token, self.vocab, fork_script)
 
   def _model_row(self, slot: int) -> np.ndarray:
-    """Raw logits [V] of the token in `slot`, from one model call on exactly what it sees."""
-    keys = sorted(self.visible[slot])
-    for k in keys:  # visibility is closed: whatever a visible token saw, the query sees too
-      assert self.visible[k] <= self.visible[slot], (slot, k)
-    n = len(keys)
-    width = _bucket(n) if self.cfg.bucket else n
-    tokens = np.zeros((1, width), np.int32)
-    positions = np.zeros((1, width), np.int32)
-    tokens[0, :n] = [self.entries[k][0] for k in keys]
-    positions[0, :n] = [self.entries[k][2] for k in keys]
-    # Pad rows see only themselves (no empty softmax row) and no real row sees them.
-    mask = np.eye(width, dtype=bool)[None]
-    mask[0, :n, :n] = [[j in self.visible[i] for j in keys] for i in keys]
-    logits, _ = self.cfg.model_fn(self.cfg.params, jnp.asarray(tokens), jnp.asarray(positions),
-                                  jnp.asarray(mask), None, None, None)
-    # The query's own row: it is the last row except for a <sync/>, which sees later </async> slots.
-    return np.asarray(logits[0, keys.index(slot)], np.float32)
+    return model_row(self.cfg.model_fn, self.cfg.params, self.entries, self.visible, slot, self.cfg.bucket)
 
   def _choose(self, row: np.ndarray, step: int, lane: int, thread: int) -> int:
     """The lane's next token: from its thread's script in forced mode, else sampled constrained."""
@@ -404,6 +388,27 @@ class Request:
     return ReferenceResult(records=list(self.records), logits=list(self.logits), steps=self.last_fed,
                            stalls=self.stalls, finished=self.finished, truncated=self.truncated, pool=pool,
                            vocab=self.vocab)
+
+
+def model_row(model_fn, params, entries: list[tuple[int, int, int]], visible: list[frozenset[int]], slot: int,
+              bucket: bool) -> np.ndarray:
+  """Raw logits [V] of the token in `slot`, from one model call on exactly what it sees: its visible slots in
+  write order, each (token, thread, position) in `entries`, each row masked by its own visible set."""
+  keys = sorted(visible[slot])
+  for k in keys:  # visibility is closed: whatever a visible token saw, the query sees too
+    assert visible[k] <= visible[slot], (slot, k)
+  n = len(keys)
+  width = _bucket(n) if bucket else n
+  tokens = np.zeros((1, width), np.int32)
+  positions = np.zeros((1, width), np.int32)
+  tokens[0, :n] = [entries[k][0] for k in keys]
+  positions[0, :n] = [entries[k][2] for k in keys]
+  # Pad rows see only themselves (no empty softmax row) and no real row sees them.
+  mask = np.eye(width, dtype=bool)[None]
+  mask[0, :n, :n] = [[j in visible[i] for j in keys] for i in keys]
+  logits, _ = model_fn(params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask), None, None, None)
+  # The query's own row: the last row except for a sync, which sees slots written after it in the same step.
+  return np.asarray(logits[0, keys.index(slot)], np.float32)
 
 
 def _bucket(n: int) -> int:

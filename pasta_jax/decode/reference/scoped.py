@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.decode.reference.pasta import (
@@ -43,11 +42,11 @@ from pasta_jax.decode.reference.pasta import (
   Lane,
   PoolEntry,
   ReferenceResult,
-  _bucket,
   constrain_logits,
+  model_row,
 )
 from pasta_jax.decode.sampling import SamplingConfig, lane_key, sample
-from pasta_jax.lang.scoped import DEFAULT_MAX_DEPTH, ThreadScript
+from pasta_jax.lang.scoped import DEFAULT_MAX_DEPTH, ThreadScript, descendants
 from pasta_jax.lang.tags import TagVocab
 
 
@@ -152,13 +151,7 @@ class ScopedRequest:
     return any(self._thread_running(u) for u in self._subtree(scope))
 
   def _subtree(self, roots: list[int]) -> set[int]:
-    out, todo = set(), list(roots)
-    while todo:
-      u = todo.pop()
-      if u not in out:
-        out.add(u)
-        todo += self.threads[u].children
-    return out
+    return descendants(roots, {u: t.children for u, t in enumerate(self.threads)})
 
   def _thread_running(self, thread: int) -> bool:
     return any(lane.thread == thread and lane.state == RUNNING for lane in self.lanes)
@@ -259,18 +252,7 @@ class ScopedRequest:
   def _model_row(self, slot: int) -> np.ndarray | None:
     if self.model_fn is None:
       return None  # a schedule-only run (forced scripts need no logits)
-    keys = sorted(self.visible[slot])
-    n = len(keys)
-    width = _bucket(n) if self.bucket else n
-    tokens = np.zeros((1, width), np.int32)
-    positions = np.zeros((1, width), np.int32)
-    tokens[0, :n] = [self.entries[k][0] for k in keys]
-    positions[0, :n] = [self.entries[k][2] for k in keys]
-    mask = np.eye(width, dtype=bool)[None]
-    mask[0, :n, :n] = [[j in self.visible[i] for j in keys] for i in keys]
-    logits, _ = self.model_fn(self.params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask),
-                              None, None, None)
-    return np.asarray(logits[0, keys.index(slot)], np.float32)
+    return model_row(self.model_fn, self.params, self.entries, self.visible, slot, self.bucket)
 
   def _choose(self, row, step: int, lane: int, thread_id: int, may_fork: bool) -> int:
     thread = self.threads[thread_id]
