@@ -18,6 +18,8 @@ The mask is computed from this small metadata, never stored per request as an L 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -36,3 +38,19 @@ def visible(horizon: jax.Array, owner: jax.Array, order: jax.Array, valid: jax.A
   owner_q = jnp.broadcast_to(owner[..., None, :], owner.shape[:-1] + (num_queries, owner.shape[-1]))
   limit = jnp.take_along_axis(horizon, owner_q, axis=-1)  # [..., Q, S]
   return valid[..., None, :] & (order[..., None, :] <= limit)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ThreadMask:
+  """The metadata `visible` reads, for one model call: what the model takes instead of a dense mask, so an
+  attention kernel can compute each tile's mask itself (`model/thread_attention.py`)."""
+
+  horizon: jax.Array  # [B, Q, U] int32 per query row and thread
+  owner: jax.Array  # [B, S] int32 per key
+  order: jax.Array  # [B, S] int32
+  valid: jax.Array  # [B, S] bool
+
+  def dense(self) -> jax.Array:
+    """[B, Q, S] bool: the mask itself (XLA attention); the kernels never build it."""
+    return visible(self.horizon, self.owner, self.order, self.valid)

@@ -37,7 +37,7 @@ def thread_map(decode_parents: list[int], layout_parent: dict[int, int]) -> dict
   return mapping
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(tree=scoped_programs(well_formed=True), prompt=prompts)
 def test_layout_visibility_and_positions_equal_the_reference(tree, prompt):
   run = run_scoped_reference(toy_apply, PARAMS, [prompt], VOCAB, lanes=16, max_threads=64, pool_slots=512,

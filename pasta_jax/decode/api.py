@@ -55,6 +55,7 @@ from pasta_jax.lang import scoped
 from pasta_jax.lang import tokens as tok
 from pasta_jax.lang.layout import answer_for_mode
 from pasta_jax.lang.tags import TagVocab, tag_vocab_for
+from pasta_jax.model import thread_attention
 
 __all__ = ["GREEDY", "METHODS", "LangTokenizer", "PastaResult", "Result", "ThreadTrace", "chat_text", "content_ids",
            "generate", "generate_ids", "prompt_ids", "stream",
@@ -85,11 +86,12 @@ def rules_for(method: str, *, max_depth: int = 3, fan_out: int = 1, ignore_eos: 
 
 # --- model plumbing ----------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=8)
-def model_fn(config, dtype) -> callable:
+def model_fn(config, dtype, attention: str = "xla") -> callable:
   """The decode-step model: Gemma in the decode layout, taking `decode_params`. One module per (config,
-  dtype): its `apply` is a jit static argument, so it must be stable."""
+  dtype, attention): its `apply` is a jit static argument, so it must be stable. attention: "xla" (the default)
+  or "pallas" (the kernel over the thread metadata, model/thread_attention.py)."""
   from pasta_jax.model.gemma import Gemma
-  return Gemma(config, dtype=jnp.dtype(dtype), decode_layout=True).apply
+  return Gemma(config, dtype=jnp.dtype(dtype), decode_layout=True, attention=attention).apply
 
 
 def pool_spec(config, dtype) -> tuple:
@@ -190,7 +192,7 @@ def pad_scripts(scripts, batch: int, max_threads: int, length: int):
 def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params=None,
             max_new_tokens: int = 256, lanes: int = 8, max_threads: int = 64, sampling: SamplingConfig = GREEDY,
             position_mode: PositionMode = "pred", dtype=jnp.float32, scripts=None, record_logits: bool = False,
-            lane_buckets: bool = True, rule_inputs=None, mesh=None) -> Prepared:
+            lane_buckets: bool = True, rule_inputs=None, mesh=None, attention: str = "xla") -> Prepared:
   """Pads prompts (and scripts) and sizes the pool and step budget for `ids` (prompt token ids).
 
   max_new_tokens: in free decoding, the content-token budget of each answer (its text tokens, whatever
@@ -199,7 +201,11 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
 
   params: training-layout params (default `model.params`); they are converted (and cached) by `decode_params`.
   mesh: a (data, fsdp, tensor) `jax.sharding.Mesh` to decode on (decode/sharding.py); None: one device.
+  attention: "xla" (default) or "pallas": attention read from the thread metadata by a kernel (on CPU it runs in
+  interpret mode: correct and slow, for tests).
   """
+  if attention not in thread_attention.CHOICES:
+    raise PastaError(f"attention must be one of {', '.join(thread_attention.CHOICES)}, got {attention!r}")
   if max_new_tokens < 1:
     raise PastaError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
   if lanes < 1:
@@ -228,7 +234,7 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   loop.check_runnable(cfg, forced=scripts is not None)
   tokens, lengths = loop.pad_prompts(ids, slots)
   script, script_len = pad_scripts(scripts, len(ids), max_threads, slots)
-  return Prepared(cfg, model_fn(model.config, jnp.dtype(dtype)),
+  return Prepared(cfg, model_fn(model.config, jnp.dtype(dtype), attention),
                   decode_params(model.params if params is None else params, dtype, cfg.sharding),
                   model.config.vocab_size,
                   pool_spec(model.config, dtype), tokens, lengths, script, script_len, scripts is not None, vocab,
@@ -362,7 +368,7 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
              max_threads: int = 64, sampling: SamplingConfig = GREEDY, chat: bool = True,
              position_mode: PositionMode = "pred", dtype=jnp.float32, forced_answers: Sequence[str] | None = None,
              max_depth: int = 3, return_logits: bool = False, params=None, drafts: int | None = None,
-             ngram="default", mesh=None) -> list[Result]:
+             ngram="default", mesh=None, attention: str = "xla") -> list[Result]:
   """Decodes each prompt (a batch; requests never interact) with `method` through the one interpreter.
 
   method: "pasta", "apar", "sequential" ("sot" needs point prompts: `generate_ids(..., scripts=...)`, or
@@ -376,6 +382,7 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
   drafts, ngram: method "superposed" (Superposed Decoding): k drafts (default 3; `Result.drafts`, best
   first) and the n-gram index that smooths them ("default": the training pools' index, which
   `pasta ngram build` writes; a folder; an `NgramIndex`; None: no smoothing). max_new_tokens is the drafts' length.
+  attention: "xla" (default) or "pallas" (the attention kernel over the thread metadata).
   """
   if model.tokenizer is None:
     raise PastaError(f"this model has no tokenizer; {method} decoding needs one for its tags and end ids")
@@ -383,7 +390,7 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
   return generate_ids(model, ids, method=method, forced_answers=forced_answers, max_new_tokens=max_new_tokens,
                       lanes=lanes, max_threads=max_threads, sampling=sampling, position_mode=position_mode,
                       dtype=dtype, max_depth=max_depth, return_logits=return_logits, params=params,
-                      drafts=drafts, ngram=ngram, mesh=mesh)
+                      drafts=drafts, ngram=ngram, mesh=mesh, attention=attention)
 
 
 def stream(model, prompts: Sequence[str], *, method: str = "pasta", chunk_steps: int = 16, chat: bool = True,

@@ -22,7 +22,7 @@ from pasta_jax.decode.step import ModelFn, choose_tokens, cut_at_budget, decode_
 from pasta_jax.errors import PastaError
 from pasta_jax.lang import schema
 from pasta_jax.model.gemma import KVPool
-from pasta_jax.visibility import HIDDEN, UNBOUNDED, visible
+from pasta_jax.visibility import HIDDEN, UNBOUNDED, ThreadMask
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -52,7 +52,8 @@ def prefill(model_fn: ModelFn, params, prompt_tokens, lengths, pool_slots: int, 
   horizon = idx[:, None]  # [P, U=1]: the prompt is main's (thread 0); row p sees main's slots <= p
   slot_valid = jnp.arange(pool_slots)[None, :] < lengths[:, None]
   slot_idx = jnp.broadcast_to(jnp.arange(pool_slots), (batch, pool_slots)).astype(jnp.int32)
-  mask = visible(jnp.broadcast_to(horizon, (batch,) + horizon.shape), jnp.zeros_like(slot_idx), slot_idx, slot_valid)
+  mask = ThreadMask(jnp.broadcast_to(horizon, (batch,) + horizon.shape), jnp.zeros_like(slot_idx), slot_idx,
+                    slot_valid)
   prefill_slots = jnp.where(idx[None, :] < lengths[:, None], positions, pool_slots)
   # Only the last prompt row's logits are computed: [B, P, V] of them would cost P output heads.
   return model_fn(params, prompt_tokens, positions, mask, pool, prefill_slots, slot_idx,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.state import CLOSING, InterpState
-from pasta_jax.visibility import visible
+from pasta_jax.visibility import HIDDEN, ThreadMask
 
 # (params, tokens, positions, mask, pool, slots, kv_positions[, token_weights=, logit_rows=]) -> (logits, pool)
 ModelFn = Callable
@@ -51,8 +51,10 @@ def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: In
   b = jnp.arange(batch)[:, None]
   rows_lane = jnp.argsort(~feed, axis=1, stable=True)[:, :num_q].astype(jnp.int32)  # feeders first
   row_ok = feed[b, rows_lane]
-  mask = visible(state.horizon[b, rows_lane], state.slot_owner, state.slot_order, state.slot_valid)
-  mask = mask & row_ok[:, :, None]
+  # Padding rows see nothing: their horizons are hidden. The model reads the metadata (a kernel builds each
+  # tile's mask from it; XLA attention builds the dense [B, Q, S] mask once).
+  horizon = jnp.where(row_ok[..., None], state.horizon[b, rows_lane], HIDDEN)
+  mask = ThreadMask(horizon, state.slot_owner, state.slot_order, state.slot_valid)
   tokens, weights = cfg.rules.feed_inputs(state, rows_lane, cfg)
   mixed = {} if weights is None else {"token_weights": weights}  # an optional part of the model contract
   logits, pool = model_fn(params, tokens, state.position[b, rows_lane], mask, state.pool,

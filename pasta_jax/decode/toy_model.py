@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.model.gemma import KVPool, write_slots
+from pasta_jax.visibility import ThreadMask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,8 @@ def toy_apply(params, tokens, positions, mask, pool: KVPool | None = None, slots
   """Same contract as `Gemma.apply(params, ...)`: returns (logits [B, Q, V], pool). With token_weights
   [B, Q, K], tokens are [B, Q, K] and each input row is their weighted mix."""
   del kv_positions
+  if isinstance(mask, ThreadMask):
+    mask = mask.dense()
   mix = (lambda x: x) if token_weights is None else (lambda x: jnp.einsum("bqk,bqk...->bq...", token_weights, x))
   rows = mix(params["embed"][tokens])  # [B, Q, hd]
   rows = rows + 0.01 * positions[..., None].astype(jnp.float32)

@@ -47,7 +47,7 @@ from pasta_jax.lang.tokens import (
   split_end,
   strip_token_ids,
 )
-from pasta_jax.visibility import HIDDEN, UNBOUNDED, visible
+from pasta_jax.visibility import HIDDEN, UNBOUNDED, ThreadMask, visible
 
 PositionMode = schema.PositionMode
 FIXED_BLOCK_LENGTH = schema.FIXED_BLOCK_LENGTH
@@ -78,6 +78,11 @@ class Layout:
 
   def mask(self) -> jax.Array:
     return mask(self)
+
+  def thread_mask(self) -> ThreadMask:
+    """The metadata the mask comes from, as the model takes it (a kernel then never builds the mask)."""
+    return ThreadMask(jnp.asarray(self.horizon), jnp.asarray(self.thread), jnp.asarray(self.order),
+                      jnp.asarray(self.valid))
 
 
 def mask(layout: Layout) -> jax.Array:

@@ -32,9 +32,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from pasta_jax.model import thread_attention
 from pasta_jax.model.config import GemmaConfig
 from pasta_jax.model.lora import A_SUFFIX, B_SUFFIX, ROWS, AdapterConfig
-from pasta_jax.visibility import visible
+from pasta_jax.visibility import ThreadMask, visible
 
 Array = jax.Array
 
@@ -181,6 +182,7 @@ class Attention(nn.Module):
   layer: int
   decode_layout: bool = False
   adapter: AdapterConfig | None = None
+  attention: str = "xla"  # "xla" (a dense mask) or a kernel over the thread metadata (thread_attention.CHOICES)
 
   @nn.compact
   def __call__(self, x, positions, mask, kv_positions, pool_k, pool_v, slots):
@@ -204,6 +206,13 @@ class Attention(nn.Module):
       pool_k = write_slots(pool_k, self.layer, k, slots)
       pool_v = write_slots(pool_v, self.layer, v, slots)
       keys, values = pool_k[self.layer], pool_v[self.layer]
+    if isinstance(mask, ThreadMask):  # a kernel computes the mask tile by tile from the metadata
+      implementation, interpret = thread_attention.resolve(self.attention)
+      spec = thread_attention.AttentionSpec(
+          scale=cfg.query_pre_attn_scalar**-0.5, softcap=cfg.attn_logit_softcap,
+          window=cfg.sliding_window if is_local else None, implementation=implementation, interpret=interpret)
+      out = thread_attention.attention(q, keys, values, mask, positions, kv_positions, spec)
+      return adapted_projection(self, "o", out, heads, model, "hk", "d", layout, ad), pool_k, pool_v
     if is_local:
       distance = positions[:, :, None] - kv_positions[:, None, :]
       mask = mask & (distance < cfg.sliding_window)
@@ -233,13 +242,15 @@ class Block(nn.Module):
   layer: int
   decode_layout: bool = False
   adapter: AdapterConfig | None = None
+  attention: str = "xla"
 
   @nn.compact
   def __call__(self, x, positions, mask, kv_positions, pool_k, pool_v, slots):
     cfg = self.config
     eps = cfg.rms_norm_eps
     h = RMSNorm(eps, name="pre_attn_norm")(x)
-    h, pool_k, pool_v = Attention(cfg, self.kind, self.layer, self.decode_layout, self.adapter, name="attn")(
+    h, pool_k, pool_v = Attention(cfg, self.kind, self.layer, self.decode_layout, self.adapter, self.attention,
+                                  name="attn")(
         h, positions, mask, kv_positions, pool_k, pool_v, slots)
     if cfg.use_post_attn_norm:
       h = RMSNorm(eps, name="post_attn_norm")(h)
@@ -253,7 +264,9 @@ class Block(nn.Module):
 class Gemma(nn.Module):
   """Decoder over explicit positions and masks.
 
-  tokens, positions: [B, Q]; mask: [B, Q, S] bool (S = Q without a pool, else pool slots);
+  tokens, positions: [B, Q]; mask: [B, Q, S] bool (S = Q without a pool, else pool slots), or the thread
+  metadata it comes from (`visibility.ThreadMask`), which `attention` then reads: "xla" builds the dense mask
+  once per call, "pallas" (or "pallas-tpu" / "pallas-gpu") computes it tile by tile in a kernel;
   pool: KVPool or None; slots: [B, Q] pool slots the new K/V go to (>= S drops the row);
   kv_positions: [B, S] positions of pool slots (for sliding-window layers).
   Returns (logits [B, Q, V] float32, updated pool or None).
@@ -267,6 +280,7 @@ class Gemma(nn.Module):
   mesh: jax.sharding.Mesh | None = None
   decode_layout: bool = False  # params from `to_decode_layout` (decoding: few rows per call)
   adapter: AdapterConfig | None = None  # unfolded LoRA + embedding rows (training); decoding folds them
+  attention: str = "xla"  # "xla" or "pallas": how attention reads a ThreadMask (model/thread_attention.py)
 
   @nn.compact
   def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None,
@@ -286,9 +300,14 @@ class Gemma(nn.Module):
       kv_positions = positions
     pk = None if pool is None else pool.k
     pv = None if pool is None else pool.v
+    if isinstance(mask, ThreadMask) and self.attention == "xla":
+      mask = mask.dense()  # once per call, not once per layer
+    elif not isinstance(mask, ThreadMask) and self.attention != "xla":
+      raise ValueError(f"attention={self.attention!r} reads the thread metadata: pass a visibility.ThreadMask, "
+                       "not a dense mask")
     block = nn.remat(Block) if self.remat else Block
     for i, kind in enumerate(cfg.layer_kinds):
-      layer = block(cfg, kind, i, self.decode_layout, self.adapter, name=f"layer_{i}")
+      layer = block(cfg, kind, i, self.decode_layout, self.adapter, self.attention, name=f"layer_{i}")
       x, pk, pv = layer(x, positions, mask, kv_positions, pk, pv, slots)
       x = self._constrain(x)
     x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)

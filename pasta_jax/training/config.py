@@ -72,6 +72,7 @@ class TrainConfig:
   lora_targets: tuple[str, ...] = ("q", "k", "v", "o")  # the earlier paper's choice (rank 16, alpha 16)
   train_rows: tuple[str, ...] = ("tags", "chat")  # embedder rows that train with an adapter
   kl_weight: float = 0.0  # the earlier paper's KL(tuned || base) on answer tokens (it used 0.2)
+  attention: str = "xla"  # "xla" or "pallas": the attention kernel over the thread metadata (model/thread_attention.py)
 
   def __post_init__(self):
     problems = []
@@ -90,7 +91,9 @@ class TrainConfig:
       problems.append(f"the micro-batch of {micro} examples (batch_size / grad_accum) does not divide over "
                       f"data x fsdp = {self.mesh.data} x {self.mesh.fsdp} = {replicas} devices")
     if self.objective not in ("sft", "baseline_sft", "apar_sft", "scoped_sft", "bonbon"):
-      problems.append(f"unknown objective {self.objective!r}; use sft, baseline_sft, apar_sft or bonbon")
+      problems.append(f"unknown objective {self.objective!r}; use sft, baseline_sft, apar_sft, scoped_sft or bonbon")
+    if self.attention not in ("xla", "pallas", "pallas-tpu", "pallas-gpu"):
+      problems.append(f"attention={self.attention!r}; use xla or pallas")
     for name in ("compute_dtype", "param_dtype", "mu_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16"):
         problems.append(f"{name}={getattr(self, name)!r}; use float32 or bfloat16")

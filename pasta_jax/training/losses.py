@@ -1,7 +1,8 @@
 """Log-likelihoods and losses over PASTA training layouts.
 
-A batch is a stacked `Layout` ([B, L] arrays, horizon [B, L, U]). The attention mask is built on
-device from the one visibility rule (`Layout.mask`), so the full forward sees exactly what the
+A batch is a stacked `Layout` ([B, L] arrays, horizon [B, L, U]). The model takes its thread metadata
+(`Layout.thread_mask`) and the attention mask comes from the one visibility rule on device (built once by
+XLA attention, or tile by tile by the attention kernel), so the full forward sees exactly what the
 interpreter sees at decode time, and positions come from the layout (promise `tokens`).
 """
 
@@ -19,7 +20,7 @@ ApplyFn = Callable[..., tuple[jax.Array, object]]
 
 def token_logprobs(apply_fn: ApplyFn, params, batch: Layout) -> jax.Array:
   """[B, L] float32 log p(target | visible context) of every position (0 where loss_mask is False)."""
-  logits, _ = apply_fn(params, batch.tokens, batch.positions, batch.mask())  # [B, L, V] f32
+  logits, _ = apply_fn(params, batch.tokens, batch.positions, batch.thread_mask())  # [B, L, V] f32
   logz = jax.nn.logsumexp(logits, axis=-1)
   picked = jnp.take_along_axis(logits, batch.targets[..., None], axis=-1)[..., 0]
   return jnp.where(batch.loss_mask, picked - logz, 0.0)
@@ -43,7 +44,7 @@ def sft_kl_loss_sum(apply_fn: ApplyFn, base_apply_fn: ApplyFn, params, batch: La
   The base logits come from the same params with the adapter left out (`base_apply_fn` is the
   adapter-free model), under stop_gradient: only the adapter moves.
   """
-  mask = batch.mask()
+  mask = batch.thread_mask()
   logits, _ = apply_fn(params, batch.tokens, batch.positions, mask)  # [B, L, V]
   base_logits, _ = base_apply_fn(params, batch.tokens, batch.positions, mask)
   logp = jax.nn.log_softmax(logits, axis=-1)

@@ -102,7 +102,7 @@ class Trainer:
     self.schedule = learning_rate_schedule(config, self.total_steps)
     self.adapter = adapter_config(config, model)
     gemma = functools.partial(Gemma, model.config, dtype=jnp.dtype(config.compute_dtype), remat=config.remat,
-                              mesh=self.mesh if self.mesh.size > 1 else None)
+                              mesh=self.mesh if self.mesh.size > 1 else None, attention=config.attention)
     apply_fn = gemma(adapter=self.adapter).apply
     trainable, self.frozen = self._trainable_and_frozen(config, model)
     self.state, self.shardings = create_sharded_state(trainable, self.optimizer, self.mesh)
