@@ -149,3 +149,14 @@ def test_the_interpreter_with_the_kernel_equals_the_reference(program):
   for row, logits in zip(got.logits, want.logits, strict=True):
     if logits is not None:
       np.testing.assert_allclose(row, logits, atol=1e-4, rtol=1e-5)
+
+
+def test_unknown_attention_is_refused_by_name():
+  from pasta_jax.decode import api
+  from pasta_jax.errors import PastaError
+  from pasta_jax.training.config import TrainConfig
+  from tests.tiny import tiny_model
+  with pytest.raises(PastaError, match="attention must be one of xla, pallas"):
+    api.generate(tiny_model(), ["hi"], attention="flash")
+  with pytest.raises(Exception, match="attention='flash'"):
+    TrainConfig(attention="flash")
