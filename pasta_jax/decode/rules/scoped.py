@@ -86,6 +86,9 @@ def scoped_allowed(vocab, vocab_size: int, *, open_scopes, scope_depth, fork_dep
 
 
 def plan_scoped(state: InterpState, rs: ScopedState, cfg: InterpreterConfig) -> ScopedPlan:
+  """Who feeds this step: every running lane but spawners without a lane, `</scope>`s whose subtree still runs
+  and main's end id; the new children; closing lanes. A step without room for every write, or in which nothing
+  can feed (a deadlock only a forced script can build), changes nothing and stops the request."""
   vocab, b = cfg.vocab, jnp.arange(state.token.shape[0])[:, None]
   lanes = jnp.arange(cfg.lanes)
   live = state.live[:, None]
