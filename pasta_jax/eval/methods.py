@@ -115,11 +115,11 @@ class InterpreterMethod:
                             forced_answers=None if answer is None else [answer], **self.method_options)
     if result.drafts:
       note = f"best of {len(result.drafts)} drafts"
-    return output_of(result, self.model.tokenizer.tag_vocab(), note)
+    return output_of(result, note)
 
 
-def output_of(result: api.PastaResult, vocab, note: str = "") -> MethodOutput:
-  del vocab  # every method's Result carries its own critical path (nan when the answer is cut off mid-block)
+def output_of(result: api.PastaResult, note: str = "") -> MethodOutput:
+  """Every method's Result carries its own critical path (nan when the answer is cut off mid-block)."""
   return MethodOutput(text=result.text, annotated=result.annotated, steps=result.steps, seconds=result.seconds,
                       theoretical_speedup=result.theoretical_speedup, parallelism=result.theoretical_parallelism,
                       content_tokens=result.content_tokens, critical_path=result.critical_path,
