@@ -76,7 +76,7 @@ def test_forced_scoped_programs_match_reference(name, data):
   assert_same(got, schedule)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt_batch=st.lists(prompts, min_size=2, max_size=2), seed=st.integers(0, 2**16))
 def test_sampled_scoped_runs_match_reference(prompt_batch, seed):
   """The toy model writes its own scoped programs under the constraint masks, with a fixed seed."""
