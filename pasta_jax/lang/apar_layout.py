@@ -20,9 +20,8 @@ import numpy as np
 
 from pasta_jax.errors import PastaError
 from pasta_jax.lang.apar_tree import Node, parse_tree
-from pasta_jax.lang.layout import Layout, stream_targets
+from pasta_jax.lang.layout import Layout, fitted_shape, horizons_from_views, stream_targets
 from pasta_jax.lang.tags import TagVocab
-from pasta_jax.visibility import HIDDEN
 
 
 class _Rows:
@@ -76,21 +75,15 @@ def apar_layout(prompt_ids: Sequence[int], tree_ids: Sequence[int], vocab: TagVo
 
 
 def _arrays(rows: _Rows, num_prompt: int, length: int | None, num_threads: int | None, pad_id: int) -> Layout:
-  n, u = len(rows.tokens), len(rows.streams)
-  length = n if length is None else length
-  num_threads = u if num_threads is None else num_threads
-  if n > length or u > num_threads:
-    raise PastaError(f"example needs {n} tokens x {u} threads; the layout allows {length} x {num_threads}")
+  n = len(rows.tokens)
+  length, num_threads = fitted_shape(n, len(rows.streams), length, num_threads)
   tokens = np.full((length,), pad_id, np.int32)
   tokens[:n] = rows.tokens
   positions = np.zeros((length,), np.int32)
   positions[:n] = rows.positions
   thread = np.zeros((length,), np.int32)
   thread[:n] = rows.thread
-  horizon = np.full((length, num_threads), HIDDEN, np.int32)
-  for i, view in enumerate(rows.view):
-    for owner, limit in view.items():
-      horizon[i, owner] = limit
+  horizon = horizons_from_views(rows.view, length, num_threads)
   targets, loss_mask = stream_targets(rows.tokens, rows.streams, num_prompt, length)
   return Layout(tokens=tokens, positions=positions, thread=thread, order=np.arange(length, dtype=np.int32),
                 valid=np.arange(length) < n, horizon=horizon, targets=targets, loss_mask=loss_mask)

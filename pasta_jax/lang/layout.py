@@ -200,6 +200,24 @@ def _arrays(rows: _Rows, main: list[int], forks: list[list[int]], num_prompt: in
                 valid=np.arange(length) < n, horizon=horizon, targets=targets, loss_mask=loss_mask)
 
 
+def fitted_shape(tokens: int, threads: int, length: int | None, num_threads: int | None) -> tuple[int, int]:
+  """(L, U) of a layout of `tokens` x `threads` padded to `length` x `num_threads` (None: exactly its own)."""
+  length = tokens if length is None else length
+  num_threads = threads if num_threads is None else num_threads
+  if tokens > length or threads > num_threads:
+    raise PastaError(f"example needs {tokens} tokens x {threads} threads; the layout allows {length} x {num_threads}")
+  return length, num_threads
+
+
+def horizons_from_views(views: Sequence[dict[int, int]], length: int, num_threads: int) -> np.ndarray:
+  """[L, U] int32 horizons from each token's view (thread -> horizon), HIDDEN where a view names no thread."""
+  horizon = np.full((length, num_threads), HIDDEN, np.int32)
+  for i, view in enumerate(views):
+    for thread, limit in view.items():
+      horizon[i, thread] = limit
+  return horizon
+
+
 def stream_targets(tokens: Sequence[int], streams: Sequence[Sequence[int]], num_prompt: int,
                    length: int) -> tuple[np.ndarray, np.ndarray]:
   """Each token's target is the next token of its own thread's stream (indices into `tokens`);

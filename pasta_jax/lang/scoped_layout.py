@@ -24,10 +24,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from pasta_jax.errors import PastaError
-from pasta_jax.lang.layout import Layout, stream_targets
+from pasta_jax.lang.layout import Layout, fitted_shape, horizons_from_views, stream_targets
 from pasta_jax.lang.scoped import Fork, Item, Scope, descendants, parse_tokens
 from pasta_jax.lang.tags import TagVocab
-from pasta_jax.visibility import HIDDEN, UNBOUNDED, visible
+from pasta_jax.visibility import UNBOUNDED, visible
 
 
 @dataclasses.dataclass
@@ -104,15 +104,9 @@ def scoped_layout(prompt_ids: Sequence[int], answer_ids: Sequence[int], vocab: T
 
 
 def _arrays(walk: _Walk, num_prompt: int, length: int | None, num_threads: int | None, pad_id: int) -> Layout:
-  n, threads = len(walk.tokens), len(walk.streams)
-  length = n if length is None else length
-  num_threads = threads if num_threads is None else num_threads
-  if n > length or threads > num_threads:
-    raise PastaError(f"example needs {n} tokens x {threads} threads but the layout is {length} x {num_threads}")
-  horizon = np.full((length, num_threads), HIDDEN, np.int32)
-  for i, row in enumerate(walk.rows):
-    for u, h in row.items():
-      horizon[i, u] = h
+  n = len(walk.tokens)
+  length, num_threads = fitted_shape(n, len(walk.streams), length, num_threads)
+  horizon = horizons_from_views(walk.rows, length, num_threads)
   owner = np.zeros((length,), np.int32)
   owner[:n] = walk.owner
   valid = np.arange(length) < n
