@@ -17,7 +17,7 @@ import argparse
 
 from tqdm import tqdm
 
-from bench.common import second_of_two, table
+from bench.common import add_replay_flags, second_of_two, table
 from bench.interpreter import DATA
 from pasta_jax.data.apar_format import apar_annotate
 from pasta_jax.data.sources import read_records
@@ -79,13 +79,7 @@ COLUMNS = ("id", "tokens", "pasta_forks", "apar_forks", "pasta_speedup", "pasta_
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="bench.baselines", description=__doc__.split("\n\n")[0])
-  parser.add_argument("--data", default=DATA)
-  parser.add_argument("--limit", type=int, default=20)
-  parser.add_argument("--answer-tokens", type=int, default=200)
-  parser.add_argument("--new-tokens", type=int, default=256, help="step budget (fixed: one compile)")
-  parser.add_argument("--prompt-bucket", type=int, default=64)
-  parser.add_argument("--lanes", type=int, default=8)
-  parser.add_argument("--model", default=None, help="model path (default: the embedded Gemma 3 270M)")
+  add_replay_flags(parser, limit=20, data=DATA)
   return parser.parse_args(argv)
 
 

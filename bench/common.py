@@ -37,6 +37,17 @@ def copy_bandwidth(num_bytes: int = 512 << 20, runs: int = 5) -> float:
   return 2 * num_bytes / seconds
 
 
+def add_replay_flags(parser, limit: int, data: str = "lima") -> None:
+  """The flags of the forced-replay benches over LIMA-style answers (bench.interpreter, .baselines, .scoped)."""
+  parser.add_argument("--data", default=data, help="a shared dataset name or a JSONL path")
+  parser.add_argument("--limit", type=int, default=limit)
+  parser.add_argument("--answer-tokens", type=int, default=200, help="truncate answers to their first N tokens")
+  parser.add_argument("--new-tokens", type=int, default=256, help="step budget (fixed: one compile)")
+  parser.add_argument("--prompt-bucket", type=int, default=64, help="use prompts of this padded length only")
+  parser.add_argument("--lanes", type=int, default=8)
+  parser.add_argument("--model", default=None, help="model path (default: the embedded Gemma 3 270M)")
+
+
 def second_of_two(fn):
   """Runs fn twice and returns the second result: the first compiles and warms up."""
   fn()

@@ -21,7 +21,7 @@ import json
 
 from tqdm import tqdm
 
-from bench.common import plain_step, second_of_two, table
+from bench.common import add_replay_flags, plain_step, second_of_two, table
 from pasta_jax.data.sources import resolve_path
 from pasta_jax.data.structural import annotate
 from pasta_jax.decode import api, naive
@@ -92,13 +92,7 @@ COLUMNS = ("id", "tokens", "blocks", "steps", "twin_steps", "stalls", "t_ann", "
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="bench.interpreter", description=__doc__.split("\n\n")[0])
-  parser.add_argument("--data", default=DATA)
-  parser.add_argument("--limit", type=int, default=24)
-  parser.add_argument("--answer-tokens", type=int, default=200, help="truncate answers to their first N tokens")
-  parser.add_argument("--new-tokens", type=int, default=256, help="step budget (fixed: one compile)")
-  parser.add_argument("--prompt-bucket", type=int, default=64, help="use prompts of this padded length only")
-  parser.add_argument("--lanes", type=int, default=8)
-  parser.add_argument("--model", default=None, help="model path (default: the embedded Gemma 3 270M)")
+  add_replay_flags(parser, limit=24, data=DATA)
   return parser.parse_args(argv)
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import second_of_two, table
+from bench.common import add_replay_flags, second_of_two, table
 from pasta_jax.data.sources import resolve_path
 from pasta_jax.data.structural_scoped import annotate_scoped
 from pasta_jax.decode import api
@@ -107,13 +107,7 @@ COLUMNS = ("id", "tokens", "blocks", "depth", "steps", "twin_steps", "stalls", "
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="bench.scoped", description=__doc__.split("\n\n")[0])
-  parser.add_argument("--data", default="lima")
-  parser.add_argument("--limit", type=int, default=20)
-  parser.add_argument("--answer-tokens", type=int, default=200, help="truncate answers to their first N tokens")
-  parser.add_argument("--new-tokens", type=int, default=256, help="step budget (fixed: one compile)")
-  parser.add_argument("--prompt-bucket", type=int, default=64, help="use prompts of this padded length only")
-  parser.add_argument("--lanes", type=int, default=8)
-  parser.add_argument("--model", default=None, help="model path (default: the embedded Gemma 3 270M)")
+  add_replay_flags(parser, limit=20)
   return parser.parse_args(argv)
 
 
