@@ -44,6 +44,7 @@ from pasta_jax.decode.result import (
   scoped_result,
   tree_result,
 )
+from pasta_jax.decode.rules.medusa import MedusaRules
 from pasta_jax.decode.rules import AparRules, PastaRules, Rules, ScopedRules, SequentialRules, SotRules, SuperposedRules
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.sharding import DecodeSharding
@@ -62,7 +63,8 @@ __all__ = ["GREEDY", "METHODS", "LangTokenizer", "PastaResult", "Result", "Threa
            "stream_ids"]
 
 GREEDY = SamplingConfig()  # frozen: safe as a default argument
-METHODS = ("pasta", "pasta-v0", "apar", "sot", "sequential", "superposed")
+METHODS = ("pasta", "pasta-v0", "apar", "sot", "sequential", "superposed", "medusa", "propd")
+TREE_METHODS = ("medusa", "propd")
 PASTA = PastaRules()
 
 
@@ -81,6 +83,8 @@ def rules_for(method: str, *, max_depth: int = 3, fan_out: int = 1, ignore_eos: 
     return SotRules(initial_threads=fan_out)
   if method == "sequential":
     return SequentialRules(ignore_eos=ignore_eos)
+  if method in TREE_METHODS:
+    raise PastaError(f"method {method!r} needs Medusa heads: use prepare_method / generate (heads=...)")
   raise PastaError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
 
 
@@ -290,7 +294,10 @@ def to_result(run: RunOutput, seconds: float, tokenizer: LangTokenizer, prep: Pr
   rules = prep.cfg.rules
   build = tree_result if isinstance(rules, AparRules) else drafts_result if isinstance(rules, SuperposedRules) \
       else scoped_result if isinstance(rules, ScopedRules) else pasta_result
-  return build(run, seconds, tokenizer, prep.vocab, prep.cfg.rules.name)
+  result = build(run, seconds, tokenizer, prep.vocab, prep.cfg.rules.name)
+  if isinstance(rules, MedusaRules):
+    result = dataclasses.replace(result, speculation=run.rule_outputs)
+  return result
 
 
 # --- the API -----------------------------------------------------------------------------------------
@@ -303,6 +310,9 @@ def prepare_method(model, ids: Sequence[Sequence[int]], *, method: str = "pasta"
     raise PastaError(f"this model has no tokenizer; {method} decoding needs one for its tags and end ids")
   if drafts is not None and method != "superposed":
     raise PastaError(f"drafts is for method='superposed', not {method!r}")
+  if method in TREE_METHODS:
+    return prepare_tree(model, ids, method, forced=forced_answers is not None or scripts is not None,
+                        return_logits=return_logits, ignore_eos=ignore_eos, **kw)
   if method in ("sequential", "superposed"):
     lanes = max_threads = 1
   index = superposed_index(ngram) if method == "superposed" else None
@@ -335,6 +345,22 @@ def prepare_method(model, ids: Sequence[Sequence[int]], *, method: str = "pasta"
                     ngram_weight=0.0 if index is None else SuperposedRules.ngram_weight)
   return prepare(model, ids, rules=rules, scripts=scripts, lanes=lanes, max_threads=max_threads,
                  record_logits=return_logits, rule_inputs=None if index is None else index.device_arrays(), **kw)
+
+
+def prepare_tree(model, ids, method: str, *, forced: bool, return_logits: bool, ignore_eos: bool, heads=None,
+                 tree_size: int | None = None, choices=None, acceptance: str = "greedy", latency=None,
+                 **kw) -> Prepared:
+  """Medusa (fixed tree) or ProPD (dynamic tree size) on the model's Medusa heads (`speculation`)."""
+  from pasta_jax.decode.speculation import DEFAULT_TREE, load_drafter, rules_and_inputs
+  if forced:
+    raise PastaError(f"method={method!r} speculates on the model's own tokens: it replays no forced answers")
+  drafter = load_drafter(model, heads)
+  size = tree_size or (DEFAULT_TREE if method == "propd" else 16)
+  rules, inputs = rules_and_inputs(drafter, tree_size=size, dynamic=method == "propd", acceptance=acceptance,
+                                   latency=latency, choices=choices)
+  rules = dataclasses.replace(rules, ignore_eos=ignore_eos)
+  return prepare(model, ids, rules=rules, lanes=rules.tree.size, max_threads=rules.tree.size,
+                 record_logits=return_logits, rule_inputs=inputs, **kw)
 
 
 def superposed_index(ngram):

@@ -63,6 +63,7 @@ class Result:
   logits: np.ndarray | None = None  # [N, V] behind each record (zeros for inserted tokens), on request
   drafts: tuple[str, ...] = ()  # Superposed Decoding: the k drafts, most probable first (`text` is the first)
   draft_scores: tuple[float, ...] = ()  # their log probabilities (n-gram smoothed)
+  speculation: dict | None = None  # Medusa / ProPD: accept length, per-head hit rates, tree sizes chosen
 
   @property
   def stop_reason(self) -> str:

@@ -23,11 +23,12 @@ from pasta_jax.visibility import HIDDEN, ThreadMask
 ModelFn = Callable
 
 
-def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: InterpreterConfig, forced: bool):
+def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: InterpreterConfig, forced: bool, aux=None):
   """The token of each query row: the rules' choice (`rules.select_tokens`), or the forced script's.
-  logits: [B, Q, V]. Returns (state, tokens [B, Q], [B, Q] rows that had a fork refused by a limit)."""
+  logits: [B, Q, V]; aux: what else the rules asked the model for (`rules.model_extras`; None at prefill).
+  Returns (state, tokens [B, Q], [B, Q] rows that had a fork refused by a limit)."""
   if not forced:
-    return cfg.rules.select_tokens(state, rows_lane, row_ok, logits, cfg)
+    return cfg.rules.select_tokens(state, rows_lane, row_ok, logits, cfg, aux=aux)
   b = jnp.arange(logits.shape[0])[:, None]
   thread = state.thread[b, rows_lane]
   ptr = state.script_ptr[b, thread]
@@ -35,7 +36,7 @@ def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: Interprete
   scripted = jnp.take_along_axis(state.script[b, thread], jnp.minimum(ptr, state.script.shape[-1] - 1)[..., None],
                                  axis=-1)[..., 0]
   if cfg.rules.sample_after_script:
-    state, sampled, refused = cfg.rules.select_tokens(state, rows_lane, row_ok, logits, cfg)
+    state, sampled, refused = cfg.rules.select_tokens(state, rows_lane, row_ok, logits, cfg, aux=aux)
     return state, jnp.where(scripted_now, scripted, sampled), refused & ~scripted_now
   forced_token = jnp.where(scripted_now, scripted, cfg.rules.script_end(rows_lane, cfg))
   # The model still runs: without a use of the logits XLA would drop the output head, and forced
@@ -57,9 +58,11 @@ def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: In
   mask = ThreadMask(horizon, state.slot_owner, state.slot_order, state.slot_valid)
   tokens, weights = cfg.rules.feed_inputs(state, rows_lane, cfg)
   mixed = {} if weights is None else {"token_weights": weights}  # an optional part of the model contract
-  logits, pool = model_fn(params, tokens, state.position[b, rows_lane], mask, state.pool,
-                          jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos, **mixed)
-  state, chosen, refused = choose_tokens(logits, rows_lane, row_ok, state, cfg, forced)
+  extras = cfg.rules.model_extras(state, cfg)  # e.g. Medusa heads: the model then returns their top tokens too
+  logits, pool, *aux = model_fn(params, tokens, state.position[b, rows_lane], mask, state.pool,
+                                jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos, **mixed,
+                                **extras)
+  state, chosen, refused = choose_tokens(logits, rows_lane, row_ok, state, cfg, forced, aux[0] if aux else None)
   scatter_lane = jnp.where(row_ok, rows_lane, cfg.lanes)  # padding rows are dropped
   sampled = jnp.full((batch, cfg.lanes), -1, jnp.int32).at[b, scatter_lane].set(chosen, mode="drop")
   refused = jnp.zeros((batch, cfg.lanes), bool).at[b, scatter_lane].set(refused, mode="drop")

@@ -8,6 +8,7 @@ object says only what differs, as array functions over the [B, T] thread table:
                 writes, and the tokens the interpreter inserts (a fork's `<async>`, APAR's child);
   feed_inputs   what the feeding rows put into the model: their pending ids (the default), or weighted
                 mixes of token ids whose embeddings the model sums (a superposed input);
+  model_extras  what else the model computes on those rows (Medusa's heads' top tokens; none by default);
   allowed       which tokens each query row may sample (tag constraints), and which rows had a
                 fork refused by a limit (counted, never silent);
   select_tokens how the logits become each row's token: a constrained sample (the default), or a
@@ -104,12 +105,19 @@ class Rules(abc.ABC):
     del cfg
     return state.token[jax.numpy.arange(state.token.shape[0])[:, None], rows_lane], None
 
+  def model_extras(self, state: InterpState, cfg: InterpreterConfig) -> dict:
+    """Extra keyword arguments of the model call (Medusa's heads); the model's extra output reaches
+    `select_tokens` as `aux`. Default: none."""
+    del state, cfg
+    return {}
+
   def select_tokens(self, state: InterpState, rows_lane: jax.Array, row_ok: jax.Array, logits: jax.Array,
-                    cfg: InterpreterConfig) -> tuple[InterpState, jax.Array, jax.Array]:
+                    cfg: InterpreterConfig, aux: Any = None) -> tuple[InterpState, jax.Array, jax.Array]:
     """logits [B, Q, V] of the rows in `rows_lane` ([B, Q]; `row_ok` [B, Q] marks the rows that fed) ->
     (state, [B, Q] tokens, [B, Q] bool refused forks). The default samples under `allowed` with each
-    lane's own key; a method with its own search overrides it and may update `state.rule_state`."""
-    del row_ok
+    lane's own key; a method with its own search overrides it and may update `state.rule_state`.
+    aux: the model's extra output asked for by `model_extras` (None after prefill)."""
+    del row_ok, aux
     batch, num_q, _ = logits.shape
     allowed, refused = self.allowed(state, rows_lane, logits, cfg)
     if allowed is not None:

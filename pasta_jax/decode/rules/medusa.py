@@ -1,0 +1,263 @@
+"""Medusa tree speculation, and ProPD's dynamic tree size, as rules on the one step driver (paper 004).
+
+Each step one request feeds a token tree (`decode.tree`): the root is main's pending token (certain), and
+node (r_1..r_d) the rank-r_d candidate of Medusa head d-1 from the last step. Lane i carries node i as a
+one-token transient thread i (the root is main): it sees main's cache and its ancestors, at position
+p + depth, through the one visibility rule, in the one model call, which also runs the heads on every
+node (`model_extras`: the model returns each head's top tokens). Then, on device:
+
+  acceptance   greedy: a node is accepted when its token is its parent's argmax (lossless: the output is
+               plain greedy decoding token for token); typical (Medusa): when the parent's probability of
+               it exceeds min(epsilon, delta * exp(-entropy)). The longest accepted path wins; nodes holding
+               an end id or past the content budget are never accepted;
+  records      each lane on the path records its own next token (the next path node's, and at the last
+               node the base model's bonus token), so a step writes depth + 1 tokens, in lane order;
+  the pool     the path's slots become main's, every other node's slot is freed (lowest-free reuse);
+  the heads    the last path node's head candidates build the next tree.
+
+ProPD's dynamic tree size (`dynamic=True`): each step, per request, the prefix of the tree maximising
+E(s) / T(s) among the lane buckets s = 1, 2, 4, ..., N: E(s) is the expected accepted length from the
+heads' top-k hit rates (a calibrated prior, updated online from the request's own steps), and
+T(s) = alpha * s + beta the step time of size s, fitted from a calibration run on the device and
+batch size (`rule_inputs["latency"]`): the loop runs on device, so times are measured between host calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pasta_jax.decode.pool import lowest_free_slots, usable_slots, write_slots
+from pasta_jax.decode.rules.base import InterpreterConfig, Rules, StepFeed
+from pasta_jax.decode.rules.sequential import SequentialRules
+from pasta_jax.decode.state import DONE, FREE, RUNNING, InterpState
+from pasta_jax.decode.tree import TokenTree
+from pasta_jax.visibility import HIDDEN, UNBOUNDED
+
+ACCEPTANCE = ("greedy", "typical")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TreeState:
+  """Per request: the next tree's inputs, this step's path, and the counts behind ProPD and the reports."""
+
+  candidates: jax.Array  # [B, H, k] int32 each head's top tokens at the last path node
+  have_candidates: jax.Array  # [B] bool (False until the first tree step: the prefill has no heads)
+  root_token: jax.Array  # [B] int32 main's pending token (the next tree's root)
+  root_pos: jax.Array  # [B] int32 its position
+  path: jax.Array  # [B, N] bool this step's accepted path (lanes)
+  hits: jax.Array  # [B, H, k] float32 steps where head h's rank-r token was right (observed steps only)
+  trials: jax.Array  # [B, H] float32 steps where head h's target was observed (its depth was reached)
+  tree_steps: jax.Array  # [B] int32 steps that fed a tree
+  written: jax.Array  # [B] int32 tokens those steps wrote (accept length summed)
+  size_counts: jax.Array  # [B, n_sizes] int32 how often each tree size was chosen
+  inputs: dict  # read-only: heads, prior hit rates [H, k], latency [n_sizes] (ProPD)
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaRules(SequentialRules):
+  """Token-tree speculation with Medusa heads; `dynamic=True` is ProPD's dynamic tree size."""
+
+  name: ClassVar[str] = "medusa"
+  tree: TokenTree = TokenTree(((),))
+  num_heads: int = 4
+  top_k: int = 8  # candidates kept per head (the tree reads ranks below it)
+  acceptance: str = "greedy"
+  typical_epsilon: float = 0.09  # Medusa's posterior threshold
+  typical_delta: float = 0.3  # Medusa's posterior alpha (sqrt of epsilon)
+  dynamic: bool = False  # ProPD: pick the tree prefix each step (needs rule_inputs["latency"])
+  prior_weight: float = 20.0  # pseudo-steps behind the calibrated hit rates (ProPD's online estimate)
+
+  def validate(self, cfg: InterpreterConfig) -> None:
+    Rules.validate(self, cfg)
+    if cfg.lanes != self.tree.size or cfg.max_threads < self.tree.size:
+      raise ValueError(f"a {self.tree.size}-node tree needs lanes = {self.tree.size} and max_threads >= it, got "
+                       f"lanes={cfg.lanes}, max_threads={cfg.max_threads}")
+    self.tree.check_heads(self.num_heads, self.top_k)
+    if self.acceptance not in ACCEPTANCE:
+      raise ValueError(f"acceptance must be one of {ACCEPTANCE}, got {self.acceptance!r}")
+
+  @property
+  def sizes(self) -> tuple[int, ...]:
+    """The tree sizes ProPD chooses among: the lane buckets up to the whole tree."""
+    n = self.tree.size
+    return tuple(sorted({1 << i for i in range(n.bit_length()) if 1 << i < n} | {n}))
+
+  # --- state ---------------------------------------------------------------------------------------
+  def init_rule_state(self, prompt_tokens, lengths, rule_inputs, cfg: InterpreterConfig) -> TreeState:
+    if rule_inputs is None or "heads" not in rule_inputs:
+      raise ValueError("medusa decoding needs rule_inputs={'heads': Medusa heads, ...} (model/medusa.py)")
+    if self.dynamic and "latency" not in rule_inputs:
+      raise ValueError("dynamic tree sizes (ProPD) need rule_inputs['latency']: seconds per step of each size")
+    batch, h, k = lengths.shape[0], self.num_heads, self.top_k
+    rates = rule_inputs.get("rates", jnp.zeros((h, k), jnp.float32))
+    return TreeState(candidates=jnp.zeros((batch, h, k), jnp.int32), have_candidates=jnp.zeros((batch,), bool),
+                     root_token=jnp.zeros((batch,), jnp.int32), root_pos=lengths.astype(jnp.int32),
+                     path=jnp.zeros((batch, cfg.lanes), bool), hits=jnp.zeros((batch, h, k), jnp.float32),
+                     trials=jnp.zeros((batch, h), jnp.float32), tree_steps=jnp.zeros((batch,), jnp.int32),
+                     written=jnp.zeros((batch,), jnp.int32),
+                     size_counts=jnp.zeros((batch, len(self.sizes)), jnp.int32),
+                     inputs={**rule_inputs, "rates": jnp.asarray(rates, jnp.float32)})
+
+  def model_extras(self, state: InterpState, cfg: InterpreterConfig) -> dict:
+    return {"medusa_heads": state.rule_state.inputs["heads"], "medusa_top_k": self.top_k}
+
+  # --- before the model: lay out the tree -----------------------------------------------------------
+  def tree_size(self, d: TreeState) -> jax.Array:
+    """[B] nodes each request feeds: the whole tree, or ProPD's choice; the root alone before candidates."""
+    if not self.dynamic:
+      size = jnp.full(d.root_token.shape, self.tree.size, jnp.int32)
+    else:
+      expected = jnp.cumsum(self.node_probabilities(d), axis=1)  # [B, N] E(prefix of i + 1 nodes)
+      sizes = jnp.asarray(self.sizes)
+      gain = expected[:, sizes - 1] / d.inputs["latency"][None, :]  # [B, n_sizes]
+      size = sizes[jnp.argmax(gain, axis=1)]
+    return jnp.where(d.have_candidates, size, 1).astype(jnp.int32)
+
+  def hit_rates(self, d: TreeState) -> jax.Array:
+    """[B, H, k] each head's rank hit rates: the calibrated prior, moved by the request's own steps."""
+    w = self.prior_weight
+    return (w * d.inputs["rates"][None] + d.hits) / (w + d.trials[:, :, None])
+
+  def node_probabilities(self, d: TreeState) -> jax.Array:
+    """[B, N] probability that each node is accepted (products of hit rates along its path)."""
+    rates = self.hit_rates(d)
+    depth, rank, parent = self.tree.depth, self.tree.rank, self.tree.parent
+    node_rate = rates[:, np.maximum(depth - 1, 0), rank]  # [B, N]
+    prob = jnp.ones_like(node_rate)
+    for level in range(1, self.tree.max_depth + 1):  # parents come first: one pass per depth
+      at = depth == level
+      prob = jnp.where(at[None], prob[:, np.maximum(parent, 0)] * node_rate, prob)
+    return prob
+
+  def tree_horizon(self, max_threads: int) -> jax.Array:
+    """[N, U] horizons: node i sees main (thread 0) and the threads of its ancestors and itself, whole."""
+    sees = np.full((self.tree.size, max_threads), HIDDEN, np.int32)
+    sees[:, : self.tree.size][self.tree.ancestors] = UNBOUNDED
+    sees[:, 0] = UNBOUNDED
+    return jnp.asarray(sees)
+
+  def before_model(self, state: InterpState, cfg: InterpreterConfig, length_table: jax.Array):
+    d: TreeState = state.rule_state
+    running = state.live & (state.status[:, 0] == RUNNING)
+    at_end = running & jnp.isin(d.root_token, jnp.asarray(cfg.vocab.eos_ids))
+    free = usable_slots(state).sum(axis=1)
+    size = jnp.minimum(self.tree_size(d), free)
+    out_of_room = running & ~at_end & (free == 0)
+    lanes = jnp.arange(cfg.lanes)
+    feed = (running & ~at_end)[:, None] & (lanes[None, :] < size[:, None])
+    depth, rank = jnp.asarray(self.tree.depth), jnp.asarray(self.tree.rank)
+    heads_pick = d.candidates[:, jnp.maximum(depth - 1, 0), rank]  # [B, N]
+    token = jnp.where(lanes[None, :] == 0, d.root_token[:, None], heads_pick)
+    horizon = jnp.broadcast_to(self.tree_horizon(cfg.max_threads), state.horizon.shape)
+    state = dataclasses.replace(
+        state, token=token.astype(jnp.int32), position=(d.root_pos[:, None] + depth[None, :]).astype(jnp.int32),
+        thread=jnp.broadcast_to(lanes, token.shape).astype(jnp.int32), horizon=horizon,
+        status=jnp.where(lanes[None, :] == 0, state.status[:, :1], jnp.where(feed, RUNNING, FREE)))
+    slots = lowest_free_slots(feed, state, cfg.pool_slots)
+    state = write_slots(state, feed, slots)
+    size_seen = (jnp.asarray(self.sizes)[None, :] == size[:, None]) & feed[:, :1]
+    state = dataclasses.replace(state, rule_state=dataclasses.replace(
+        d, size_counts=d.size_counts + size_seen.astype(jnp.int32)))
+    batch = feed.shape[0]
+    none = (jnp.zeros((batch, 0, 5), jnp.int32), jnp.zeros((batch, 0), bool))
+    return state, StepFeed(feed, slots, *none, (at_end, out_of_room, slots))
+
+  # --- the model's output: accept a path ------------------------------------------------------------
+  def select_tokens(self, state: InterpState, rows_lane, row_ok, logits, cfg: InterpreterConfig, aux=None):
+    state, chosen, refused = super().select_tokens(state, rows_lane, row_ok, logits, cfg)  # each node's next token
+    d: TreeState = state.rule_state
+    if aux is None:  # after prefill: main's first token is the first root
+      return dataclasses.replace(state, rule_state=dataclasses.replace(d, root_token=chosen[:, 0])), chosen, refused
+    b = jnp.arange(logits.shape[0])[:, None]
+    num_q = logits.shape[1]  # feeders are lanes 0..size-1, so row q is lane q
+    depth, parent = jnp.asarray(self.tree.depth[:num_q]), jnp.asarray(np.maximum(self.tree.parent[:num_q], 0))
+    node_token = state.token[b, rows_lane]
+    accepted = self.accepted_nodes(state, node_token, chosen, logits, row_ok, depth, parent, cfg)
+    score = jnp.where(accepted, depth[None, :] * (num_q + 1) + (num_q - jnp.arange(num_q))[None, :], -1)
+    last = jnp.argmax(score, axis=1)  # deepest accepted node; among equals the likelier (earlier) one
+    on_path = jnp.asarray(self.tree.ancestors[:num_q, :num_q])[last] & row_ok  # [B, Q]
+    path = jnp.zeros((logits.shape[0], cfg.lanes), bool).at[:, :num_q].set(on_path)
+    fed = row_ok[:, 0] & state.live
+    new = dataclasses.replace(
+        d, candidates=jnp.where(fed[:, None, None], aux[b[:, 0], last], d.candidates),
+        have_candidates=d.have_candidates | fed,
+        root_token=jnp.where(fed, chosen[b[:, 0], last], d.root_token),
+        root_pos=jnp.where(fed, d.root_pos + depth[last] + 1, d.root_pos), path=path,
+        tree_steps=d.tree_steps + fed, written=d.written + jnp.where(fed, depth[last] + 1, 0))
+    new = self.count_hits(new, d, node_token, on_path, depth, chosen[b[:, 0], last], depth[last], fed)
+    return dataclasses.replace(state, rule_state=new), chosen, refused
+
+  def accepted_nodes(self, state, node_token, chosen, logits, row_ok, depth, parent, cfg) -> jax.Array:
+    """[B, Q] bool: nodes whose whole path is accepted (the root always is)."""
+    if self.acceptance == "greedy":
+      match = node_token == chosen[:, parent]
+    else:
+      temperature = max(cfg.sampling.temperature, 1e-6) if cfg.sampling.temperature > 0 else 1.0
+      log_p = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)  # [B, Q, V]
+      entropy = -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)  # [B, Q]
+      threshold = jnp.minimum(self.typical_epsilon, self.typical_delta * jnp.exp(-entropy))
+      p_child = jnp.exp(jnp.take_along_axis(log_p[:, parent], node_token[..., None], axis=-1)[..., 0])
+      match = p_child > threshold[:, parent]
+    match &= row_ok & ~jnp.isin(node_token, jnp.asarray(cfg.vocab.eos_ids))
+    if cfg.max_content:  # never write past the content budget (each path node is one more token)
+      room = jnp.where(state.content_budget > 0, state.content_budget - state.content, jnp.iinfo(jnp.int32).max)
+      match &= depth[None, :] < room[:, None]
+    accepted = (jnp.arange(depth.shape[0]) == 0)[None, :] & row_ok
+    for level in range(1, self.tree.max_depth + 1):
+      accepted |= (depth == level)[None, :] & match & accepted[:, parent]
+    return accepted
+
+  def count_hits(self, new: TreeState, old: TreeState, node_token, on_path, depth, bonus, last_depth, fed):
+    """Head h's target (the token at depth h + 1) is observed when the path reached depth h: it is the
+    path's node there, or the bonus token just past the path's end. Counts its rank in head h's list."""
+    heads = jnp.arange(self.num_heads)
+    at_depth = (depth[None, None, :] == heads[None, :, None] + 1) & on_path[:, None, :]  # [B, H, Q]
+    path_token = jnp.sum(jnp.where(at_depth, node_token[:, None, :], 0), axis=2)
+    target = jnp.where(heads[None, :] < last_depth[:, None], path_token, bonus[:, None])
+    seen = (heads[None, :] <= last_depth[:, None]) & (fed & old.have_candidates)[:, None]  # [B, H]
+    hit = (old.candidates == target[:, :, None]) & seen[:, :, None]
+    return dataclasses.replace(new, hits=new.hits + hit, trials=new.trials + seen)
+
+  # --- after: records and the pool -----------------------------------------------------------------
+  def after_model(self, state: InterpState, step: StepFeed, sampled, cfg: InterpreterConfig, length_table):
+    at_end, out_of_room, slots = step.plan
+    d: TreeState = state.rule_state
+    path = d.path & step.feed
+    fed = step.feed[:, 0]
+    ended = at_end | jnp.any(path & jnp.isin(sampled, jnp.asarray(cfg.vocab.eos_ids)), axis=1)
+    b = jnp.arange(slots.shape[0])[:, None]
+    keep = jnp.where(path, slots, cfg.pool_slots)
+    drop = jnp.where(step.feed & ~path, slots, cfg.pool_slots)
+    state = dataclasses.replace(
+        state,
+        slot_owner=state.slot_owner.at[b, keep].set(0, mode="drop"),  # the accepted path joins main
+        slot_valid=state.slot_valid.at[b, drop].set(False, mode="drop"),  # the rest of the tree is released
+        token=jnp.where(path, sampled, state.token),  # each path lane records its next token
+        position=jnp.where(path, state.position + 1, state.position),
+        thread=jnp.where(path, 0, state.thread),
+        status=jnp.where(ended[:, None], DONE, state.status),
+        finished=state.finished | ended, truncated=state.truncated | out_of_room,
+        pool_full=state.pool_full | out_of_room,
+        last_fed_step=jnp.where(fed, state.step, state.last_fed_step))
+    return state, path
+
+  def max_records(self, cfg: InterpreterConfig) -> int:
+    return cfg.pool_slots + cfg.lanes + 1
+
+  def host_outputs(self, rule_state: Any, request: int) -> dict:
+    d = rule_state
+    steps = int(d.tree_steps[request])
+    trials = np.asarray(d.trials[request])
+    hits = np.asarray(d.hits[request])
+    return {"tree_steps": steps, "tree_tokens": int(d.written[request]),
+            "accept_length": float(d.written[request]) / max(steps, 1),
+            "head_top1": [float(h) for h in hits[:, 0] / np.maximum(trials, 1)],
+            "head_topk": [float(h) for h in hits.sum(axis=1) / np.maximum(trials, 1)],
+            "head_trials": [int(t) for t in trials],
+            "tree_sizes": dict(zip(self.sizes, (int(c) for c in np.asarray(d.size_counts[request]))))}

@@ -1,0 +1,113 @@
+"""Tree speculation set-up for `generate(method="medusa" | "propd")`: heads, tree, calibration, latency.
+
+A `Drafter` is a model's Medusa heads plus their calibrated top-k hit rates (what `train.medusa` writes
+beside the heads). `rules_and_inputs` turns it into the decode core's `MedusaRules` and their read-only
+`rule_inputs`; `calibrate_latency` measures ProPD's step-time model T(s) = alpha s + beta on this device and
+batch size by running the ProPD loop itself with its size pinned (one compiled program for every size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from pasta_jax.decode.rules.medusa import MedusaRules
+from pasta_jax.decode.tree import TokenTree, build_tree, default_hit_rates
+from pasta_jax.errors import PastaError
+from pasta_jax.model import medusa
+
+CALIBRATION_FILE = "calibration.json"
+MEDUSA_DIR = "medusa"  # the shipped heads of an adapter live in <adapter>/medusa/
+DEFAULT_TREE = 64  # Medusa's default tree size (its 63 candidates + the root)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Drafter:
+  heads: dict
+  config: medusa.MedusaConfig
+  hit_rates: np.ndarray  # [H, k] calibrated: P(head h's rank-r token is right | its depth was reached)
+  source: str = ""
+
+  @property
+  def top_k(self) -> int:
+    return self.hit_rates.shape[1]
+
+  def tree(self, size: int) -> TokenTree:
+    """Medusa's recipe: the greedy tree of `size` nodes for these heads' calibrated hit rates."""
+    return build_tree(self.hit_rates, size)
+
+
+def load_drafter(model, heads=None) -> Drafter:
+  """The Medusa heads for `model`: a `Drafter`, a folder `train.medusa` wrote, or None for the ones shipped
+  with the model (its adapter folder's `medusa/`)."""
+  if isinstance(heads, Drafter):
+    return heads
+  folder = Path(heads) if heads is not None else Path(str(model.source)) / MEDUSA_DIR
+  if not (folder / medusa.CONFIG_FILE).exists():
+    raise PastaError(f"no Medusa heads for {model.source} (looked in {folder}); train them with "
+                     "`python -m train.medusa --out DIR` and pass heads=DIR/heads")
+  params, config, meta = medusa.load_heads(folder)
+  calibration = folder / CALIBRATION_FILE
+  if calibration.exists():
+    rates = np.asarray(json.loads(calibration.read_text())["hit_rates"], np.float32)
+  else:
+    rates = default_hit_rates(config.num_heads, 8).astype(np.float32)
+  return Drafter(params, config, rates, str(folder))
+
+
+def rules_and_inputs(drafter: Drafter, *, tree_size: int = DEFAULT_TREE, dynamic: bool = False,
+                     acceptance: str = "greedy", latency=None, choices=None) -> tuple[MedusaRules, dict]:
+  """(MedusaRules, rule_inputs) for a tree of `tree_size` nodes (or an explicit Medusa `choices` list);
+  dynamic=True (ProPD) takes `latency`: seconds per step for each of the rules' sizes, or (alpha, beta)."""
+  tree = TokenTree.from_choices(choices) if choices is not None else drafter.tree(tree_size)
+  rules = MedusaRules(tree=tree, num_heads=drafter.config.num_heads, top_k=drafter.top_k, acceptance=acceptance,
+                      dynamic=dynamic)
+  inputs = {"heads": drafter.heads, "rates": jnp.asarray(drafter.hit_rates, jnp.float32)}
+  if dynamic:
+    if latency is None:
+      raise PastaError("method='propd' needs a latency model: latency=(alpha, beta) seconds, or per-size times "
+                       "(`calibrate_latency`)")
+    inputs["latency"] = jnp.asarray(latency_table(latency, rules.sizes), jnp.float32)
+  return rules, inputs
+
+
+def latency_table(latency, sizes) -> np.ndarray:
+  """Seconds per step at each size: from (alpha, beta) of T(s) = alpha s + beta, or already per size."""
+  values = np.asarray(latency, np.float64)
+  if values.shape == (2,) and len(sizes) != 2:
+    return values[0] * np.asarray(sizes, np.float64) + values[1]
+  if values.shape != (len(sizes),) or np.any(values <= 0):
+    raise PastaError(f"latency must be (alpha, beta) or {len(sizes)} positive step times, got {values}")
+  return values
+
+
+def fit_latency(sizes, seconds) -> tuple[float, float]:
+  """Least-squares (alpha, beta) of T(s) = alpha s + beta (alpha >= 0, beta > 0)."""
+  a, b = np.polyfit(np.asarray(sizes, np.float64), np.asarray(seconds, np.float64), 1)
+  return max(float(a), 0.0), max(float(b), 1e-6)
+
+
+def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_TREE, steps: int = 16,
+                      repeats: int = 2, **prepare_kw) -> dict:
+  """Times the ProPD loop with its size pinned to each candidate size (latency 1 there, 1e9 elsewhere: the
+  same compiled program) on `ids` (the batch size matters); returns sizes, per-step seconds and the fit."""
+  from pasta_jax.decode import api
+  rules, _ = rules_and_inputs(drafter, tree_size=tree_size, dynamic=True, latency=(1.0, 1.0))
+  per_step = []
+  for size in rules.sizes:
+    pinned = np.where(np.asarray(rules.sizes) == size, 1.0, 1e9)
+    prep = api.prepare_method(model, ids, method="propd", heads=drafter, tree_size=tree_size, latency=pinned,
+                              max_new_tokens=steps, **prepare_kw)
+    best = np.inf
+    for _ in range(repeats):
+      runs, seconds = api.run_prepared(prep)
+      best = min(best, seconds / max(1, max(r.steps for r in runs)))
+    per_step.append(best)
+  alpha, beta = fit_latency(rules.sizes, per_step)
+  return {"sizes": list(rules.sizes), "seconds": per_step, "alpha": alpha, "beta": beta,
+          "when": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -1,0 +1,154 @@
+"""Medusa heads (paper 004's drafter; Medusa, Cai et al. 2024): K extra next-next-token predictors.
+
+Head k (k = 0 .. K-1) reads the base model's last hidden state h_t (after the final norm) and predicts the
+token at t + 2 + k (the base's own head predicts t + 1):
+
+  z_k = h_t + SiLU(W_k h_t + b_k)        one residual block, W_k zero-initialised (a fresh head = the base head)
+  logits_k = softcap(z_k E^T)             E: the model's tied output head (shared), or a head of its own
+
+Gemma 3 270M's output head is 262k x 640, most of the model, so by default every head shares it: the heads
+then own only K x (D x D + D) parameters (1.6M, 6.6 MB in float32, for K = 4 on the 270M); an own head per
+Medusa head adds K x V x D (168M per head on the 270M). `head_sizes` reports both.
+
+Medusa-1 training (frozen base): loss = sum_k decay^k CE(logits_k, token_{t+2+k}), decay 0.8 (the paper's
+lambda_k), over the answer positions of self-distilled sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pasta_jax.errors import WeightsError
+
+CONFIG_FILE = "heads.json"
+WEIGHTS_FILE = "heads.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaConfig:
+  num_heads: int = 4  # K
+  shared_head: bool = True  # project through the model's tied output head (False: each head owns a V x D copy)
+  decay: float = 0.8  # loss weight of head k: decay ** k
+
+  def __post_init__(self):
+    if not 1 <= self.num_heads <= 8:
+      raise ValueError(f"num_heads must be in [1, 8], got {self.num_heads}")
+
+
+def init_heads(config: MedusaConfig, unembed: jax.Array) -> dict:
+  """Fresh heads for a model whose output head is `unembed` [V, D]: each starts as the base head
+  (zero residual weights; an own head starts as a copy of the base's)."""
+  vocab, dim = unembed.shape
+  heads = {"w": jnp.zeros((config.num_heads, dim, dim), jnp.float32),
+           "b": jnp.zeros((config.num_heads, dim), jnp.float32)}
+  if not config.shared_head:
+    heads["out"] = jnp.broadcast_to(unembed.astype(jnp.float32), (config.num_heads, vocab, dim))
+  return heads
+
+
+def head_states(heads: dict, hidden: jax.Array) -> jax.Array:
+  """hidden [..., D] -> each head's residual output [..., K, D]."""
+  h = hidden.astype(jnp.float32)[..., None, :]  # [..., 1, D]
+  return h + jax.nn.silu(jnp.einsum("...kd,kde->...ke", jnp.broadcast_to(h, h.shape[:-2] + heads["b"].shape),
+                                    heads["w"]) + heads["b"])
+
+
+def head_logits(heads: dict, hidden: jax.Array, unembed: jax.Array, softcap: float | None = None) -> jax.Array:
+  """hidden [..., D] -> logits [..., K, V] of the K heads (each row of the shared head is read once for
+  all K heads: one [.. K, D] x [D, V] product)."""
+  z = head_states(heads, hidden)
+  if "out" in heads:
+    logits = jnp.einsum("...kd,kvd->...kv", z, heads["out"].astype(z.dtype), preferred_element_type=jnp.float32)
+  else:
+    logits = jnp.einsum("...kd,vd->...kv", z.astype(unembed.dtype), unembed, preferred_element_type=jnp.float32)
+  if softcap:
+    logits = jnp.tanh(logits / softcap) * softcap
+  return logits
+
+
+def rows_with_heads(heads: dict, hidden: jax.Array) -> jax.Array:
+  """hidden [B, R, D] -> [B, R * (1 + H), D]: each row followed by its H heads' states, for one product with
+  a shared output head (unchanged when the heads own their heads: `split_rows` projects those itself)."""
+  if "out" in heads:
+    return hidden
+  batch, rows, dim = hidden.shape
+  z = head_states(heads, hidden).astype(hidden.dtype)  # [B, R, H, D]
+  return jnp.concatenate([hidden[:, :, None], z], axis=2).reshape(batch, -1, dim)
+
+
+def split_rows(heads: dict, logits: jax.Array, hidden: jax.Array, rows: int, top_k: int, unembed: jax.Array,
+               softcap: float | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Undoes `rows_with_heads` after the output head: (base logits [B, R, V], hidden [B, R, D],
+  [B, R, H, top_k] int32 each head's top tokens)."""
+  if top_k < 1:
+    raise ValueError(f"medusa_top_k must be at least 1 with medusa_heads, got {top_k}")
+  num_heads = heads["w"].shape[0]
+  batch = logits.shape[0]
+  if "out" in heads:
+    head_logit = head_logits(heads, hidden, unembed, softcap)
+  else:
+    logits = logits.reshape(batch, rows, 1 + num_heads, -1)
+    hidden = hidden.reshape(batch, rows, 1 + num_heads, -1)[:, :, 0]
+    logits, head_logit = logits[:, :, 0], logits[:, :, 1:]
+  return logits, hidden, jax.lax.top_k(head_logit, top_k)[1].astype(jnp.int32)
+
+
+def medusa_loss(heads: dict, hidden: jax.Array, targets: jax.Array, unembed: jax.Array, config: MedusaConfig,
+                softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
+  """Medusa-1 loss: hidden [M, D] (h_t after token t), targets [M, H] (token t + 2 + h, -1 where there is
+  none). Returns (sum_h decay^h mean CE_h, [H] per-head mean CE)."""
+  logits = head_logits(heads, hidden, unembed, softcap)  # [M, H, V]
+  valid = targets >= 0
+  log_p = jax.nn.log_softmax(logits, axis=-1)
+  ce = -jnp.take_along_axis(log_p, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]  # [M, H]
+  per_head = jnp.sum(ce * valid, axis=0) / jnp.maximum(valid.sum(axis=0), 1)
+  return jnp.sum(per_head * config.decay ** jnp.arange(config.num_heads)), per_head
+
+
+def position_targets(tokens: np.ndarray, first: int, num_heads: int) -> tuple[np.ndarray, np.ndarray]:
+  """Training positions of one sequence [T]: t = first - 1 .. T - 3 (h_t predicts an answer token at t + 2 + h
+  when `first` is the answer's first index). Returns (positions [M], targets [M, H], -1 past the end)."""
+  length = len(tokens)
+  positions = np.arange(max(first - 1, 0), max(length - 2, 0))
+  targets = np.full((len(positions), num_heads), -1, np.int64)
+  for h in range(num_heads):
+    at = positions + 2 + h
+    ok = at < length
+    targets[ok, h] = tokens[at[ok]]
+  return positions, targets
+
+
+def head_sizes(config: MedusaConfig, vocab: int, dim: int) -> dict:
+  """Parameter counts of the heads with the shared output head and with an own head per Medusa head."""
+  residual = config.num_heads * (dim * dim + dim)
+  return {"shared": residual, "own": residual + config.num_heads * vocab * dim}
+
+
+def save_heads(folder: str | Path, heads: dict, config: MedusaConfig, meta: dict | None = None) -> Path:
+  """heads.safetensors + heads.json (config and free-form metadata: the base model, training figures)."""
+  from safetensors.numpy import save_file
+  folder = Path(folder)
+  folder.mkdir(parents=True, exist_ok=True)
+  save_file({k: np.asarray(v, np.float32) for k, v in heads.items()}, str(folder / WEIGHTS_FILE))
+  (folder / CONFIG_FILE).write_text(json.dumps({"config": dataclasses.asdict(config), "meta": meta or {}}, indent=1))
+  return folder
+
+
+def load_heads(folder: str | Path) -> tuple[dict, MedusaConfig, dict]:
+  """(heads, config, meta) from a folder `save_heads` wrote; a clear error for anything else."""
+  from safetensors.numpy import load_file
+  folder = Path(folder)
+  if not (folder / CONFIG_FILE).exists() or not (folder / WEIGHTS_FILE).exists():
+    raise WeightsError(f"{folder} holds no Medusa heads ({CONFIG_FILE} and {WEIGHTS_FILE} expected)")
+  info = json.loads((folder / CONFIG_FILE).read_text())
+  config = MedusaConfig(**info["config"])
+  heads = {k: jnp.asarray(v) for k, v in load_file(str(folder / WEIGHTS_FILE)).items()}
+  if heads["w"].shape[0] != config.num_heads or ("out" in heads) == config.shared_head:
+    raise WeightsError(f"{folder}: weights do not match {CONFIG_FILE} ({config})")
+  return heads, config, info.get("meta", {})

@@ -1,0 +1,240 @@
+"""Medusa heads and token-tree decoding on the one decode core (model/medusa.py, decode/rules/medusa.py).
+
+Oracles: plain greedy decoding (greedy tree decoding must equal it token for token), a full causal
+forward of each node's path (a tree step's logits and heads), and a mask built by brute force from the
+choices list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pasta_jax.decode import api, loop
+from pasta_jax.decode.speculation import Drafter, calibrate_latency, fit_latency, rules_and_inputs
+from pasta_jax.decode.tree import TokenTree
+from pasta_jax.errors import PastaError
+from pasta_jax.model import medusa
+from pasta_jax.model.gemma import Gemma, causal_mask
+from tests.test_tree import choices_lists
+from tests.tiny import tiny_model
+
+MODEL = tiny_model()
+UNEMBED = MODEL.params["params"]["embedder"]
+# Prompts of different lengths; the tiny random model falls into loops on them, which heads that start as
+# the base head (predicting the same token again) partly guess: steps accept real paths.
+PROMPTS = [[2, 5, 7, 9, 11, 13], [2, 40, 41], [2] + [3] * 11 + [4]]
+
+
+def random_heads(num_heads=3, seed=1, scale=0.3, shared=True):
+  heads = medusa.init_heads(medusa.MedusaConfig(num_heads=num_heads, shared_head=shared), UNEMBED)
+  key = jax.random.key(seed)
+  return {k: v + scale * jax.random.normal(jax.random.fold_in(key, i), v.shape) if k != "out" else v
+          for i, (k, v) in enumerate(heads.items())}
+
+
+def drafter(num_heads=3, top_k=4, **kw):
+  config = medusa.MedusaConfig(num_heads=num_heads)
+  return Drafter(random_heads(num_heads, **kw), config, np.full((num_heads, top_k), 0.2, np.float32))
+
+
+def tokens_of(result):
+  return [int(t) for t in result.records[:, 3]]
+
+
+def assert_same_greedy(plain, tree_results):
+  """Token for token the plain greedy answer, up to where either run was cut (pools differ in size)."""
+  for p, t in zip(plain, tree_results):
+    a, b = tokens_of(p), tokens_of(t)
+    n = min(len(a), len(b))
+    assert a[:n] == b[:n]
+    assert p.finished == t.finished or not (p.finished and t.finished)
+    if p.finished and t.finished:
+      assert a == b
+
+
+# --- heads --------------------------------------------------------------------------------------------
+def test_fresh_heads_are_the_base_head_and_sizes_are_reported():
+  hidden = jax.random.normal(jax.random.key(0), (5, UNEMBED.shape[1]))
+  heads = medusa.init_heads(medusa.MedusaConfig(num_heads=2), UNEMBED)
+  np.testing.assert_allclose(medusa.head_logits(heads, hidden, UNEMBED), np.repeat((hidden @ UNEMBED.T)[:, None], 2,
+                                                                                     axis=1), rtol=1e-5, atol=1e-5)
+  sizes = medusa.head_sizes(medusa.MedusaConfig(num_heads=4), 262144, 640)
+  assert sizes["shared"] == 4 * (640 * 640 + 640) and sizes["own"] == sizes["shared"] + 4 * 262144 * 640
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_heads_in_the_model_call_equal_heads_on_its_hidden_states(shared):
+  heads = random_heads(shared=shared)
+  tokens = jnp.asarray([[2, 7, 9, 11, 5, 3]])
+  positions = jnp.arange(6)[None]
+  module = Gemma(MODEL.config)
+  logits, _, top, hidden = module.apply(MODEL.params, tokens, positions, causal_mask(1, 6), medusa_heads=heads,
+                                        medusa_top_k=4, return_hidden=True)
+  plain, _ = module.apply(MODEL.params, tokens, positions, causal_mask(1, 6))
+  np.testing.assert_allclose(logits, plain, rtol=1e-5, atol=1e-5)
+  expected = jax.lax.top_k(medusa.head_logits(heads, hidden, UNEMBED), 4)[1]
+  np.testing.assert_array_equal(top, expected)
+
+
+def test_heads_save_and_load(tmp_path):
+  heads = random_heads()
+  config = medusa.MedusaConfig(num_heads=3)
+  medusa.save_heads(tmp_path, heads, config, {"note": "x"})
+  loaded, config2, meta = medusa.load_heads(tmp_path)
+  assert config2 == config and meta == {"note": "x"}
+  for k in heads:
+    np.testing.assert_array_equal(loaded[k], heads[k])
+  with pytest.raises(Exception, match="no Medusa heads"):
+    medusa.load_heads(tmp_path / "missing")
+
+
+def test_medusa_loss_targets_the_tokens_two_and_more_ahead():
+  positions, targets = medusa.position_targets(np.arange(10, 20), first=4, num_heads=2)
+  assert positions.tolist() == list(range(3, 8))
+  assert targets[:, 0].tolist() == [15, 16, 17, 18, 19] and targets[:, 1].tolist() == [16, 17, 18, 19, -1]
+  hidden = jax.random.normal(jax.random.key(0), (5, UNEMBED.shape[1]))
+  config = medusa.MedusaConfig(num_heads=2)
+  heads = medusa.init_heads(config, UNEMBED)
+  loss, per_head = medusa.medusa_loss(heads, hidden, jnp.asarray(targets), UNEMBED, config)
+  log_p = jax.nn.log_softmax(hidden @ UNEMBED.T)
+  expected0 = -np.mean([log_p[i, targets[i, 0]] for i in range(5)])
+  expected1 = -np.mean([log_p[i, targets[i, 1]] for i in range(4)])
+  np.testing.assert_allclose(per_head, [expected0, expected1], rtol=1e-5)
+  np.testing.assert_allclose(loss, expected0 + 0.8 * expected1, rtol=1e-5)
+
+
+# --- one tree step ------------------------------------------------------------------------------------
+def tree_step(tree: TokenTree, prompt):
+  """State after prefill and the first tree's layout, plus the model's outputs on the tree rows."""
+  d = drafter()
+  rules, inputs = rules_and_inputs(d, choices=[list(c) for c in tree.choices[1:]])
+  prep = api.prepare(MODEL, [prompt], rules=rules, lanes=tree.size, max_threads=tree.size, max_new_tokens=16,
+                     rule_inputs=inputs)
+  state = loop.start(prep.model_fn, *api.dynamic_args(prep), cfg=loop.static_config(prep.cfg), forced=False,
+                     vocab_size=prep.vocab_size, pool_spec=prep.pool_spec)
+  # candidates as if a previous step had run the heads: distinct random tokens per head
+  cands = jax.random.randint(jax.random.key(3), (1, rules.num_heads, rules.top_k), 200, 400)
+  state = dataclasses.replace(state, rule_state=dataclasses.replace(state.rule_state, candidates=cands,
+                                                                    have_candidates=jnp.ones((1,), bool)))
+  state, fed = rules.before_model(state, prep.cfg, None)
+  return state, fed, prep, d
+
+
+@settings(max_examples=8, deadline=None)
+@given(choices_lists(max_depth=3, max_rank=4, max_nodes=10))
+def test_tree_mask_and_positions_equal_brute_force(choices):
+  tree = TokenTree.from_choices(choices)
+  prompt = [2, 9, 8, 7, 6]
+  state, fed, _, _ = tree_step(tree, prompt)
+  assert bool(fed.feed[0].all())
+  from pasta_jax.visibility import ThreadMask
+  mask = np.asarray(ThreadMask(state.horizon, state.slot_owner, state.slot_order, state.slot_valid).dense())[0]
+  slot_of = np.asarray(fed.slots[0])
+  for i, c in enumerate(tree.choices):
+    expected = np.zeros(mask.shape[1], bool)
+    expected[: len(prompt)] = True
+    for j, other in enumerate(tree.choices):
+      if other == c[: len(other)]:
+        expected[slot_of[j]] = True
+    np.testing.assert_array_equal(mask[i], expected)
+    assert int(state.position[0, i]) == len(prompt) + len(c)
+
+
+@settings(max_examples=5, deadline=None)
+@given(choices_lists(max_depth=3, max_rank=4, max_nodes=8))
+def test_tree_step_logits_equal_a_sequential_replay_of_each_path(choices):
+  tree = TokenTree.from_choices(choices)
+  prompt = [2, 9, 8, 7, 6, 5]
+  state, fed, prep, d = tree_step(tree, prompt)
+  from pasta_jax.visibility import ThreadMask
+  mask = ThreadMask(state.horizon, state.slot_owner, state.slot_order, state.slot_valid)
+  logits, _, top = prep.model_fn(prep.params, state.token, state.position, mask, state.pool, fed.slots,
+                                 state.slot_pos, medusa_heads=d.heads, medusa_top_k=4)
+  module = Gemma(MODEL.config)
+  for i, c in enumerate(tree.choices):
+    path = [int(state.token[0, j]) for j, other in enumerate(tree.choices) if other == c[: len(other)]]
+    seq = jnp.asarray([prompt + path])
+    n = seq.shape[1]
+    full, _, top_full = module.apply(MODEL.params, seq, jnp.arange(n)[None], causal_mask(1, n),
+                                     medusa_heads=d.heads, medusa_top_k=4)
+    np.testing.assert_allclose(logits[0, i], full[0, -1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(top[0, i], top_full[0, -1])
+
+
+# --- whole runs ---------------------------------------------------------------------------------------
+PLAIN = api.generate_ids(MODEL, PROMPTS, method="sequential", max_new_tokens=48)
+
+
+@settings(max_examples=6, deadline=None)
+@given(choices_lists(max_depth=3, max_rank=4, max_nodes=12), st.integers(0, 3))
+def test_greedy_tree_decoding_is_plain_greedy_decoding(choices, seed):
+  d = drafter(seed=seed)
+  results = api.generate_ids(MODEL, PROMPTS, method="medusa", heads=d, choices=choices, max_new_tokens=48)
+  assert_same_greedy(PLAIN, results)
+  for r in results:
+    s = r.speculation
+    assert s["tree_tokens"] == sum(1 for _ in tokens_of(r)) - 1  # every token after the prefill's came from a tree
+
+
+def test_tree_steps_really_accept_paths():
+  """Not vacuous: on these prompts the trees accept several tokens a step, and still equal greedy."""
+  d = drafter(seed=0, scale=0.05)
+  results = api.generate_ids(MODEL, PROMPTS, method="medusa", heads=d, tree_size=12, max_new_tokens=48)
+  assert_same_greedy(PLAIN, results)
+  assert max(r.speculation["accept_length"] for r in results) > 1.5
+
+
+def test_typical_acceptance_bounds():
+  """Typical acceptance with an unreachable threshold accepts nothing past the root: the answer is plain sampling,
+  key for key; with a zero threshold it accepts the deepest path every step."""
+  from pasta_jax.decode.sampling import SamplingConfig
+  sampling = SamplingConfig(temperature=0.8, seed=5)
+  plain = api.generate_ids(MODEL, PROMPTS, method="sequential", max_new_tokens=24, sampling=sampling)
+  d = drafter()
+  for eps, delta, check in [(1e9, 1e9, "none"), (0.0, 0.0, "all")]:
+    rules, inputs = rules_and_inputs(d, tree_size=8, acceptance="typical")
+    rules = dataclasses.replace(rules, typical_epsilon=eps, typical_delta=delta)
+    prep = api.prepare(MODEL, PROMPTS, rules=rules, lanes=8, max_threads=8, max_new_tokens=24, sampling=sampling,
+                       rule_inputs=inputs)
+    runs, _ = api.run_prepared(prep)
+    if check == "none":
+      assert [list(r.records[:, 3]) for r in runs] == [tokens_of(p) for p in plain]
+    else:
+      for r in runs:
+        assert r.rule_outputs["accept_length"] > 1 + 0.5 * rules.tree.max_depth
+
+
+def test_propd_picks_sizes_by_its_latency_model_and_stays_lossless():
+  d = drafter()
+  cheap = api.generate_ids(MODEL, PROMPTS, method="propd", heads=d, tree_size=16, latency=(1e-6, 1.0),
+                           max_new_tokens=32)
+  dear = api.generate_ids(MODEL, PROMPTS, method="propd", heads=d, tree_size=16, latency=(1.0, 1e-6),
+                          max_new_tokens=32)
+  for runs in (cheap, dear):
+    assert_same_greedy(PLAIN, runs)
+  assert all(set(k for k, v in r.speculation["tree_sizes"].items() if v) <= {1} for r in dear)
+  assert all(r.speculation["tree_sizes"][16] > 0 for r in cheap)
+  assert fit_latency([1, 2, 4], [3.0, 5.0, 9.0]) == pytest.approx((2.0, 1.0))
+
+
+def test_calibration_times_every_size():
+  info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=4, steps=4, repeats=1)
+  assert info["sizes"] == [1, 2, 4] and all(s > 0 for s in info["seconds"]) and info["beta"] > 0
+
+
+def test_bad_requests_name_the_problem(tmp_path):
+  with pytest.raises(PastaError, match="no Medusa heads"):
+    api.generate_ids(MODEL, PROMPTS, method="medusa", heads=tmp_path, max_new_tokens=8)
+  with pytest.raises(PastaError, match="latency"):
+    api.generate_ids(MODEL, PROMPTS, method="propd", heads=drafter(), max_new_tokens=8)
+  with pytest.raises(PastaError, match="forced"):
+    api.generate_ids(MODEL, PROMPTS, method="medusa", heads=drafter(), forced_answers=["a"] * 3)
+  with pytest.raises(Exception, match="Medusa heads"):
+    api.generate_ids(MODEL, PROMPTS, method="medusa", heads=drafter(num_heads=1), choices=[[0], [0, 0]])

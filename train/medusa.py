@@ -1,0 +1,237 @@
+"""Medusa-1 heads for a pasta_jax Gemma, as one resumable command (paper 004's drafter, Medusa-1 recipe).
+
+  python -m train.medusa --out runs/medusa270m
+
+Stages, each resumable (a finished stage is skipped; `distill` appends and resumes per batch):
+  distill  self-distillation data: the model's own greedy answers to training-pool prompts (Medusa-2's advice
+           for models whose training data is not at hand), written as token ids to distill.jsonl;
+  train    the heads on a frozen base: loss sum_k 0.8^k CE(head_k) (`pasta_jax.model.medusa`), the base's
+           hidden states computed once and cached; heads.safetensors + heads.json at the end;
+  calibrate  per-head top-k hit rates on held-out distilled answers (calibration.json): the tree builder's
+           and ProPD's prior.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from pasta_jax.data.sources import read_records
+from pasta_jax.errors import PastaError
+from pasta_jax.model import medusa
+
+POOLS = ("lima", "alpaca_gpt4_1k", "alpaca_5k")  # training pools; alpaca_eval_805 stays held out
+
+
+def prompts_from_pools(count: int) -> list[str]:
+  """The first `count` distinct instructions, taken round-robin from the training pools."""
+  per_pool = [read_records(p) for p in POOLS]
+  out, seen = [], set()
+  for i in range(max(len(r) for r in per_pool)):
+    for records in per_pool:
+      if i < len(records):
+        text = records[i]["instruction"] + (("\n\n" + records[i]["input"]) if records[i].get("input") else "")
+        if text not in seen:
+          seen.add(text)
+          out.append(text)
+      if len(out) == count:
+        return out
+  return out
+
+
+def answer_ids(result, eos_ids) -> list[int]:
+  """The answer's token ids, up to (not including) its end id."""
+  out = []
+  for token in result.records[:, 3].tolist():
+    if token in eos_ids:
+      break
+    out.append(int(token))
+  return out
+
+
+def distill(model, out: Path, count: int, batch: int, new_tokens: int) -> Path:
+  """Greedy answers of `model` to `count` pool prompts, appended per batch to distill.jsonl (resumes)."""
+  from pasta_jax.decode.api import generate_ids, prompt_ids
+  path = out / "distill.jsonl"
+  done = sum(1 for _ in path.open()) if path.exists() else 0
+  prompts = prompts_from_pools(count)
+  eos = set(model.tokenizer.eos_ids) if hasattr(model.tokenizer, "eos_ids") else None
+  with path.open("a") as sink, tqdm(total=len(prompts), initial=done, desc="distill (greedy answers)") as bar:
+    for start in range(done, len(prompts), batch):
+      texts = prompts[start:start + batch]
+      ids = prompt_ids(model.tokenizer, texts, chat=True)
+      results = generate_ids(model, ids, method="sequential", lanes=1, max_threads=1, max_new_tokens=new_tokens)
+      for text, prompt, result in zip(texts, ids, results):
+        ends = eos if eos is not None else set()
+        sink.write(json.dumps({"prompt": text, "prompt_ids": prompt, "answer_ids": answer_ids(result, ends),
+                               "finished": result.finished}) + "\n")
+      sink.flush()
+      bar.update(len(texts))
+  return path
+
+
+# --- train ---------------------------------------------------------------------------------------------
+def read_distilled(path: Path) -> list[dict]:
+  rows = [json.loads(line) for line in path.open()]
+  return [r for r in rows if len(r["answer_ids"]) >= 4]
+
+
+def split(rows: list[dict], held_out: float) -> tuple[list[dict], list[dict]]:
+  """A fixed split: every k-th row is held out for calibration (k = 1 / held_out)."""
+  every = max(2, round(1 / held_out))
+  return [r for i, r in enumerate(rows) if i % every], [r for i, r in enumerate(rows) if i % every == 0]
+
+
+def hidden_and_targets(model, rows: list[dict], num_heads: int, batch: int = 4) -> tuple[np.ndarray, np.ndarray]:
+  """The frozen base's last hidden states at every training position ([M, D]) and the heads' targets [M, H]."""
+  import jax
+  import jax.numpy as jnp
+
+  from pasta_jax.decode.loop import bucket
+  from pasta_jax.model.gemma import Gemma, causal_mask
+  module = Gemma(model.config)
+
+  @jax.jit
+  def hidden(tokens, lengths):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    return module.apply(model.params, tokens, positions, causal_mask(*tokens.shape, lengths), hidden_only=True)
+
+  states, targets = [], []
+  for start in tqdm(range(0, len(rows), batch), desc="hidden states (frozen base)"):
+    chunk = rows[start:start + batch]
+    seqs = [np.asarray(r["prompt_ids"] + r["answer_ids"]) for r in chunk]
+    tokens = np.zeros((len(seqs), bucket(max(map(len, seqs)))), np.int32)
+    for i, seq in enumerate(seqs):
+      tokens[i, :len(seq)] = seq
+    h = np.asarray(hidden(jnp.asarray(tokens), jnp.asarray([len(x) for x in seqs])))
+    for i, (seq, r) in enumerate(zip(seqs, chunk)):
+      pos, tgt = medusa.position_targets(seq, len(r["prompt_ids"]), num_heads)
+      states.append(h[i, pos])
+      targets.append(tgt)
+  return np.concatenate(states).astype(np.float32), np.concatenate(targets)
+
+
+def corpus_vocab(rows: list[dict]) -> np.ndarray:
+  """The token ids the distilled sequences use (prompts and answers), sorted."""
+  return np.unique(np.concatenate([np.asarray(r["prompt_ids"] + r["answer_ids"]) for r in rows]))
+
+
+def train_heads(model, rows: list[dict], out: Path, config, epochs: int, batch: int, lr: float, vocab: str = "corpus",
+                seed: int = 0) -> dict:
+  """Medusa-1: frozen base, the heads' residual blocks trained on cached hidden states (AdamW, cosine).
+  vocab "corpus": the softmax runs over the tokens the distilled corpus uses (a sampled softmax whose negatives
+  are every corpus token; the heads still rank the whole vocabulary at decode time); "full": all of it."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  states, targets = hidden_and_targets(model, rows, config.num_heads)
+  unembed = model.params["params"]["embedder"]
+  softcap = model.config.final_logit_softcap
+  heads = medusa.init_heads(config, unembed)
+  if vocab == "corpus":  # softmax over the corpus's own tokens: ~25x less work than the 262k vocabulary on CPU
+    ids = corpus_vocab(rows)
+    remap = np.full(unembed.shape[0], -1, np.int64)
+    remap[ids] = np.arange(len(ids))
+    targets = np.where(targets >= 0, remap[np.maximum(targets, 0)], -1)
+    unembed = unembed[jnp.asarray(ids)]
+  steps = epochs * (len(states) // batch)
+  optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), steps), weight_decay=0.0)
+  opt_state = optimizer.init(heads)
+
+  @jax.jit
+  def update(heads, opt_state, h, t):
+    (loss, per_head), grads = jax.value_and_grad(medusa.medusa_loss, has_aux=True)(heads, h, t, unembed, config,
+                                                                                  softcap)
+    updates, opt_state = optimizer.update(grads, opt_state, heads)
+    return optax.apply_updates(heads, updates), opt_state, loss, per_head
+
+  rng = np.random.default_rng(seed)
+  history = []
+  with tqdm(total=steps, desc="train Medusa heads") as bar:
+    for _ in range(epochs):
+      order = rng.permutation(len(states))
+      for i in range(len(states) // batch):
+        pick = order[i * batch:(i + 1) * batch]
+        heads, opt_state, loss, per_head = update(heads, opt_state, jnp.asarray(states[pick]),
+                                                  jnp.asarray(targets[pick]))
+        history.append([float(loss)] + [float(x) for x in per_head])
+        bar.set_postfix(loss=f"{float(loss):.3f}")
+        bar.update()
+  meta = {"base": str(model.source), "positions": int(len(states)), "steps": steps, "epochs": epochs,
+          "softmax_vocab": int(unembed.shape[0]),
+          "batch": batch, "lr": lr, "first_loss": history[0], "last_loss": history[-1],
+          "sizes": medusa.head_sizes(config, *model.params["params"]["embedder"].shape)}
+  medusa.save_heads(out / "heads", heads, config, meta)
+  (out / "train_loss.json").write_text(json.dumps(history))
+  return meta
+
+
+def calibrate(model, rows: list[dict], out: Path, top_k: int) -> dict:
+  """Per-head top-k hit rates on held-out distilled answers: P(head h's rank-r token is the target)."""
+  import jax
+  import jax.numpy as jnp
+  heads, config, _ = medusa.load_heads(out / "heads")
+  states, targets = hidden_and_targets(model, rows, config.num_heads)
+  unembed = model.params["params"]["embedder"]
+  top = jax.jit(lambda h: jax.lax.top_k(medusa.head_logits(heads, h, unembed, model.config.final_logit_softcap),
+                                        top_k)[1])
+  hits = np.zeros((config.num_heads, top_k))
+  counts = np.zeros((config.num_heads,))
+  for start in range(0, len(states), 256):
+    ranks = np.asarray(top(jnp.asarray(states[start:start + 256])))  # [m, H, k]
+    t = targets[start:start + 256]
+    hits += ((ranks == t[:, :, None]) & (t[:, :, None] >= 0)).sum(axis=0)
+    counts += (t >= 0).sum(axis=0)
+  rates = hits / np.maximum(counts, 1)[:, None]
+  info = {"hit_rates": rates.tolist(), "top1": rates[:, 0].tolist(), "topk": rates.sum(axis=1).tolist(),
+          "positions": int(len(states)), "prompts": len(rows)}
+  (out / "heads" / "calibration.json").write_text(json.dumps(info, indent=1))
+  return info
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--out", required=True, help="run directory")
+  parser.add_argument("--model", default=None, help="model to train heads for (default: the tuned default)")
+  parser.add_argument("--stages", default="distill,train,calibrate")
+  parser.add_argument("--prompts", type=int, default=256, help="distillation prompts")
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--new-tokens", type=int, default=128)
+  parser.add_argument("--heads", type=int, default=4, help="Medusa heads K")
+  parser.add_argument("--epochs", type=int, default=1)
+  parser.add_argument("--train-batch", type=int, default=128, help="positions per step")
+  parser.add_argument("--lr", type=float, default=1e-3)
+  parser.add_argument("--train-vocab", choices=("corpus", "full"), default="corpus",
+                      help="softmax over the corpus's tokens (fast on CPU) or the whole vocabulary")
+  parser.add_argument("--top-k", type=int, default=10, help="candidates per head kept at calibration")
+  parser.add_argument("--held-out", type=float, default=0.1, help="share of distilled answers kept for calibration")
+  args = parser.parse_args(argv)
+  from pasta_jax.model.load import load_model
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  model = load_model(args.model)
+  stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+  try:
+    if "distill" in stages:
+      distill(model, out, args.prompts, args.batch, args.new_tokens)
+    train_rows, held_rows = split(read_distilled(out / "distill.jsonl"), args.held_out)
+    if "train" in stages and not (out / "heads" / medusa.WEIGHTS_FILE).exists():
+      meta = train_heads(model, train_rows, out, medusa.MedusaConfig(num_heads=args.heads), args.epochs,
+                         args.train_batch, args.lr, args.train_vocab)
+      print(f"heads: {meta['steps']} steps, loss {meta['first_loss'][0]:.3f} -> {meta['last_loss'][0]:.3f}")
+    if "calibrate" in stages:
+      info = calibrate(model, held_rows, out, args.top_k)
+      print("top-1 hit rate per head:", " ".join(f"{x:.3f}" for x in info["top1"]))
+  except PastaError as err:
+    print(f"error: {err}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
