@@ -127,7 +127,7 @@ def tree_step(tree: TokenTree, prompt):
   return state, fed, prep, d
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(choices_lists(max_depth=3, max_rank=4, max_nodes=10))
 def test_tree_mask_and_positions_equal_brute_force(choices):
   tree = TokenTree.from_choices(choices)
@@ -147,7 +147,7 @@ def test_tree_mask_and_positions_equal_brute_force(choices):
     assert int(state.position[0, i]) == len(prompt) + len(c)
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(choices_lists(max_depth=3, max_rank=4, max_nodes=8))
 def test_tree_step_logits_equal_a_sequential_replay_of_each_path(choices):
   tree = TokenTree.from_choices(choices)
@@ -172,7 +172,7 @@ def test_tree_step_logits_equal_a_sequential_replay_of_each_path(choices):
 PLAIN = api.generate_ids(MODEL, PROMPTS, method="sequential", max_new_tokens=48)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(choices_lists(max_depth=3, max_rank=4, max_nodes=12), st.integers(0, 3))
 def test_greedy_tree_decoding_is_plain_greedy_decoding(choices, seed):
   d = drafter(seed=seed)
@@ -238,3 +238,16 @@ def test_bad_requests_name_the_problem(tmp_path):
     api.generate_ids(MODEL, PROMPTS, method="medusa", heads=drafter(), forced_answers=["a"] * 3)
   with pytest.raises(Exception, match="Medusa heads"):
     api.generate_ids(MODEL, PROMPTS, method="medusa", heads=drafter(num_heads=1), choices=[[0], [0, 0]])
+
+
+def test_generate_and_stream_take_tree_methods():
+  d = drafter()
+  [whole] = api.generate(MODEL, ["hello"], method="medusa", heads=d, tree_size=6, max_new_tokens=20)
+  chunks = list(api.stream(MODEL, ["hello"], method="medusa", heads=d, tree_size=6, max_new_tokens=20,
+                           chunk_steps=3))
+  assert len(chunks) >= 2 and chunks[-1][0].text == whole.text
+  assert whole.method == "medusa" and whole.speculation["tree_steps"] > 0
+  [plain] = api.generate(MODEL, ["hello"], method="sequential", max_new_tokens=20)
+  assert whole.text == plain.text
+  with pytest.raises(PastaError, match="medusa and propd"):
+    api.generate(MODEL, ["hello"], method="pasta", tree_size=4)

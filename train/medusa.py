@@ -87,8 +87,22 @@ def split(rows: list[dict], held_out: float) -> tuple[list[dict], list[dict]]:
   return [r for i, r in enumerate(rows) if i % every], [r for i, r in enumerate(rows) if i % every == 0]
 
 
-def hidden_and_targets(model, rows: list[dict], num_heads: int, batch: int = 4) -> tuple[np.ndarray, np.ndarray]:
-  """The frozen base's last hidden states at every training position ([M, D]) and the heads' targets [M, H]."""
+def hidden_and_targets(model, rows: list[dict], num_heads: int, cache: Path | None = None
+                       ) -> tuple[np.ndarray, np.ndarray]:
+  """The frozen base's last hidden states at every training position ([M, D]) and the heads' targets [M, H],
+  cached in `cache` (an .npz; recomputed when the rows or the head count change)."""
+  key = f"{len(rows)}-{num_heads}-{sum(len(r['answer_ids']) for r in rows)}-{model.source}"
+  if cache is not None and cache.exists():
+    saved = np.load(cache)
+    if str(saved["key"]) == key:
+      return saved["states"], saved["targets"]
+  states, targets = compute_hidden(model, rows, num_heads)
+  if cache is not None:
+    np.savez(cache, states=states, targets=targets, key=key)
+  return states, targets
+
+
+def compute_hidden(model, rows: list[dict], num_heads: int, batch: int = 4) -> tuple[np.ndarray, np.ndarray]:
   import jax
   import jax.numpy as jnp
 
@@ -116,25 +130,37 @@ def hidden_and_targets(model, rows: list[dict], num_heads: int, batch: int = 4) 
   return np.concatenate(states).astype(np.float32), np.concatenate(targets)
 
 
-def corpus_vocab(rows: list[dict]) -> np.ndarray:
-  """The token ids the distilled sequences use (prompts and answers), sorted."""
-  return np.unique(np.concatenate([np.asarray(r["prompt_ids"] + r["answer_ids"]) for r in rows]))
+def corpus_vocab(model, rows: list[dict], cache: Path) -> np.ndarray:
+  """The token ids of the distilled sequences and of every training-pool record (instructions and answers),
+  sorted: the softmax's vocabulary in `train_heads` (cached in `cache`)."""
+  if cache.exists():
+    return np.load(cache)
+  ids = {t for r in rows for t in r["prompt_ids"] + r["answer_ids"]}
+  for pool in POOLS:
+    for record in tqdm(read_records(pool), desc=f"vocabulary of {pool}", leave=False):
+      for field in ("instruction", "input", "output"):
+        if record.get(field):
+          ids.update(model.tokenizer.encode(record[field], add_bos=False))
+  vocab = np.asarray(sorted(ids), np.int64)
+  np.save(cache, vocab)
+  return vocab
 
 
 def train_heads(model, rows: list[dict], out: Path, config, epochs: int, batch: int, lr: float, vocab: str = "corpus",
                 seed: int = 0) -> dict:
   """Medusa-1: frozen base, the heads' residual blocks trained on cached hidden states (AdamW, cosine).
-  vocab "corpus": the softmax runs over the tokens the distilled corpus uses (a sampled softmax whose negatives
-  are every corpus token; the heads still rank the whole vocabulary at decode time); "full": all of it."""
+  vocab "corpus": the softmax runs over the tokens the distilled answers and the training pools use (~30k of
+  Gemma's 262k: a sampled softmax whose negatives are every such token; the heads still rank the whole
+  vocabulary at decode time); "full": all of it (about 9x the work)."""
   import jax
   import jax.numpy as jnp
   import optax
-  states, targets = hidden_and_targets(model, rows, config.num_heads)
+  states, targets = hidden_and_targets(model, rows, config.num_heads, out / "hidden_train.npz")
   unembed = model.params["params"]["embedder"]
   softcap = model.config.final_logit_softcap
   heads = medusa.init_heads(config, unembed)
   if vocab == "corpus":  # softmax over the corpus's own tokens: ~25x less work than the 262k vocabulary on CPU
-    ids = corpus_vocab(rows)
+    ids = corpus_vocab(model, rows, out / "vocab.npy")
     remap = np.full(unembed.shape[0], -1, np.int64)
     remap[ids] = np.arange(len(ids))
     targets = np.where(targets >= 0, remap[np.maximum(targets, 0)], -1)
@@ -176,7 +202,7 @@ def calibrate(model, rows: list[dict], out: Path, top_k: int) -> dict:
   import jax
   import jax.numpy as jnp
   heads, config, _ = medusa.load_heads(out / "heads")
-  states, targets = hidden_and_targets(model, rows, config.num_heads)
+  states, targets = hidden_and_targets(model, rows, config.num_heads, out / "hidden_held_out.npz")
   unembed = model.params["params"]["embedder"]
   top = jax.jit(lambda h: jax.lax.top_k(medusa.head_logits(heads, h, unembed, model.config.final_logit_softcap),
                                         top_k)[1])

@@ -63,11 +63,14 @@ def run_generate(args) -> int:
     from pasta_jax.commands.pasta_view import run_pasta
 
     return run_pasta(model, prompt_ids, args, sampling, dtype, method)
+  if (args.heads or args.tree_size) and method not in api.TREE_METHODS:
+    raise PastaError("--heads and --tree-size are for --method medusa or propd")
+  extra = tree_options(model, prompt_ids, args, method) if method in api.TREE_METHODS else {}
   start = time.perf_counter()
   first_token_at = None
   shown, tokens = "", 0
-  for [result] in api.stream_ids(model, [prompt_ids], method="sequential", chunk_steps=8, mesh=args.mesh_obj,
-                                 max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=dtype):
+  for [result] in api.stream_ids(model, [prompt_ids], method=method, chunk_steps=8, mesh=args.mesh_obj,
+                                 max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=dtype, **extra):
     if first_token_at is None:
       first_token_at = time.perf_counter() - start
     tokens = len(result.records)
@@ -79,7 +82,25 @@ def run_generate(args) -> int:
   rate = (tokens - 1) / decode_time if tokens > 1 else 0.0
   print(f"\n\n[{tokens} tokens; time to first token {first_token_at:.2f}s (includes compile on the first run); "
         f"{rate:.1f} tok/s after it]", file=sys.stderr)
+  if result.speculation:
+    spec = result.speculation
+    sizes = " ".join(f"{k}:{v}" for k, v in spec["tree_sizes"].items() if v)
+    print(f"[{method}: {spec['accept_length']:.2f} tokens per tree step over {spec['tree_steps']} steps; "
+          f"head top-1 hit rates {' '.join(f'{x:.2f}' for x in spec['head_top1'])}; tree sizes {sizes}]",
+          file=sys.stderr)
   return 0
+
+
+def tree_options(model, prompt_ids: list[int], args, method: str) -> dict:
+  """--method medusa / propd: the heads, the tree size, and for ProPD a latency model measured here."""
+  from pasta_jax.decode.speculation import DEFAULT_TREE, calibrate_latency, load_drafter
+  drafter = load_drafter(model, args.heads)
+  options = {"heads": drafter, "tree_size": args.tree_size or (DEFAULT_TREE if method == "propd" else 16)}
+  if method == "propd":
+    print("[propd: timing each tree size on this device (calibration)...]", file=sys.stderr)
+    cal = calibrate_latency(model, [prompt_ids], drafter, tree_size=options["tree_size"], steps=8, repeats=1)
+    options["latency"] = (cal["alpha"], cal["beta"])
+  return options
 
 
 def run_superposed(model, prompt_ids: list[int], args, dtype) -> int:

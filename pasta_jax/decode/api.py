@@ -394,7 +394,8 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
              max_threads: int = 64, sampling: SamplingConfig = GREEDY, chat: bool = True,
              position_mode: PositionMode = "pred", dtype=jnp.float32, forced_answers: Sequence[str] | None = None,
              max_depth: int = 3, return_logits: bool = False, params=None, drafts: int | None = None,
-             ngram="default", mesh=None, attention: str = "xla") -> list[Result]:
+             ngram="default", mesh=None, attention: str = "xla", heads=None, tree_size: int | None = None,
+             acceptance: str = "greedy", latency=None) -> list[Result]:
   """Decodes each prompt (a batch; requests never interact) with `method` through the one interpreter.
 
   method: "pasta", "apar", "sequential" ("sot" needs point prompts: `generate_ids(..., scripts=...)`, or
@@ -409,6 +410,11 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
   first) and the n-gram index that smooths them ("default": the training pools' index, which
   `pasta ngram build` writes; a folder; an `NgramIndex`; None: no smoothing). max_new_tokens is the drafts' length.
   attention: "xla" (default) or "pallas" (the attention kernel over the thread metadata).
+  heads, tree_size, acceptance, latency: methods "medusa" (token-tree speculation; greedy acceptance is lossless)
+  and "propd" (its dynamic tree size): the Medusa heads (a folder, a `speculation.Drafter`, or None for the
+  model's shipped ones), the tree's nodes (16 / 64), "greedy" or "typical", and ProPD's step-time model
+  ((alpha, beta) seconds, or `speculation.calibrate_latency`'s per-size times). `Result.speculation` has the
+  accepted length per step, per-head hit rates and the tree sizes chosen.
   """
   if model.tokenizer is None:
     raise PastaError(f"this model has no tokenizer; {method} decoding needs one for its tags and end ids")
@@ -416,7 +422,18 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
   return generate_ids(model, ids, method=method, forced_answers=forced_answers, max_new_tokens=max_new_tokens,
                       lanes=lanes, max_threads=max_threads, sampling=sampling, position_mode=position_mode,
                       dtype=dtype, max_depth=max_depth, return_logits=return_logits, params=params,
-                      drafts=drafts, ngram=ngram, mesh=mesh, attention=attention)
+                      drafts=drafts, ngram=ngram, mesh=mesh, attention=attention,
+                      **tree_options(method, heads, tree_size, acceptance, latency))
+
+
+def tree_options(method: str, heads, tree_size, acceptance: str, latency) -> dict:
+  """The Medusa / ProPD options of `generate`, refused for the other methods."""
+  options = {"heads": heads, "tree_size": tree_size, "latency": latency}
+  if method in TREE_METHODS:
+    return {**options, "acceptance": acceptance}
+  if any(v is not None for v in options.values()) or acceptance != "greedy":
+    raise PastaError(f"heads, tree_size, acceptance and latency are for methods medusa and propd, not {method!r}")
+  return {}
 
 
 def stream(model, prompts: Sequence[str], *, method: str = "pasta", chunk_steps: int = 16, chat: bool = True,

@@ -1,0 +1,136 @@
+"""Medusa and ProPD (paper 004) on the real Gemma 3 270M against plain greedy decoding, side by side.
+
+For each batch size: the same held-out prompts (alpaca_eval_805, chat turns, greedy, up to --new-tokens
+answer tokens) decoded by
+  - plain   one token per step (method "sequential");
+  - medusa  Medusa's fixed tree of --tree nodes (64: the size of Medusa's default tree), built by Medusa's
+            recipe from the heads' calibrated hit rates, and every smaller fixed tree in --small-trees;
+  - propd   ProPD's dynamic tree size (prefixes of the --tree-node tree), its latency model T(s) = alpha s + beta
+            calibrated first on this device and batch size (`speculation.calibrate_latency`).
+Every program is compiled and run once before timing; figures are medians of --runs runs. Tree decoding is
+lossless, so every method writes the same tokens (checked: mismatches are printed and counted) and the
+tokens/s ratios are time ratios. Accepted length = tokens per step; per-head acceptance = how often head h's
+top-1 (and its top-k list) held the right token when its depth was reached.
+
+  python -m bench.medusa [--batches 1,8] [--prompts 8] [--runs 3] [--heads DIR]
+Last line: RESULT propd_b1=... propd_b8=... medusa_b1=... accept_len_b1=... (tokens/s over plain's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+from tqdm import tqdm
+
+from pasta_jax.data import sources
+from pasta_jax.decode import api
+from pasta_jax.decode.speculation import calibrate_latency, load_drafter
+from pasta_jax.decode.tokenizing import prompt_ids
+from pasta_jax.model.load import load_model
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(prog="bench.medusa", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--batches", default="1,8")
+  parser.add_argument("--prompts", type=int, default=8, help="held-out prompts (batch 1 decodes each alone)")
+  parser.add_argument("--new-tokens", type=int, default=128)
+  parser.add_argument("--runs", type=int, default=3)
+  parser.add_argument("--tree", type=int, default=64, help="Medusa's fixed tree and ProPD's largest")
+  parser.add_argument("--small-trees", default="2,4,8,16")
+  parser.add_argument("--model", default=None, help="default: the tuned default model")
+  parser.add_argument("--heads", default=None, help="Medusa heads folder (default: the model's shipped heads)")
+  return parser.parse_args(argv)
+
+
+def timed(model, groups, runs: int, **kw) -> dict:
+  """Decodes every group (a batch of prompt ids) once to compile, then `runs` times; median wall time."""
+  results, seconds = [], []
+  for ids in groups:
+    prep = api.prepare_method(model, ids, **kw)
+    outs, _ = api.run_prepared(prep)
+    times = [api.run_prepared(prep)[1] for _ in range(runs)]
+    seconds.append(statistics.median(times))
+    results.extend(outs)
+  tokens = sum(len(r.records) for r in results)
+  stats = [r.rule_outputs for r in results if r.rule_outputs]
+  return {"seconds": sum(seconds), "tokens": tokens, "tok_s": tokens / sum(seconds), "outs": results,
+          "accept": float(np.mean([s["accept_length"] for s in stats])) if stats else 1.0, "stats": stats}
+
+
+def head_rates(stats: list[dict]) -> tuple[list[float], list[float]]:
+  trials = np.sum([s["head_trials"] for s in stats], axis=0)
+  top1 = np.sum([np.asarray(s["head_top1"]) * s["head_trials"] for s in stats], axis=0) / np.maximum(trials, 1)
+  topk = np.sum([np.asarray(s["head_topk"]) * s["head_trials"] for s in stats], axis=0) / np.maximum(trials, 1)
+  return top1.tolist(), topk.tolist()
+
+
+def mismatches(plain, other) -> int:
+  return sum(1 for a, b in zip(plain["outs"], other["outs"])
+             if a.records[:, 3].tolist() != b.records[:, 3].tolist())
+
+
+def bench_batch(model, drafter, ids, batch: int, args) -> dict:
+  groups = [ids[i:i + batch] for i in range(0, len(ids), batch)]
+  common = dict(max_new_tokens=args.new_tokens)
+  rows = {"plain": timed(model, groups, args.runs, method="sequential", **common)}
+  for size in [args.tree] + [int(s) for s in args.small_trees.split(",") if s]:
+    rows[f"medusa-{size}"] = timed(model, groups, args.runs, method="medusa", heads=drafter, tree_size=size, **common)
+  calibration = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16)
+  rows["propd"] = timed(model, groups, args.runs, method="propd", heads=drafter, tree_size=args.tree,
+                        latency=(calibration["alpha"], calibration["beta"]), **common)
+  rows["propd"]["calibration"] = calibration
+  return rows
+
+
+def report(batch: int, rows: dict) -> None:
+  plain = rows["plain"]["tok_s"]
+  print(f"\nbatch {batch}: {rows['plain']['tokens']} tokens per method")
+  print(f"{'method':>12} {'tokens/s':>9} {'x plain':>8} {'accept':>7} {'mismatch':>8}  tree sizes chosen")
+  for name, r in rows.items():
+    sizes = {}
+    for s in r["stats"]:
+      for k, v in s["tree_sizes"].items():
+        sizes[k] = sizes.get(k, 0) + v
+    chosen = " ".join(f"{k}:{v}" for k, v in sorted(sizes.items()) if v) if name == "propd" else ""
+    print(f"{name:>12} {r['tok_s']:9.2f} {r['tok_s'] / plain:8.3f} {r['accept']:7.2f} "
+          f"{mismatches(rows['plain'], r):8d}  {chosen}")
+  cal = rows["propd"]["calibration"]
+  print("ProPD latency calibration: " + " ".join(f"T({s})={t * 1e3:.1f}ms" for s, t in zip(cal["sizes"], cal["seconds"]))
+        + f"; fit alpha={cal['alpha'] * 1e3:.2f} ms/node beta={cal['beta'] * 1e3:.1f} ms")
+  medusa_key = max((k for k in rows if k.startswith("medusa-")), key=lambda k: int(k.split("-")[1]))
+  top1, topk = head_rates(rows[medusa_key]["stats"])
+  print(f"per-head acceptance ({medusa_key}): top-1 " + " ".join(f"{x:.3f}" for x in top1)
+        + " | top-k " + " ".join(f"{x:.3f}" for x in topk))
+
+
+def main(argv=None) -> None:
+  args = parse_args(argv)
+  model = load_model(args.model)
+  drafter = load_drafter(model, args.heads)
+  instructions = [r["instruction"] for r in sources.read_records("alpaca_eval_805")][: args.prompts]
+  ids = prompt_ids(model.tokenizer, instructions, chat=True)
+  print(f"model {model.source}; heads {drafter.source} ({drafter.config.num_heads} heads, top-{drafter.top_k}); "
+        f"{len(ids)} prompts, {args.new_tokens} new tokens, greedy; medians of {args.runs} runs")
+  results = {}
+  for batch in tqdm([int(b) for b in args.batches.split(",")], desc="batch sizes"):
+    results[batch] = bench_batch(model, drafter, ids, batch, args)
+    report(batch, results[batch])
+
+  def ratio(batch, name):
+    rows = results.get(batch)
+    return rows[name]["tok_s"] / rows["plain"]["tok_s"] if rows else float("nan")
+
+  small = {b: max((k for k in rows if k.startswith("medusa-") and k != f"medusa-{args.tree}"),
+                  key=lambda k: rows[k]["tok_s"], default=None) for b, rows in results.items()}
+  for b, k in small.items():
+    if k:
+      print(f"best fixed small tree at batch {b}: {k} ({ratio(b, k):.3f}x plain)")
+  accept = results[1]["propd"]["accept"] if 1 in results else float("nan")
+  print(f"RESULT propd_b1={ratio(1, 'propd'):.3f} propd_b8={ratio(8, 'propd'):.3f} "
+        f"medusa_b1={ratio(1, f'medusa-{args.tree}'):.3f} accept_len_b1={accept:.2f}")
+
+
+if __name__ == "__main__":
+  main()
