@@ -57,3 +57,24 @@ def test_the_tuned_default_loads_folded_and_forks_on_a_list_prompt():
   # 4 lanes, not 8: three lane buckets of the 18-layer model to trace and compile, not four
   [result] = pasta_jax.generate(model, ["Give three tips for staying healthy."], max_new_tokens=128, lanes=4)
   assert len(result.threads) > 1, result.annotated  # it writes its own tags and they fork
+
+
+def test_shipped_medusa_heads_fit_the_budget_and_name_their_model():
+  from pasta_jax.decode.speculation import MEDUSA_DIR
+  from pasta_jax.model import medusa
+  folder = load_lib.shipped_adapter("pasta-sft") / MEDUSA_DIR
+  assert (folder / medusa.WEIGHTS_FILE).stat().st_size <= MAX_BYTES
+  heads, config, meta = medusa.load_heads(folder)
+  assert config.shared_head and meta["base"].endswith("pasta-sft")
+
+
+@pytest.mark.slow
+def test_the_tuned_default_decodes_with_its_medusa_heads_as_plain_greedy():
+  import pasta_jax
+  model = pasta_jax.load_model()
+  prompts = ["Give three tips for staying healthy.", "What is the capital of France?"]
+  plain = pasta_jax.generate(model, prompts, method="sequential", max_new_tokens=32)
+  tree = pasta_jax.generate(model, prompts, method="medusa", tree_size=4, max_new_tokens=32)
+  for p, t in zip(plain, tree):
+    assert t.records[:, 3].tolist() == p.records[:, 3].tolist()
+    assert t.speculation["accept_length"] > 1.0  # the shipped heads guess some tokens right

@@ -238,11 +238,10 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   loop.check_runnable(cfg, forced=scripts is not None)
   tokens, lengths = loop.pad_prompts(ids, slots)
   script, script_len = pad_scripts(scripts, len(ids), max_threads, slots)
-  return Prepared(cfg, model_fn(model.config, jnp.dtype(dtype), attention),
-                  decode_params(model.params if params is None else params, dtype, cfg.sharding),
-                  model.config.vocab_size,
+  converted = decode_params(model.params if params is None else params, dtype, cfg.sharding)
+  return Prepared(cfg, model_fn(model.config, jnp.dtype(dtype), attention), converted, model.config.vocab_size,
                   pool_spec(model.config, dtype), tokens, lengths, script, script_len, scripts is not None, vocab,
-                  rule_inputs)
+                  rules.bind_inputs(rule_inputs, converted))
 
 
 class CompileCache:
@@ -358,7 +357,7 @@ def prepare_tree(model, ids, method: str, *, forced: bool, return_logits: bool, 
   size = tree_size or (DEFAULT_TREE if method == "propd" else 16)
   rules, inputs = rules_and_inputs(drafter, tree_size=size, dynamic=method == "propd", acceptance=acceptance,
                                    latency=latency, choices=choices)
-  rules = dataclasses.replace(rules, ignore_eos=ignore_eos)
+  rules = dataclasses.replace(rules, ignore_eos=ignore_eos, softcap=model.config.final_logit_softcap)
   return prepare(model, ids, rules=rules, lanes=rules.tree.size, max_threads=rules.tree.size,
                  record_logits=return_logits, rule_inputs=inputs, **kw)
 

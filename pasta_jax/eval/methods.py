@@ -16,6 +16,9 @@ overhead over plain decoding (about 7% on CPU, `bench.interpreter`).
                      answer is the most probable draft
   pasta-v0           the earlier paper's scoped mode: the model decodes freely, its `<scope>` and
                      `<promise/>` tags fork threads (a model trained with `train.sft --objective scoped_sft`)
+  medusa             Medusa (paper 004's drafter): greedy token-tree speculation with the model's shipped Medusa
+                     heads, a 16-node tree; lossless, so the answer is the sequential one, faster or not
+  propd              ProPD: the same with its dynamic tree size (up to 64 nodes), latency calibrated at start
   pasta-v0-forced    replays the earlier paper's structural annotation (lists are scopes, item elaborations
                      async blocks) of the reference answer, truncated to --max-new-tokens, against its
                      tag-free twin replayed through the same scoped interpreter (`sequential-forced-v0`)
@@ -226,6 +229,21 @@ def _pasta_forced(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
                            reference=twin)
 
 
+def _medusa(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
+  from pasta_jax.decode.speculation import load_drafter
+  return InterpreterMethod(spec.label, model, settings, method="medusa", heads=load_drafter(model), tree_size=16)
+
+
+def _propd(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
+  """ProPD with its latency model calibrated once, here, at batch 1 (the eval's batch size)."""
+  from pasta_jax.decode.speculation import DEFAULT_TREE, calibrate_latency, load_drafter
+  drafter = load_drafter(model)
+  ids = api.prompt_ids(model.tokenizer, ["Give three tips for staying healthy."], settings.chat)
+  cal = calibrate_latency(model, ids, drafter, tree_size=DEFAULT_TREE, steps=16, dtype=jnp.dtype(settings.dtype))
+  return InterpreterMethod(spec.label, model, settings, method="propd", heads=drafter, tree_size=DEFAULT_TREE,
+                           latency=(cal["alpha"], cal["beta"]))
+
+
 CORE_METHODS: dict[str, MethodFactory] = {
   "sequential": _sequential,
   "pasta": _pasta,
@@ -234,6 +252,8 @@ CORE_METHODS: dict[str, MethodFactory] = {
   "sequential-forced": _sequential_forced,
   "pasta-v0": _pasta_v0,
   "pasta-v0-forced": _pasta_v0_forced,
+  "medusa": _medusa,
+  "propd": _propd,
 }  # the paper's baselines add theirs in baselines/methods.py; eval/registry.py holds them all
 
 

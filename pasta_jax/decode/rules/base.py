@@ -105,10 +105,10 @@ class Rules(abc.ABC):
     del cfg
     return state.token[jax.numpy.arange(state.token.shape[0])[:, None], rows_lane], None
 
-  def model_extras(self, state: InterpState, cfg: InterpreterConfig) -> dict:
-    """Extra keyword arguments of the model call (Medusa's heads); the model's extra output reaches
-    `select_tokens` as `aux`. Default: none."""
-    del state, cfg
+  def model_extras(self, state: InterpState, cfg: InterpreterConfig, num_q: int) -> dict:
+    """Extra keyword arguments of the model call on `num_q` query rows (Medusa's heads); the model's extra
+    output reaches `select_tokens` as `aux`. Default: none."""
+    del state, cfg, num_q
     return {}
 
   def select_tokens(self, state: InterpState, rows_lane: jax.Array, row_ok: jax.Array, logits: jax.Array,
@@ -126,6 +126,12 @@ class Rules(abc.ABC):
         jnp.arange(batch), rows_lane)
     flat = sample_rows(logits.reshape(batch * num_q, -1), keys.reshape(-1), cfg.sampling)
     return state, flat.reshape(batch, num_q), refused
+
+  def bind_inputs(self, rule_inputs: Any, params: Any) -> Any:
+    """The run's read-only rule inputs, given the decode params (Medusa's heads read the model's output head
+    from them; a reference, never a copy). Default: unchanged."""
+    del params
+    return rule_inputs
 
   def init_rule_state(self, prompt_tokens: jax.Array, lengths: jax.Array, rule_inputs: Any,
                       cfg: InterpreterConfig) -> Any:
