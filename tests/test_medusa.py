@@ -70,27 +70,32 @@ def test_fresh_heads_are_the_base_head_and_sizes_are_reported():
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_heads_in_the_model_call_equal_heads_on_its_hidden_states(shared):
-  heads = random_heads(shared=shared)
-  tokens = jnp.asarray([[2, 7, 9, 11, 5, 3]])
-  positions = jnp.arange(6)[None]
-  module = Gemma(MODEL.config)
-  logits, _, top, hidden = module.apply(MODEL.params, tokens, positions, causal_mask(1, 6), medusa_heads=heads,
-                                        medusa_top_k=4, return_hidden=True)
-  plain, _ = module.apply(MODEL.params, tokens, positions, causal_mask(1, 6))
-  np.testing.assert_allclose(logits, plain, rtol=1e-5, atol=1e-5)
-  expected = jax.lax.top_k(medusa.head_logits(heads, hidden, UNEMBED), 4)[1]
-  np.testing.assert_array_equal(top, expected)
+def test_head_top_tokens_rank_the_draft_vocabulary(shared):
+  """Each head's top tokens: the brute-force ranking of its logits over the draft vocabulary, mapped to ids."""
+  vocab = np.asarray([7, 300, 5, 42, 111, 260, 9, 401], np.int32)
+  config = medusa.MedusaConfig(num_heads=2, shared_head=shared)
+  heads = medusa.init_heads(config, UNEMBED, vocab)
+  heads["w"] = 0.3 * jax.random.normal(jax.random.key(2), heads["w"].shape)
+  hidden = jax.random.normal(jax.random.key(0), (3, UNEMBED.shape[1]))
+  top = medusa.head_top_tokens(heads, hidden, medusa.draft_unembed(heads, UNEMBED), 3)
+  for i in range(3):
+    for h in range(2):
+      z = np.asarray(hidden[i] + jax.nn.silu(hidden[i] @ heads["w"][h] + heads["b"][h]))
+      scores = {int(t): float(z @ np.asarray(UNEMBED[t])) for t in vocab}
+      assert top[i, h].tolist() == sorted(scores, key=lambda t: -scores[t])[:3]
+  full = medusa.head_top_tokens(medusa.init_heads(config, UNEMBED), hidden, UNEMBED, 3)
+  np.testing.assert_array_equal(full[:, 0], jax.lax.top_k(hidden @ UNEMBED.T, 3)[1])
 
 
 def test_heads_save_and_load(tmp_path):
-  heads = random_heads()
+  heads = {**random_heads(), "vocab": jnp.arange(40, 80, dtype=jnp.int32)}
   config = medusa.MedusaConfig(num_heads=3)
   medusa.save_heads(tmp_path, heads, config, {"note": "x"})
   loaded, config2, meta = medusa.load_heads(tmp_path)
   assert config2 == config and meta == {"note": "x"}
   for k in heads:
     np.testing.assert_array_equal(loaded[k], heads[k])
+  assert loaded["vocab"].dtype == jnp.int32
   with pytest.raises(Exception, match="no Medusa heads"):
     medusa.load_heads(tmp_path / "missing")
 
@@ -152,20 +157,19 @@ def test_tree_mask_and_positions_equal_brute_force(choices):
 def test_tree_step_logits_equal_a_sequential_replay_of_each_path(choices):
   tree = TokenTree.from_choices(choices)
   prompt = [2, 9, 8, 7, 6, 5]
-  state, fed, prep, d = tree_step(tree, prompt)
+  state, fed, prep, _ = tree_step(tree, prompt)
   from pasta_jax.visibility import ThreadMask
   mask = ThreadMask(state.horizon, state.slot_owner, state.slot_order, state.slot_valid)
-  logits, _, top = prep.model_fn(prep.params, state.token, state.position, mask, state.pool, fed.slots,
-                                 state.slot_pos, medusa_heads=d.heads, medusa_top_k=4)
+  logits, _, hidden = prep.model_fn(prep.params, state.token, state.position, mask, state.pool, fed.slots,
+                                    state.slot_pos, return_hidden=True)
   module = Gemma(MODEL.config)
   for i, c in enumerate(tree.choices):
     path = [int(state.token[0, j]) for j, other in enumerate(tree.choices) if other == c[: len(other)]]
     seq = jnp.asarray([prompt + path])
     n = seq.shape[1]
-    full, _, top_full = module.apply(MODEL.params, seq, jnp.arange(n)[None], causal_mask(1, n),
-                                     medusa_heads=d.heads, medusa_top_k=4)
+    full, _, full_hidden = module.apply(MODEL.params, seq, jnp.arange(n)[None], causal_mask(1, n), return_hidden=True)
     np.testing.assert_allclose(logits[0, i], full[0, -1], rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(top[0, i], top_full[0, -1])
+    np.testing.assert_allclose(hidden[0, i], full_hidden[0, -1], rtol=1e-4, atol=1e-4)  # what the heads read
 
 
 # --- whole runs ---------------------------------------------------------------------------------------

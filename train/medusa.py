@@ -14,6 +14,7 @@ Stages, each resumable (a finished stage is skipped; `distill` appends and resum
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 from pathlib import Path
@@ -130,48 +131,49 @@ def compute_hidden(model, rows: list[dict], num_heads: int, batch: int = 4) -> t
   return np.concatenate(states).astype(np.float32), np.concatenate(targets)
 
 
-def corpus_vocab(model, rows: list[dict], cache: Path) -> np.ndarray:
-  """The token ids of the distilled sequences and of every training-pool record (instructions and answers),
-  sorted: the softmax's vocabulary in `train_heads` (cached in `cache`)."""
+def draft_vocabulary(model, rows: list[dict], size: int, cache: Path) -> np.ndarray:
+  """The `size` most frequent token ids of the distilled answers and the training pools' text, most frequent
+  first: the tokens the heads rank (model/medusa.py, draft vocabulary). Cached in `cache`."""
   if cache.exists():
-    return np.load(cache)
-  ids = {t for r in rows for t in r["prompt_ids"] + r["answer_ids"]}
+    saved = np.load(cache)
+    if len(saved) >= size:
+      return saved[:size]
+  counts: collections.Counter = collections.Counter(t for r in rows for t in r["answer_ids"])
   for pool in POOLS:
-    for record in tqdm(read_records(pool), desc=f"vocabulary of {pool}", leave=False):
+    for record in tqdm(read_records(pool), desc=f"token counts of {pool}", leave=False):
       for field in ("instruction", "input", "output"):
         if record.get(field):
-          ids.update(model.tokenizer.encode(record[field], add_bos=False))
-  vocab = np.asarray(sorted(ids), np.int64)
+          counts.update(model.tokenizer.encode(record[field], add_bos=False))
+  vocab = np.asarray([t for t, _ in counts.most_common(size)], np.int64)
   np.save(cache, vocab)
   return vocab
 
 
-def train_heads(model, rows: list[dict], out: Path, config, epochs: int, batch: int, lr: float, vocab: str = "corpus",
-                seed: int = 0) -> dict:
-  """Medusa-1: frozen base, the heads' residual blocks trained on cached hidden states (AdamW, cosine).
-  vocab "corpus": the softmax runs over the tokens the distilled answers and the training pools use (~30k of
-  Gemma's 262k: a sampled softmax whose negatives are every such token; the heads still rank the whole
-  vocabulary at decode time); "full": all of it (about 9x the work)."""
+def train_heads(model, rows: list[dict], out: Path, config, epochs: int, batch: int, lr: float,
+                vocab_size: int = 16384, seed: int = 0) -> dict:
+  """Medusa-1: frozen base, the heads' residual blocks trained on cached hidden states (AdamW, cosine), the
+  softmax over the draft vocabulary (the `vocab_size` most frequent tokens; 0: the whole vocabulary). Targets
+  outside it are left out of the loss: the heads could never propose them."""
   import jax
   import jax.numpy as jnp
   import optax
   states, targets = hidden_and_targets(model, rows, config.num_heads, out / "hidden_train.npz")
   unembed = model.params["params"]["embedder"]
   softcap = model.config.final_logit_softcap
-  heads = medusa.init_heads(config, unembed)
-  if vocab == "corpus":  # softmax over the corpus's own tokens: ~25x less work than the 262k vocabulary on CPU
-    ids = corpus_vocab(model, rows, out / "vocab.npy")
+  vocab = draft_vocabulary(model, rows, vocab_size, out / "vocab.npy") if vocab_size else None
+  drafted = unembed if vocab is None else unembed[jnp.asarray(vocab)]
+  if vocab is not None:
     remap = np.full(unembed.shape[0], -1, np.int64)
-    remap[ids] = np.arange(len(ids))
+    remap[vocab] = np.arange(len(vocab))
     targets = np.where(targets >= 0, remap[np.maximum(targets, 0)], -1)
-    unembed = unembed[jnp.asarray(ids)]
+  heads = medusa.init_heads(config, unembed)  # the trained part; the draft vocabulary joins it when saved
   steps = epochs * (len(states) // batch)
   optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), steps), weight_decay=0.0)
   opt_state = optimizer.init(heads)
 
   @jax.jit
   def update(heads, opt_state, h, t):
-    (loss, per_head), grads = jax.value_and_grad(medusa.medusa_loss, has_aux=True)(heads, h, t, unembed, config,
+    (loss, per_head), grads = jax.value_and_grad(medusa.medusa_loss, has_aux=True)(heads, h, t, drafted, config,
                                                                                   softcap)
     updates, opt_state = optimizer.update(grads, opt_state, heads)
     return optax.apply_updates(heads, updates), opt_state, loss, per_head
@@ -189,9 +191,11 @@ def train_heads(model, rows: list[dict], out: Path, config, epochs: int, batch: 
         bar.set_postfix(loss=f"{float(loss):.3f}")
         bar.update()
   meta = {"base": str(model.source), "positions": int(len(states)), "steps": steps, "epochs": epochs,
-          "softmax_vocab": int(unembed.shape[0]),
+          "draft_vocab": int(drafted.shape[0]), "targets_in_draft_vocab": float((targets >= 0).mean()),
           "batch": batch, "lr": lr, "first_loss": history[0], "last_loss": history[-1],
           "sizes": medusa.head_sizes(config, *model.params["params"]["embedder"].shape)}
+  if vocab is not None:
+    heads = {**heads, "vocab": jnp.asarray(vocab, jnp.int32)}
   medusa.save_heads(out / "heads", heads, config, meta)
   (out / "train_loss.json").write_text(json.dumps(history))
   return meta
@@ -204,8 +208,8 @@ def calibrate(model, rows: list[dict], out: Path, top_k: int) -> dict:
   heads, config, _ = medusa.load_heads(out / "heads")
   states, targets = hidden_and_targets(model, rows, config.num_heads, out / "hidden_held_out.npz")
   unembed = model.params["params"]["embedder"]
-  top = jax.jit(lambda h: jax.lax.top_k(medusa.head_logits(heads, h, unembed, model.config.final_logit_softcap),
-                                        top_k)[1])
+  drafted = medusa.draft_unembed(heads, unembed)
+  top = jax.jit(lambda h: medusa.head_top_tokens(heads, h, drafted, top_k, model.config.final_logit_softcap))
   hits = np.zeros((config.num_heads, top_k))
   counts = np.zeros((config.num_heads,))
   for start in range(0, len(states), 256):
@@ -232,8 +236,8 @@ def main(argv=None) -> int:
   parser.add_argument("--epochs", type=int, default=1)
   parser.add_argument("--train-batch", type=int, default=128, help="positions per step")
   parser.add_argument("--lr", type=float, default=1e-3)
-  parser.add_argument("--train-vocab", choices=("corpus", "full"), default="corpus",
-                      help="softmax over the corpus's tokens (fast on CPU) or the whole vocabulary")
+  parser.add_argument("--draft-vocab", type=int, default=16384,
+                      help="tokens the heads rank: the most frequent of the training text (0: all 262k)")
   parser.add_argument("--top-k", type=int, default=10, help="candidates per head kept at calibration")
   parser.add_argument("--held-out", type=float, default=0.1, help="share of distilled answers kept for calibration")
   args = parser.parse_args(argv)
@@ -248,7 +252,7 @@ def main(argv=None) -> int:
     train_rows, held_rows = split(read_distilled(out / "distill.jsonl"), args.held_out)
     if "train" in stages and not (out / "heads" / medusa.WEIGHTS_FILE).exists():
       meta = train_heads(model, train_rows, out, medusa.MedusaConfig(num_heads=args.heads), args.epochs,
-                         args.train_batch, args.lr, args.train_vocab)
+                         args.train_batch, args.lr, args.draft_vocab)
       print(f"heads: {meta['steps']} steps, loss {meta['first_loss'][0]:.3f} -> {meta['last_loss'][0]:.3f}")
     if "calibrate" in stages:
       info = calibrate(model, held_rows, out, args.top_k)

@@ -32,7 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pasta_jax.model import medusa, thread_attention
+from pasta_jax.model import thread_attention
 from pasta_jax.model.config import GemmaConfig
 from pasta_jax.model.lora import A_SUFFIX, B_SUFFIX, ROWS, AdapterConfig
 from pasta_jax.visibility import ThreadMask, visible
@@ -285,14 +285,12 @@ class Gemma(nn.Module):
   @nn.compact
   def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None,
                kv_positions=None, return_hidden: bool = False, token_weights=None, logit_rows=None,
-               medusa_heads=None, medusa_top_k: int = 0, hidden_only: bool = False):
+               hidden_only: bool = False):
     """tokens: [B, Q] ids; or [B, Q, K] ids with token_weights [B, Q, K], when each input row is the
     weighted sum of K tokens' embeddings (a superposed input, as Superposed Decoding feeds).
     logit_rows: [B, R] query rows whose logits (and hidden states) are returned, [B, R, V]; None: all Q.
     A prefill needs only the last prompt row's: the output head is most of a small model's work.
-    medusa_heads: Medusa heads (model/medusa.py) to run on every returned row; the output is then
-    (logits, pool, [B, R, H, medusa_top_k] each head's top tokens). Heads that share the tied output head go
-    through the same product as the base logits (one read of the 262k x D head for all of them)."""
+    hidden_only: return the final-normed hidden states [B, Q, D] alone (Medusa-1 training reads only these)."""
     cfg = self.config
     embedding = self.param("embedder", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.embed_dim))
     row_delta, x = self._embed(embedding, tokens, token_weights)
@@ -315,14 +313,11 @@ class Gemma(nn.Module):
       x, pk, pv = layer(x, positions, mask, kv_positions, pk, pv, slots)
       x = self._constrain(x)
     x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
-    if hidden_only:  # the last hidden states [B, Q, D] alone (Medusa-1 training reads only these)
+    if hidden_only:
       return x
     if logit_rows is not None:
       x = jnp.take_along_axis(x, logit_rows[..., None], axis=1)  # [B, R, D]
     unembed = embedding.astype(self.dtype)  # [V, D]: already [out, in], so in both layouts
-    rows = x.shape[1]
-    if medusa_heads is not None:
-      x = medusa.rows_with_heads(medusa_heads, x)  # [B, R * (1 + H), D] when the heads share the output head
     if self.decode_layout:
       logits = project(x, unembed, "d", "v", True, preferred_element_type=jnp.float32)
     else:
@@ -332,10 +327,6 @@ class Gemma(nn.Module):
       logits = logits.at[..., jnp.asarray(self.adapter.row_ids)].add(extra)
     logits = self._constrain(softcap(logits, cfg.final_logit_softcap), last="tensor")
     new_pool = None if pool is None else KVPool(pk, pv)
-    if medusa_heads is not None:
-      logits, x, head_top = medusa.split_rows(medusa_heads, logits, x, rows, medusa_top_k, unembed,
-                                              cfg.final_logit_softcap)
-      return (logits, new_pool, head_top, x) if return_hidden else (logits, new_pool, head_top)
     if return_hidden:
       return logits, new_pool, x
     return logits, new_pool

@@ -10,6 +10,11 @@ Gemma 3 270M's output head is 262k x 640, most of the model, so by default every
 then own only K x (D x D + D) parameters (1.6M, 6.6 MB in float32, for K = 4 on the 270M); an own head per
 Medusa head adds K x V x D (168M per head on the 270M). `head_sizes` reports both.
 
+A draft vocabulary (`vocab`, optional): the heads rank only these tokens (the most frequent of the training
+text), as FR-Spec restricts a drafter's head to frequent tokens. On a CPU the 262k-row head is compute-bound
+from two rows on, so four heads over the whole vocabulary would cost more than the tokens they save;
+verification still reads the full head, so decoding stays exact.
+
 Medusa-1 training (frozen base): loss = sum_k decay^k CE(logits_k, token_{t+2+k}), decay 0.8 (the paper's
 lambda_k), over the answer positions of self-distilled sequences.
 """
@@ -41,14 +46,18 @@ class MedusaConfig:
       raise ValueError(f"num_heads must be in [1, 8], got {self.num_heads}")
 
 
-def init_heads(config: MedusaConfig, unembed: jax.Array) -> dict:
+def init_heads(config: MedusaConfig, unembed: jax.Array, vocab=None) -> dict:
   """Fresh heads for a model whose output head is `unembed` [V, D]: each starts as the base head
-  (zero residual weights; an own head starts as a copy of the base's)."""
-  vocab, dim = unembed.shape
+  (zero residual weights; an own head starts as a copy of the base's). vocab: the draft vocabulary (token ids
+  the heads rank, most frequent first), or None for all V."""
+  dim = unembed.shape[1]
   heads = {"w": jnp.zeros((config.num_heads, dim, dim), jnp.float32),
            "b": jnp.zeros((config.num_heads, dim), jnp.float32)}
+  if vocab is not None:
+    heads["vocab"] = jnp.asarray(vocab, jnp.int32)
   if not config.shared_head:
-    heads["out"] = jnp.broadcast_to(unembed.astype(jnp.float32), (config.num_heads, vocab, dim))
+    rows = draft_unembed(heads, unembed).astype(jnp.float32)
+    heads["out"] = jnp.broadcast_to(rows, (config.num_heads,) + rows.shape)
   return heads
 
 
@@ -72,31 +81,17 @@ def head_logits(heads: dict, hidden: jax.Array, unembed: jax.Array, softcap: flo
   return logits
 
 
-def rows_with_heads(heads: dict, hidden: jax.Array) -> jax.Array:
-  """hidden [B, R, D] -> [B, R * (1 + H), D]: each row followed by its H heads' states, for one product with
-  a shared output head (unchanged when the heads own their heads: `split_rows` projects those itself)."""
-  if "out" in heads:
-    return hidden
-  batch, rows, dim = hidden.shape
-  z = head_states(heads, hidden).astype(hidden.dtype)  # [B, R, H, D]
-  return jnp.concatenate([hidden[:, :, None], z], axis=2).reshape(batch, -1, dim)
+def draft_unembed(heads: dict, unembed: jax.Array) -> jax.Array:
+  """The output-head rows the heads rank: the draft vocabulary's ([Vd, D]), or the whole head."""
+  return unembed[heads["vocab"]] if "vocab" in heads else unembed
 
 
-def split_rows(heads: dict, logits: jax.Array, hidden: jax.Array, rows: int, top_k: int, unembed: jax.Array,
-               softcap: float | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Undoes `rows_with_heads` after the output head: (base logits [B, R, V], hidden [B, R, D],
-  [B, R, H, top_k] int32 each head's top tokens)."""
-  if top_k < 1:
-    raise ValueError(f"medusa_top_k must be at least 1 with medusa_heads, got {top_k}")
-  num_heads = heads["w"].shape[0]
-  batch = logits.shape[0]
-  if "out" in heads:
-    head_logit = head_logits(heads, hidden, unembed, softcap)
-  else:
-    logits = logits.reshape(batch, rows, 1 + num_heads, -1)
-    hidden = hidden.reshape(batch, rows, 1 + num_heads, -1)[:, :, 0]
-    logits, head_logit = logits[:, :, 0], logits[:, :, 1:]
-  return logits, hidden, jax.lax.top_k(head_logit, top_k)[1].astype(jnp.int32)
+def head_top_tokens(heads: dict, hidden: jax.Array, drafted: jax.Array, top_k: int,
+                    softcap: float | None = None) -> jax.Array:
+  """hidden [..., D] -> [..., H, top_k] int32 each head's most likely token ids. drafted: `draft_unembed`'s
+  rows (gathered once per run, not per step)."""
+  ranks = jax.lax.top_k(head_logits(heads, hidden, drafted, softcap), top_k)[1]
+  return (heads["vocab"][ranks] if "vocab" in heads else ranks).astype(jnp.int32)
 
 
 def medusa_loss(heads: dict, hidden: jax.Array, targets: jax.Array, unembed: jax.Array, config: MedusaConfig,
@@ -135,7 +130,8 @@ def save_heads(folder: str | Path, heads: dict, config: MedusaConfig, meta: dict
   from safetensors.numpy import save_file
   folder = Path(folder)
   folder.mkdir(parents=True, exist_ok=True)
-  save_file({k: np.asarray(v, np.float32) for k, v in heads.items()}, str(folder / WEIGHTS_FILE))
+  save_file({k: np.asarray(v, np.int32 if k == "vocab" else np.float32) for k, v in heads.items()},
+            str(folder / WEIGHTS_FILE))
   (folder / CONFIG_FILE).write_text(json.dumps({"config": dataclasses.asdict(config), "meta": meta or {}}, indent=1))
   return folder
 

@@ -4,7 +4,7 @@ Each step one request feeds a token tree (`decode.tree`): the root is main's pen
 node (r_1..r_d) the rank-r_d candidate of Medusa head d-1 from the last step. Lane i carries node i as a
 one-token transient thread i (the root is main): it sees main's cache and its ancestors, at position
 p + depth, through the one visibility rule, in the one model call, which also runs the heads on every
-node (`model_extras`: the model returns each head's top tokens). Then, on device:
+node. Then, on device:
 
   acceptance   greedy: a node is accepted when its token is its parent's argmax (lossless: the output is
                plain greedy decoding token for token); typical (Medusa): when the parent's probability of
@@ -73,8 +73,7 @@ class MedusaRules(SequentialRules):
   typical_delta: float = 0.3  # Medusa's posterior alpha (sqrt of epsilon)
   dynamic: bool = False  # ProPD: pick the tree prefix each step (needs rule_inputs["latency"])
   prior_weight: float = 20.0  # pseudo-steps behind the calibrated hit rates (ProPD's online estimate)
-  fuse_rows: int = 24  # run the heads on every node (fused with the base head) while nodes x (1 + H) <= this
-  softcap: float | None = None  # the model's final logit soft cap (heads run outside it for large trees)
+  softcap: float | None = None  # the model's final logit soft cap, which the heads' logits take too
 
   def validate(self, cfg: InterpreterConfig) -> None:
     Rules.validate(self, cfg)
@@ -93,10 +92,10 @@ class MedusaRules(SequentialRules):
 
   # --- state ---------------------------------------------------------------------------------------
   def bind_inputs(self, rule_inputs, params):
-    """Large trees run the heads outside the model, through its tied output head: the decode params' embedder."""
-    if rule_inputs is None or "unembed" in rule_inputs:
+    """The heads rank the draft vocabulary's rows of the model's tied output head, gathered here once."""
+    if rule_inputs is None or "drafted" in rule_inputs:
       return rule_inputs
-    return {**rule_inputs, "unembed": params["params"]["embedder"]}
+    return {**rule_inputs, "drafted": medusa.draft_unembed(rule_inputs["heads"], params["params"]["embedder"])}
 
   def init_rule_state(self, prompt_tokens, lengths, rule_inputs, cfg: InterpreterConfig) -> TreeState:
     if rule_inputs is None or "heads" not in rule_inputs:
@@ -114,15 +113,9 @@ class MedusaRules(SequentialRules):
                      inputs={**rule_inputs, "rates": jnp.asarray(rates, jnp.float32)})
 
   def model_extras(self, state: InterpState, cfg: InterpreterConfig, num_q: int) -> dict:
-    """Small trees: the heads run on every node inside the model, through the base logits' product (one read
-    of the output head). Large ones: the model returns hidden states and the heads run on the path's last
-    node only (`last_node_candidates`): num_q x (1 + H) head rows would cost more than a second read."""
-    if self.fused(num_q):
-      return {"medusa_heads": state.rule_state.inputs["heads"], "medusa_top_k": self.top_k}
+    """The model returns its hidden states too: the heads run on the path's last node only, after acceptance."""
+    del state, cfg, num_q
     return {"return_hidden": True}
-
-  def fused(self, num_q: int) -> bool:
-    return num_q * (1 + self.num_heads) <= self.fuse_rows
 
   # --- before the model: lay out the tree -----------------------------------------------------------
   def tree_size(self, d: TreeState) -> jax.Array:
@@ -202,7 +195,7 @@ class MedusaRules(SequentialRules):
     path = jnp.zeros((logits.shape[0], cfg.lanes), bool).at[:, :num_q].set(on_path)
     fed = row_ok[:, 0] & state.live
     new = dataclasses.replace(
-        d, candidates=jnp.where(fed[:, None, None], self.last_node_candidates(d, aux, last, num_q), d.candidates),
+        d, candidates=jnp.where(fed[:, None, None], self.last_node_candidates(d, aux, last), d.candidates),
         have_candidates=d.have_candidates | fed,
         root_token=jnp.where(fed, chosen[b[:, 0], last], d.root_token),
         root_pos=jnp.where(fed, d.root_pos + depth[last] + 1, d.root_pos), path=path,
@@ -210,14 +203,10 @@ class MedusaRules(SequentialRules):
     new = self.count_hits(new, d, node_token, on_path, depth, chosen[b[:, 0], last], depth[last], fed)
     return dataclasses.replace(state, rule_state=new), chosen, refused
 
-  def last_node_candidates(self, d: TreeState, aux, last, num_q: int) -> jax.Array:
-    """[B, H, k] the heads' top tokens at each request's last path node: read off the model's fused output, or
-    the heads run here on its hidden state (`model_extras`)."""
-    b = jnp.arange(last.shape[0])
-    if self.fused(num_q):
-      return aux[b, last]
-    logits = medusa.head_logits(d.inputs["heads"], aux[b, last], d.inputs["unembed"], self.softcap)
-    return jax.lax.top_k(logits, self.top_k)[1].astype(jnp.int32)
+  def last_node_candidates(self, d: TreeState, hidden, last) -> jax.Array:
+    """[B, H, k] the heads' top tokens at each request's last path node (hidden [B, Q, D] of the tree's rows)."""
+    at_last = hidden[jnp.arange(last.shape[0]), last]
+    return medusa.head_top_tokens(d.inputs["heads"], at_last, d.inputs["drafted"], self.top_k, self.softcap)
 
   def accepted_nodes(self, state, node_token, chosen, logits, row_ok, depth, parent, cfg) -> jax.Array:
     """[B, Q] bool: nodes whose whole path is accepted (the root always is)."""
