@@ -97,8 +97,9 @@ def report(batch: int, rows: dict) -> None:
     print(f"{name:>12} {r['tok_s']:9.2f} {r['tok_s'] / plain:8.3f} {r['accept']:7.2f} "
           f"{mismatches(rows['plain'], r):8d}  {chosen}")
   cal = rows["propd"]["calibration"]
-  print("ProPD latency calibration: " + " ".join(f"T({s})={t * 1e3:.1f}ms" for s, t in zip(cal["sizes"], cal["seconds"]))
-        + f"; fit alpha={cal['alpha'] * 1e3:.2f} ms/node beta={cal['beta'] * 1e3:.1f} ms")
+  times = " ".join(f"T({s})={t * 1e3:.1f}ms" for s, t in zip(cal["sizes"], cal["seconds"]))
+  print(f"ProPD latency calibration: {times}; fit alpha={cal['alpha'] * 1e3:.2f} ms/node "
+        f"beta={cal['beta'] * 1e3:.1f} ms")
   medusa_key = max((k for k in rows if k.startswith("medusa-")), key=lambda k: int(k.split("-")[1]))
   top1, topk = head_rates(rows[medusa_key]["stats"])
   print(f"per-head acceptance ({medusa_key}): top-1 " + " ".join(f"{x:.3f}" for x in top1)

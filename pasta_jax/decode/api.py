@@ -44,8 +44,16 @@ from pasta_jax.decode.result import (
   scoped_result,
   tree_result,
 )
-from pasta_jax.decode.rules.medusa import MedusaRules
-from pasta_jax.decode.rules import AparRules, PastaRules, Rules, ScopedRules, SequentialRules, SotRules, SuperposedRules
+from pasta_jax.decode.rules import (
+    AparRules,
+    MedusaRules,
+    PastaRules,
+    Rules,
+    ScopedRules,
+    SequentialRules,
+    SotRules,
+    SuperposedRules,
+)
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.sharding import DecodeSharding
 from pasta_jax.decode.state import PositionMode

@@ -8,7 +8,7 @@ object says only what differs, as array functions over the [B, T] thread table:
                 writes, and the tokens the interpreter inserts (a fork's `<async>`, APAR's child);
   feed_inputs   what the feeding rows put into the model: their pending ids (the default), or weighted
                 mixes of token ids whose embeddings the model sums (a superposed input);
-  model_extras  what else the model computes on those rows (Medusa's heads' top tokens; none by default);
+  model_extras  what else the model returns for those rows (Medusa: hidden states, for its heads; none by default);
   allowed       which tokens each query row may sample (tag constraints), and which rows had a
                 fork refused by a limit (counted, never silent);
   select_tokens how the logits become each row's token: a constrained sample (the default), or a
@@ -106,8 +106,8 @@ class Rules(abc.ABC):
     return state.token[jax.numpy.arange(state.token.shape[0])[:, None], rows_lane], None
 
   def model_extras(self, state: InterpState, cfg: InterpreterConfig, num_q: int) -> dict:
-    """Extra keyword arguments of the model call on `num_q` query rows (Medusa's heads); the model's extra
-    output reaches `select_tokens` as `aux`. Default: none."""
+    """Extra keyword arguments of the model call on `num_q` query rows (Medusa: return_hidden); the model's
+    extra output reaches `select_tokens` as `aux`. Default: none."""
     del state, cfg, num_q
     return {}
 
