@@ -12,7 +12,7 @@ lossless, so every method writes the same tokens (checked: mismatches are printe
 tokens/s ratios are time ratios. Accepted length = tokens per step; per-head acceptance = how often head h's
 top-1 (and its top-k list) held the right token when its depth was reached.
 
-  python -m bench.medusa [--batches 1,8] [--prompts 8] [--runs 3] [--heads DIR]
+  python -m bench.medusa [--batches 1,8] [--limit 8] [--limit-b1 4] [--runs 3] [--heads DIR]
 Last line: RESULT propd_b1=... propd_b8=... medusa_b1=... accept_len_b1=... (tokens/s over plain's).
 """
 
@@ -34,11 +34,15 @@ from pasta_jax.model.load import load_model
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(prog="bench.medusa", description=__doc__.split("\n\n")[0])
   parser.add_argument("--batches", default="1,8")
-  parser.add_argument("--prompts", type=int, default=8, help="held-out prompts (batch 1 decodes each alone)")
+  parser.add_argument("--limit", type=int, default=8, help="held-out prompts (batch 1 decodes each alone)")
+  parser.add_argument("--limit-b1", type=int, default=4, help="of those, how many batch 1 decodes")
   parser.add_argument("--new-tokens", type=int, default=128)
   parser.add_argument("--runs", type=int, default=3)
   parser.add_argument("--tree", type=int, default=64, help="Medusa's fixed tree and ProPD's largest")
   parser.add_argument("--small-trees", default="2,4,8,16")
+  parser.add_argument("--big-tree-batches", default="1",
+                      help="batch sizes that also time the fixed --tree-node tree (64 nodes x batch 8 is ~6 s a "
+                           "step on a 2-core CPU)")
   parser.add_argument("--model", default=None, help="default: the tuned default model")
   parser.add_argument("--heads", default=None, help="Medusa heads folder (default: the model's shipped heads)")
   return parser.parse_args(argv)
@@ -72,10 +76,12 @@ def mismatches(plain, other) -> int:
 
 
 def bench_batch(model, drafter, ids, batch: int, args) -> dict:
+  ids = ids[: args.limit_b1] if batch == 1 else ids
   groups = [ids[i:i + batch] for i in range(0, len(ids), batch)]
   common = dict(max_new_tokens=args.new_tokens)
   rows = {"plain": timed(model, groups, args.runs, method="sequential", **common)}
-  for size in [args.tree] + [int(s) for s in args.small_trees.split(",") if s]:
+  big = [args.tree] if str(batch) in args.big_tree_batches.split(",") else []
+  for size in big + [int(s) for s in args.small_trees.split(",") if s]:
     rows[f"medusa-{size}"] = timed(model, groups, args.runs, method="medusa", heads=drafter, tree_size=size, **common)
   calibration = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16)
   rows["propd"] = timed(model, groups, args.runs, method="propd", heads=drafter, tree_size=args.tree,
@@ -100,7 +106,7 @@ def report(batch: int, rows: dict) -> None:
   times = " ".join(f"T({s})={t * 1e3:.1f}ms" for s, t in zip(cal["sizes"], cal["seconds"]))
   print(f"ProPD latency calibration: {times}; fit alpha={cal['alpha'] * 1e3:.2f} ms/node "
         f"beta={cal['beta'] * 1e3:.1f} ms")
-  medusa_key = max((k for k in rows if k.startswith("medusa-")), key=lambda k: int(k.split("-")[1]))
+  medusa_key = max((k for k in rows if k.startswith("medusa-")), key=lambda k: rows[k]["accept"])
   top1, topk = head_rates(rows[medusa_key]["stats"])
   print(f"per-head acceptance ({medusa_key}): top-1 " + " ".join(f"{x:.3f}" for x in top1)
         + " | top-k " + " ".join(f"{x:.3f}" for x in topk))
@@ -110,7 +116,7 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   model = load_model(args.model)
   drafter = load_drafter(model, args.heads)
-  instructions = [r["instruction"] for r in sources.read_records("alpaca_eval_805")][: args.prompts]
+  instructions = [r["instruction"] for r in sources.read_records("alpaca_eval_805")][: args.limit]
   ids = prompt_ids(model.tokenizer, instructions, chat=True)
   print(f"model {model.source}; heads {drafter.source} ({drafter.config.num_heads} heads, top-{drafter.top_k}); "
         f"{len(ids)} prompts, {args.new_tokens} new tokens, greedy; medians of {args.runs} runs")
