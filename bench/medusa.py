@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from pasta_jax.data import sources
 from pasta_jax.decode import api
-from pasta_jax.decode.speculation import calibrate_latency, load_drafter
+from pasta_jax.decode.latency import calibrate_latency
+from pasta_jax.decode.speculation import load_drafter
 from pasta_jax.decode.tokenizing import prompt_ids
 from pasta_jax.model.load import load_model
 

@@ -70,8 +70,8 @@ def test_return_logits_are_the_logits_behind_each_record(model):
 
 
 def test_bad_methods_and_settings_are_named(model):
-  with pytest.raises(PastaError, match="unknown method 'medusa'"):
-    api.generate(model, ["q"], method="medusa")
+  with pytest.raises(PastaError, match="unknown method 'eagle'"):
+    api.generate(model, ["q"], method="eagle")
   with pytest.raises(PastaError, match="sot.*point prompts"):
     api.generate(model, ["q"], method="sot")
   with pytest.raises(PastaError, match="tag-free"):

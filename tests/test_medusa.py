@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pasta_jax.decode import api, loop
-from pasta_jax.decode.speculation import Drafter, calibrate_latency, fit_latency, rules_and_inputs
+from pasta_jax.decode.latency import calibrate_latency
+from pasta_jax.decode.speculation import Drafter, fit_latency, rules_and_inputs
 from pasta_jax.decode.tree import TokenTree
 from pasta_jax.errors import PastaError
 from pasta_jax.model import medusa

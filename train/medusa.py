@@ -190,7 +190,7 @@ def train_heads(model, rows: list[dict], out: Path, config, epochs: int, batch: 
         history.append([float(loss)] + [float(x) for x in per_head])
         bar.set_postfix(loss=f"{float(loss):.3f}")
         bar.update()
-  meta = {"base": str(model.source), "positions": int(len(states)), "steps": steps, "epochs": epochs,
+  meta = {"base": Path(str(model.source)).name, "positions": int(len(states)), "steps": steps, "epochs": epochs,
           "draft_vocab": int(drafted.shape[0]), "targets_in_draft_vocab": float((targets >= 0).mean()),
           "batch": batch, "lr": lr, "first_loss": history[0], "last_loss": history[-1],
           "sizes": medusa.head_sizes(config, *model.params["params"]["embedder"].shape)}

@@ -93,7 +93,8 @@ def run_generate(args) -> int:
 
 def tree_options(model, prompt_ids: list[int], args, method: str) -> dict:
   """--method medusa / propd: the heads, the tree size, and for ProPD a latency model measured here."""
-  from pasta_jax.decode.speculation import DEFAULT_TREE, calibrate_latency, load_drafter
+  from pasta_jax.decode.latency import calibrate_latency
+  from pasta_jax.decode.speculation import DEFAULT_TREE, load_drafter
   drafter = load_drafter(model, args.heads)
   options = {"heads": drafter, "tree_size": args.tree_size or (DEFAULT_TREE if method == "propd" else 16)}
   if method == "propd":

@@ -2,15 +2,13 @@
 
 A `Drafter` is a model's Medusa heads plus their calibrated top-k hit rates (what `train.medusa` writes
 beside the heads). `rules_and_inputs` turns it into the decode core's `MedusaRules` and their read-only
-`rule_inputs`; `calibrate_latency` measures ProPD's step-time model T(s) = alpha s + beta on this device and
-batch size by running the ProPD loop itself with its size pinned (one compiled program for every size).
+`rule_inputs`; `decode.latency.calibrate_latency` measures ProPD's step-time model T(s) = alpha s + beta.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -90,24 +88,3 @@ def fit_latency(sizes, seconds) -> tuple[float, float]:
   """Least-squares (alpha, beta) of T(s) = alpha s + beta (alpha >= 0, beta > 0)."""
   a, b = np.polyfit(np.asarray(sizes, np.float64), np.asarray(seconds, np.float64), 1)
   return max(float(a), 0.0), max(float(b), 1e-6)
-
-
-def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_TREE, steps: int = 16,
-                      repeats: int = 2, **prepare_kw) -> dict:
-  """Times the ProPD loop with its size pinned to each candidate size (latency 1 there, 1e9 elsewhere: the
-  same compiled program) on `ids` (the batch size matters); returns sizes, per-step seconds and the fit."""
-  from pasta_jax.decode import api
-  rules, _ = rules_and_inputs(drafter, tree_size=tree_size, dynamic=True, latency=(1.0, 1.0))
-  per_step = []
-  for size in rules.sizes:
-    pinned = np.where(np.asarray(rules.sizes) == size, 1.0, 1e9)
-    prep = api.prepare_method(model, ids, method="propd", heads=drafter, tree_size=tree_size, latency=pinned,
-                              max_new_tokens=steps, **prepare_kw)
-    best = np.inf
-    for _ in range(repeats):
-      runs, seconds = api.run_prepared(prep)
-      best = min(best, seconds / max(1, max(r.steps for r in runs)))
-    per_step.append(best)
-  alpha, beta = fit_latency(rules.sizes, per_step)
-  return {"sizes": list(rules.sizes), "seconds": per_step, "alpha": alpha, "beta": beta,
-          "when": time.strftime("%Y-%m-%d %H:%M:%S")}

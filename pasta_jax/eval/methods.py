@@ -236,7 +236,8 @@ def _medusa(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
 
 def _propd(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
   """ProPD with its latency model calibrated once, here, at batch 1 (the eval's batch size)."""
-  from pasta_jax.decode.speculation import DEFAULT_TREE, calibrate_latency, load_drafter
+  from pasta_jax.decode.latency import calibrate_latency
+  from pasta_jax.decode.speculation import DEFAULT_TREE, load_drafter
   drafter = load_drafter(model)
   ids = api.prompt_ids(model.tokenizer, ["Give three tips for staying healthy."], settings.chat)
   cal = calibrate_latency(model, ids, drafter, tree_size=DEFAULT_TREE, steps=16, dtype=jnp.dtype(settings.dtype))

@@ -1,0 +1,35 @@
+"""ProPD's step-time model, measured: T(s) = alpha s + beta on this device and batch size.
+
+The decode loop runs on device, so step times are taken between host calls: the ProPD program itself runs
+with its tree size pinned to each candidate size in turn (a latency table of 1 at that size and 1e9
+elsewhere: one compiled program serves every size), and the per-step times are fitted by least squares.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from pasta_jax.decode import api
+from pasta_jax.decode.speculation import DEFAULT_TREE, Drafter, fit_latency, rules_and_inputs
+
+
+def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_TREE, steps: int = 16,
+                      repeats: int = 2, **prepare_kw) -> dict:
+  """Times the ProPD loop with its size pinned to each candidate size (latency 1 there, 1e9 elsewhere: the
+  same compiled program) on `ids` (the batch size matters); returns sizes, per-step seconds and the fit."""
+  rules, _ = rules_and_inputs(drafter, tree_size=tree_size, dynamic=True, latency=(1.0, 1.0))
+  per_step = []
+  for size in rules.sizes:
+    pinned = np.where(np.asarray(rules.sizes) == size, 1.0, 1e9)
+    prep = api.prepare_method(model, ids, method="propd", heads=drafter, tree_size=tree_size, latency=pinned,
+                              max_new_tokens=steps, **prepare_kw)
+    best = np.inf
+    for _ in range(repeats):
+      runs, seconds = api.run_prepared(prep)
+      best = min(best, seconds / max(1, max(r.steps for r in runs)))
+    per_step.append(best)
+  alpha, beta = fit_latency(rules.sizes, per_step)
+  return {"sizes": list(rules.sizes), "seconds": per_step, "alpha": alpha, "beta": beta,
+          "when": time.strftime("%Y-%m-%d %H:%M:%S")}
