@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.marks import HEAVY
+
 ROOT = Path(__file__).resolve().parents[1]
 LOGIT_TOL = {"tiny": 1e-4, "real": 2e-3}  # tests/test_hf_parity.py's tolerances (float32, other summation order)
 
@@ -43,7 +45,6 @@ def check(report: dict, kv_heads: int, tolerance: float = LOGIT_TOL["tiny"]) -> 
 # sampled), split 4 ways on data 2 x tensor 4 (Gemma 2, GQA 8:4), replicated (Gemma 1, MQA). One mesh each, and
 # two cases for the last two families ("brief"). The suite runs Gemma 3 (every method); the other two families
 # (about 100 s on 2 cores) run with PASTA_HEAVY_TESTS=1, to keep the suite within CI's time.
-HEAVY = pytest.mark.skipif(not os.environ.get("PASTA_HEAVY_TESTS"), reason="set PASTA_HEAVY_TESTS=1 (~100 s)")
 
 
 @pytest.mark.parametrize("name, kv_heads, meshes", [

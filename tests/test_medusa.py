@@ -133,7 +133,7 @@ def tree_step(tree: TokenTree, prompt):
   return state, fed, prep, d
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(choices_lists(max_depth=3, max_rank=4, max_nodes=10))
 def test_tree_mask_and_positions_equal_brute_force(choices):
   tree = TokenTree.from_choices(choices)
@@ -153,7 +153,7 @@ def test_tree_mask_and_positions_equal_brute_force(choices):
     assert int(state.position[0, i]) == len(prompt) + len(c)
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(choices_lists(max_depth=3, max_rank=4, max_nodes=8))
 def test_tree_step_logits_equal_a_sequential_replay_of_each_path(choices):
   tree = TokenTree.from_choices(choices)
@@ -177,7 +177,7 @@ def test_tree_step_logits_equal_a_sequential_replay_of_each_path(choices):
 PLAIN = api.generate_ids(MODEL, PROMPTS, method="sequential", max_new_tokens=48)
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(choices_lists(max_depth=3, max_rank=4, max_nodes=12), st.integers(0, 3))
 def test_greedy_tree_decoding_is_plain_greedy_decoding(choices, seed):
   d = drafter(seed=seed)

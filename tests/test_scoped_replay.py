@@ -20,6 +20,7 @@ from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.lang import scoped
 from pasta_jax.lang.scoped_layout import scoped_layout
 from pasta_jax.model.gemma import causal_mask, to_decode_layout
+from tests.marks import HEAVY
 from tests.test_replay import VOCAB, random_params
 from tests.test_scoped_layout import layout_parents, thread_map
 
@@ -87,6 +88,7 @@ def test_scoped_training_forward_equals_decode_replay(name):
 
 
 @pytest.mark.slow
+@HEAVY  # the tiny Gemma 1/2/3 variants above hold the rule
 def test_real_270m_scoped_training_forward_equals_decode_replay():
   """One scoped annotation (a list scope, a nested scope inside a block) on the real Gemma 3 270M."""
   from pasta_jax.model.gemma import Gemma

@@ -5,7 +5,6 @@ thread tables and horizons, invalid slots, sliding windows, soft caps, grouped-q
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 
 from pasta_jax.model.thread_attention import AttentionSpec, attention, block_summaries
 from pasta_jax.visibility import HIDDEN, UNBOUNDED, ThreadMask
+from tests.marks import HEAVY
 
 KERNELS = ("pallas-tpu", "pallas-gpu")
 
@@ -95,7 +95,6 @@ def test_block_summaries_bound_every_visible_pair():
   assert not live.all()
 
 
-HEAVY = pytest.mark.skipif(not os.environ.get("PASTA_HEAVY_TESTS"), reason="set PASTA_HEAVY_TESTS=1 (~60 s)")
 
 
 @pytest.mark.parametrize("name", [pytest.param("tiny-gemma1", marks=HEAVY), "tiny-gemma2",
