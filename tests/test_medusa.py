@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from pasta_jax.decode import api, loop
 from pasta_jax.decode.latency import calibrate_latency
-from pasta_jax.decode.speculation import Drafter, fit_latency, rules_and_inputs
+from pasta_jax.decode.speculation import Drafter, fit_latency, latency_table, rules_and_inputs
 from pasta_jax.decode.tree import TokenTree
 from pasta_jax.errors import PastaError
 from pasta_jax.model import medusa
@@ -227,6 +227,10 @@ def test_propd_picks_sizes_by_its_latency_model_and_stays_lossless():
   assert all(set(k for k, v in r.speculation["tree_sizes"].items() if v) <= {1} for r in dear)
   assert all(r.speculation["tree_sizes"][16] > 0 for r in cheap)
   assert fit_latency([1, 2, 4], [3.0, 5.0, 9.0]) == pytest.approx((2.0, 1.0))
+  np.testing.assert_allclose(latency_table((2.0, 1.0), (1, 2)), [3.0, 5.0])  # (alpha, beta), even for two sizes
+  np.testing.assert_allclose(latency_table({1: 0.5, 2: 0.7}, (1, 2)), [0.5, 0.7])
+  with pytest.raises(PastaError, match="no step time for tree sizes"):
+    latency_table({1: 0.5}, (1, 2))
 
 
 def test_calibration_times_every_size():

@@ -420,8 +420,8 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
   heads, tree_size, acceptance, latency: methods "medusa" (token-tree speculation; greedy acceptance is lossless)
   and "propd" (its dynamic tree size): the Medusa heads (a folder, a `speculation.Drafter`, or None for the
   model's shipped ones), the tree's nodes (16 / 64), "greedy" or "typical", and ProPD's step-time model
-  ((alpha, beta) seconds, or `speculation.calibrate_latency`'s per-size times). `Result.speculation` has the
-  accepted length per step, per-head hit rates and the tree sizes chosen.
+  ((alpha, beta) seconds, or a {size: seconds} table; `decode.latency.calibrate_latency` measures both).
+  `Result.speculation` has the accepted length per step, per-head hit rates and the tree sizes chosen.
   """
   if model.tokenizer is None:
     raise PastaError(f"this model has no tokenizer; {method} decoding needs one for its tags and end ids")

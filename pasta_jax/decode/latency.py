@@ -22,7 +22,7 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
   rules, _ = rules_and_inputs(drafter, tree_size=tree_size, dynamic=True, latency=(1.0, 1.0))
   per_step = []
   for size in rules.sizes:
-    pinned = np.where(np.asarray(rules.sizes) == size, 1.0, 1e9)
+    pinned = {s: 1.0 if s == size else 1e9 for s in rules.sizes}
     prep = api.prepare_method(model, ids, method="propd", heads=drafter, tree_size=tree_size, latency=pinned,
                               max_new_tokens=steps, **prepare_kw)
     best = np.inf

@@ -61,7 +61,7 @@ def load_drafter(model, heads=None) -> Drafter:
 def rules_and_inputs(drafter: Drafter, *, tree_size: int = DEFAULT_TREE, dynamic: bool = False,
                      acceptance: str = "greedy", latency=None, choices=None) -> tuple[MedusaRules, dict]:
   """(MedusaRules, rule_inputs) for a tree of `tree_size` nodes (or an explicit Medusa `choices` list);
-  dynamic=True (ProPD) takes `latency`: seconds per step for each of the rules' sizes, or (alpha, beta)."""
+  dynamic=True (ProPD) takes `latency`: (alpha, beta) of T(s) = alpha s + beta, or {size: seconds per step}."""
   tree = TokenTree.from_choices(choices) if choices is not None else drafter.tree(tree_size)
   rules = MedusaRules(tree=tree, num_heads=drafter.config.num_heads, top_k=drafter.top_k, acceptance=acceptance,
                       dynamic=dynamic)
@@ -75,12 +75,19 @@ def rules_and_inputs(drafter: Drafter, *, tree_size: int = DEFAULT_TREE, dynamic
 
 
 def latency_table(latency, sizes) -> np.ndarray:
-  """Seconds per step at each size: from (alpha, beta) of T(s) = alpha s + beta, or already per size."""
-  values = np.asarray(latency, np.float64)
-  if values.shape == (2,) and len(sizes) != 2:
-    return values[0] * np.asarray(sizes, np.float64) + values[1]
-  if values.shape != (len(sizes),) or np.any(values <= 0):
-    raise PastaError(f"latency must be (alpha, beta) or {len(sizes)} positive step times, got {values}")
+  """Seconds per step at each size: from (alpha, beta) of T(s) = alpha s + beta, or a {size: seconds} table."""
+  if isinstance(latency, dict):
+    missing = [s for s in sizes if s not in latency]
+    if missing:
+      raise PastaError(f"the latency table has no step time for tree sizes {missing}")
+    values = np.asarray([latency[s] for s in sizes], np.float64)
+  else:
+    alpha_beta = np.asarray(latency, np.float64)
+    if alpha_beta.shape != (2,):
+      raise PastaError(f"latency must be (alpha, beta) seconds or a {{size: seconds}} table, got {latency!r}")
+    values = alpha_beta[0] * np.asarray(sizes, np.float64) + alpha_beta[1]
+  if np.any(values <= 0):
+    raise PastaError(f"step times must be positive, got {values}")
   return values
 
 
