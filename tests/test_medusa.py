@@ -260,3 +260,11 @@ def test_generate_and_stream_take_tree_methods():
   assert whole.text == plain.text
   with pytest.raises(PastaError, match="medusa and propd"):
     api.generate(MODEL, ["hello"], method="pasta", tree_size=4)
+
+
+def test_eval_methods_use_the_models_heads_and_name_a_missing_one():
+  from pasta_jax.eval.methods import DecodeSettings, MethodSpec
+  from pasta_jax.eval.registry import METHODS
+  for name in ("medusa", "propd"):
+    with pytest.raises(PastaError, match="no Medusa heads for random:tiny-gemma3"):
+      METHODS[name](MethodSpec(name), MODEL, DecodeSettings())
