@@ -58,7 +58,7 @@ def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: In
   mask = ThreadMask(horizon, state.slot_owner, state.slot_order, state.slot_valid)
   tokens, weights = cfg.rules.feed_inputs(state, rows_lane, cfg)
   mixed = {} if weights is None else {"token_weights": weights}  # an optional part of the model contract
-  extras = cfg.rules.model_extras(state, cfg, num_q)  # e.g. Medusa heads: the model then returns their top tokens
+  extras = cfg.rules.model_extras(state, cfg, num_q)  # e.g. Medusa: return_hidden, for its heads
   logits, pool, *aux = model_fn(params, tokens, state.position[b, rows_lane], mask, state.pool,
                                 jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos, **mixed,
                                 **extras)
