@@ -94,9 +94,9 @@ def run_generate(args) -> int:
 def tree_options(model, prompt_ids: list[int], args, method: str) -> dict:
   """--method medusa / propd: the heads, the tree size, and for ProPD a latency model measured here."""
   from pasta_jax.decode.latency import calibrate_latency
-  from pasta_jax.decode.speculation import DEFAULT_TREE, load_drafter
+  from pasta_jax.decode.speculation import default_tree_size, load_drafter
   drafter = load_drafter(model, args.heads)
-  options = {"heads": drafter, "tree_size": args.tree_size or (DEFAULT_TREE if method == "propd" else 16)}
+  options = {"heads": drafter, "tree_size": args.tree_size or default_tree_size(method)}
   if method == "propd":
     print("[propd: timing each tree size on this device (calibration)...]", file=sys.stderr)
     cal = calibrate_latency(model, [prompt_ids], drafter, tree_size=options["tree_size"], steps=8, repeats=1)

@@ -358,11 +358,11 @@ def prepare_tree(model, ids, method: str, *, forced: bool, return_logits: bool, 
                  tree_size: int | None = None, choices=None, acceptance: str = "greedy", latency=None,
                  **kw) -> Prepared:
   """Medusa (fixed tree) or ProPD (dynamic tree size) on the model's Medusa heads (`speculation`)."""
-  from pasta_jax.decode.speculation import DEFAULT_TREE, load_drafter, rules_and_inputs
+  from pasta_jax.decode.speculation import default_tree_size, load_drafter, rules_and_inputs
   if forced:
     raise PastaError(f"method={method!r} speculates on the model's own tokens: it replays no forced answers")
   drafter = load_drafter(model, heads)
-  size = tree_size or (DEFAULT_TREE if method == "propd" else 16)
+  size = tree_size or default_tree_size(method)
   rules, inputs = rules_and_inputs(drafter, tree_size=size, dynamic=method == "propd", acceptance=acceptance,
                                    latency=latency, choices=choices)
   rules = dataclasses.replace(rules, ignore_eos=ignore_eos, softcap=model.config.final_logit_softcap)

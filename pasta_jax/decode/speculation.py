@@ -22,6 +22,12 @@ from pasta_jax.model import medusa
 CALIBRATION_FILE = "calibration.json"
 MEDUSA_DIR = "medusa"  # the shipped heads of an adapter live in <adapter>/medusa/
 DEFAULT_TREE = 64  # Medusa's default tree size (its 63 candidates + the root)
+FIXED_TREE = 16  # method "medusa"'s default: on a CPU a fixed 64-node tree costs more than it saves
+
+
+def default_tree_size(method: str) -> int:
+  """ProPD's largest tree (it picks a prefix each step), or Medusa's fixed tree."""
+  return DEFAULT_TREE if method == "propd" else FIXED_TREE
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

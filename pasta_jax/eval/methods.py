@@ -231,7 +231,7 @@ def _pasta_forced(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
 
 def _medusa(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
   from pasta_jax.decode.speculation import load_drafter
-  return InterpreterMethod(spec.label, model, settings, method="medusa", heads=load_drafter(model), tree_size=16)
+  return InterpreterMethod(spec.label, model, settings, method="medusa", heads=load_drafter(model))
 
 
 def _propd(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
