@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--baseline", default="baseline-sft", help="the Baseline-SFT model (default: the shipped one)")
   parser.add_argument("--max-new-tokens", type=int, default=256)
   parser.add_argument("--lanes", type=int, default=8)
+  parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                      help="greedy under CTRL's repetition penalty, for both models alike (1 = off)")
   parser.add_argument("--judge", default="none", metavar="none|local[:MODEL]|http")
   parser.add_argument("--no-logprob", dest="logprob", action="store_false",
                       help="skip the log-likelihood proxy (one Baseline-SFT forward per answer)")
@@ -50,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
   args = parse_args(argv)
   records = sources.read_records(args.prompts, args.limit)
-  settings = M.DecodeSettings(max_new_tokens=args.max_new_tokens, lanes=args.lanes, chat=True)
+  settings = M.DecodeSettings(max_new_tokens=args.max_new_tokens, lanes=args.lanes, chat=True,
+                              repetition_penalty=args.repetition_penalty)
   baseline_model = M.cached_model(args.baseline)
   models = [M.cached_model(path) for path in args.model]
   methods = [M.InterpreterMethod(f"pasta:{path or 'default'}", m, settings) for path, m in zip(args.model, models)]

@@ -14,6 +14,8 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--top-k", type=int, default=0)
   parser.add_argument("--top-p", type=float, default=1.0)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                      help="> 1 discourages tokens each thread already sees (CTRL's penalty; tags exempt); 1 = off")
 
 
 def build_parser() -> argparse.ArgumentParser:

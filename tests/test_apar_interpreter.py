@@ -91,10 +91,11 @@ def test_forced_apar_programs_match_reference(name, data):
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(prompt_batch=st.lists(prompts, min_size=2, max_size=2), seed=st.integers(0, 2**16))
-def test_sampled_apar_runs_match_reference(prompt_batch, seed):
+@given(prompt_batch=st.lists(prompts, min_size=2, max_size=2), seed=st.integers(0, 2**16),
+       penalty=st.sampled_from([1.0, 3.0]))
+def test_sampled_apar_runs_match_reference(prompt_batch, seed, penalty):
   cfg = apar(max_steps=64, pool_slots=128, max_depth=2,
-             sampling=SamplingConfig(temperature=1.0, top_p=0.95, seed=seed))
+             sampling=SamplingConfig(temperature=1.0, top_p=0.95, seed=seed, repetition_penalty=penalty))
   got = run_interpreter(toy_apply, SAMPLING_PARAMS, prompt_batch, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)
   assert_same(got, reference(cfg, SAMPLING_PARAMS, prompt_batch))
 

@@ -43,6 +43,8 @@ def test_folder_without_weights(tmp_path):
     (["generate", "   "], "empty prompt"),
     (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["generate", "hi", "--top-p", "0"], "top_p"),
+    (["generate", "hi", "--repetition-penalty", "0"], "repetition_penalty"),
+    (["eval", "--out", "unused", "--repetition-penalty", "-1"], "--repetition-penalty"),
 ])
 def test_bad_arguments(args, needle):
   assert_one_line_error(run_cli(*args), needle)

@@ -8,6 +8,7 @@ and only the program varies.
 
 from __future__ import annotations
 
+import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,11 +71,14 @@ def test_forced_programs_match_reference(name, data):
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(prompt_batch=st.lists(prompts, min_size=2, max_size=2), seed=st.integers(0, 2**16))
-def test_sampled_runs_match_reference(prompt_batch, seed):
-  """Sampling with a fixed seed: the toy model writes its own tag programs under constraints."""
+@given(prompt_batch=st.lists(prompts, min_size=2, max_size=2), seed=st.integers(0, 2**16),
+       penalty=st.sampled_from([1.0, 3.0]))
+def test_sampled_runs_match_reference(prompt_batch, seed, penalty):
+  """Sampling with a fixed seed: the toy model writes its own tag programs under constraints; with a
+  repetition penalty, over exactly the tokens each query sees (the reference's explicit visible sets)."""
   cfg = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=16, pool_slots=128, max_steps=96,
-                          sampling=SamplingConfig(temperature=1.0, top_p=0.95, seed=seed))
+                          sampling=SamplingConfig(temperature=1.0, top_p=0.95, seed=seed,
+                                                  repetition_penalty=penalty))
   got = run_interpreter(toy_apply, SAMPLING_PARAMS, prompt_batch, cfg, vocab_size=VOCAB_SIZE,
                         pool_spec=POOL_SPEC)
   assert_same(got, reference(cfg, SAMPLING_PARAMS, prompt_batch))
@@ -90,3 +94,16 @@ def test_sampled_runs_contain_real_programs():
   assert (tokens == VOCAB.async_open).sum() >= 3
   assert (tokens == VOCAB.sync).sum() >= 1
   assert (tokens == VOCAB.async_close).sum() >= 1
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompt_batch=st.lists(prompts, min_size=2, max_size=2))
+def test_greedy_repetition_penalty_matches_reference(prompt_batch):
+  """Greedy under a strong repetition penalty: forks, syncs and main each penalize what they see, and only
+  that; the penalty changes the answers (else this test could not fail)."""
+  base = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=16, pool_slots=128, max_steps=64)
+  cfg = dataclasses.replace(base, sampling=SamplingConfig(repetition_penalty=4.0))
+  got = run_interpreter(toy_apply, SAMPLING_PARAMS, prompt_batch, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)
+  assert_same(got, reference(cfg, SAMPLING_PARAMS, prompt_batch))
+  plain = run_interpreter(toy_apply, SAMPLING_PARAMS, prompt_batch, base, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)
+  assert any(a.records.tolist() != b.records.tolist() for a, b in zip(got, plain))

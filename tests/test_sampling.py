@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pasta_jax.decode.sampling import SamplingConfig, sample, sample_rows
+from pasta_jax.decode.sampling import SamplingConfig, penalize_repeats, sample, sample_rows
 
 LOGITS = jnp.log(jnp.array([0.5, 0.25, 0.15, 0.07, 0.03]))
 
@@ -52,3 +52,25 @@ def test_same_seed_same_draws_other_seed_differs():
 def test_bad_settings_are_refused(bad):
   with pytest.raises(ValueError, match="bad sampling settings"):
     SamplingConfig(**bad)
+
+
+@pytest.mark.parametrize("penalty", [0.7, 1.3, 2.0])
+def test_repetition_penalty_equals_transformers(penalty):
+  """CTRL's penalty as Hugging Face applies it (RepetitionPenaltyLogitsProcessor), on random logits of both
+  signs and random seen sets."""
+  torch = pytest.importorskip("torch")
+  from transformers import RepetitionPenaltyLogitsProcessor
+
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(3, 50)).astype(np.float32)
+  seen_ids = rng.integers(0, 50, size=(3, 12))
+  seen = np.zeros((3, 50), bool)
+  np.put_along_axis(seen, seen_ids, True, axis=1)
+  want = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor(seen_ids), torch.tensor(logits)).numpy()
+  got = np.asarray(penalize_repeats(jnp.asarray(logits), jnp.asarray(seen), penalty))
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_repetition_penalty_must_be_positive():
+  with pytest.raises(ValueError, match="repetition_penalty"):
+    SamplingConfig(repetition_penalty=0.0)

@@ -77,11 +77,13 @@ def test_forced_scoped_programs_match_reference(name, data):
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(prompt_batch=st.lists(prompts, min_size=2, max_size=2), seed=st.integers(0, 2**16))
-def test_sampled_scoped_runs_match_reference(prompt_batch, seed):
-  """The toy model writes its own scoped programs under the constraint masks, with a fixed seed."""
+@given(prompt_batch=st.lists(prompts, min_size=2, max_size=2), seed=st.integers(0, 2**16),
+       penalty=st.sampled_from([1.0, 3.0]))
+def test_sampled_scoped_runs_match_reference(prompt_batch, seed, penalty):
+  """The toy model writes its own scoped programs under the constraint masks, with a fixed seed (and a
+  repetition penalty over what each query sees)."""
   cfg = scoped_config(lanes=4, max_threads=16, pool_slots=128, max_steps=80,
-                      sampling=SamplingConfig(temperature=1.0, seed=seed))
+                      sampling=SamplingConfig(temperature=1.0, seed=seed, repetition_penalty=penalty))
   got = run_interpreter(toy_apply, SAMPLING_PARAMS, prompt_batch, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)
   assert_same(got, reference(cfg, SAMPLING_PARAMS, prompt_batch))
 

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from pasta_jax.decode import api
+from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.serve.app import make_server
 from pasta_jax.serve.engine import Engine, ServeConfig
 from tests.tiny import tiny_model
@@ -105,6 +106,15 @@ def test_chat_streams_pasta_and_returns_the_trace(client):
   assert whole.usage.completion_tokens == api.generate(MODEL, [PROMPTS[0]], max_new_tokens=24)[0].content_tokens
 
 
+def test_repetition_penalty_reaches_the_decoder(client):
+  """vLLM's extra field: the answer equals generate's under the same penalty, and differs from the plain one."""
+  done = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=20,
+                                   extra_body={"method": "pasta", "repetition_penalty": 3.0})
+  want = api.generate(MODEL, [PROMPTS[1]], max_new_tokens=20, lanes=CFG.lanes, chat=False,
+                      sampling=SamplingConfig(repetition_penalty=3.0))[0].text
+  assert done.choices[0].text == want != reference(PROMPTS[1], "pasta", 20, chat=False)
+
+
 def test_models_health_and_metrics(server, client):
   url, _ = server
   assert [m.id for m in client.models.list().data] == [NAME]
@@ -127,6 +137,7 @@ def test_models_health_and_metrics(server, client):
     ({"prompt": "y" * 300}, 400, "prompt"),
     ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
 ])
 def test_bad_input_gets_its_status_and_an_openai_error_body(server, body, status, param):
   url, engine = server

@@ -39,6 +39,8 @@ def build_eval_parser(subparsers) -> argparse.ArgumentParser:
   parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                       help="wrap prompts in Gemma chat turns, as SFT trains (default on)")
   parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+  parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                      help="greedy under CTRL's repetition penalty, for every method and the baseline (1 = off)")
   parser.add_argument("--judge", default="auto", metavar="auto|none|http|local[:MODEL]",
                       help=f"pairwise judge for quality; auto = http if {JUDGE_URL_ENV} is set, else none")
   parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
@@ -56,7 +58,8 @@ def run_eval(args) -> int:
   baseline_spec = registry.parse_spec(args.baseline)
   specs = [registry.parse_spec(text) for text in args.methods]
   records = sources.read_records(args.prompts, args.limit)
-  settings = M.DecodeSettings(max_new_tokens=args.max_new_tokens, lanes=args.lanes, chat=args.chat, dtype=args.dtype)
+  settings = M.DecodeSettings(max_new_tokens=args.max_new_tokens, lanes=args.lanes, chat=args.chat, dtype=args.dtype,
+                              repetition_penalty=args.repetition_penalty)
   identity = dict(prompts=sources.dataset_name(args.prompts), model=args.model, **vars(settings))
   out = Path(args.out)
   judge, judge_note = make_judge(args.judge, out)
@@ -83,6 +86,8 @@ def check_numbers(args) -> None:
     raise PastaError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
   if args.lanes < 1:
     raise PastaError(f"--lanes must be at least 1, got {args.lanes}")
+  if not args.repetition_penalty > 0:
+    raise PastaError(f"--repetition-penalty must be positive, got {args.repetition_penalty}")
 
 
 def make_judge(spec: str, out_dir: Path):

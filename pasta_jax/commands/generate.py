@@ -15,7 +15,8 @@ from pasta_jax.model.load import load_model
 
 def _sampling(args) -> SamplingConfig:
   try:
-    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          repetition_penalty=args.repetition_penalty)
   except ValueError as err:
     raise PastaError(str(err)) from None
 

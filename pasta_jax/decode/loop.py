@@ -60,7 +60,7 @@ def prefill(model_fn: ModelFn, params, prompt_tokens, lengths, pool_slots: int, 
                   logit_rows=(lengths - 1)[:, None])
 
 
-def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Array, script, script_len,
+def init_state(pool: KVPool, prompt_tokens: jax.Array, lengths: jax.Array, first: jax.Array, script, script_len,
                cfg: InterpreterConfig, vocab_size: int, main_script_ptr: int, key: jax.Array) -> InterpState:
   """State after prefill: prompt b in slots 0..len_b-1, main pending its first token.
 
@@ -95,6 +95,7 @@ def init_state(pool: KVPool, prompt_len: int, lengths: jax.Array, first: jax.Arr
       slot_order=jnp.broadcast_to(slot_idx, (batch, cfg.pool_slots)).astype(jnp.int32),
       slot_pos=jnp.broadcast_to(slot_idx, (batch, cfg.pool_slots)).astype(jnp.int32),
       slot_valid=slot_idx[None, :] < lengths[:, None],
+      slot_token=jnp.zeros((batch, cfg.pool_slots), jnp.int32).at[:, :prompt_tokens.shape[1]].set(prompt_tokens),
       next_slot=lengths.astype(jnp.int32),
       peak_live=lengths.astype(jnp.int32),
       status=jnp.broadcast_to(jnp.where(started, RUNNING, FREE), b_t).astype(jnp.int32),
@@ -133,7 +134,7 @@ def initial_state(pool, last, prompt_tokens, lengths, script, script_len, seed, 
                   forced: bool, vocab_size: int, rule_inputs=None) -> InterpState:
   """The state after prefill: main's first token chosen from the last prompt logits [B, 1, V] (step 0),
   and the rules' own state (`rules.init_rule_state`, then its first choice)."""
-  init = functools.partial(init_state, pool, prompt_tokens.shape[1], lengths, script=script, script_len=script_len,
+  init = functools.partial(init_state, pool, prompt_tokens, lengths, script=script, script_len=script_len,
                            cfg=cfg, vocab_size=vocab_size, key=jax.random.key(seed))
   state = init(first=jnp.zeros_like(lengths), main_script_ptr=0)
   state = dataclasses.replace(state, rule_state=cfg.rules.init_rule_state(prompt_tokens, lengths, rule_inputs, cfg))

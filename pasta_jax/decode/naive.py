@@ -224,7 +224,8 @@ def init_naive(main_pool: KVPool, valid, table: InterpState, cfg: InterpreterCon
 
   placeholder = jnp.zeros((batch, 1), jnp.int32)  # the interleaved pool's metadata, unused here
   table = dataclasses.replace(table, pool=KVPool(jnp.zeros((1,)), jnp.zeros((1,))), slot_owner=placeholder,
-                              slot_order=placeholder, slot_pos=placeholder, slot_valid=placeholder > 0)
+                              slot_order=placeholder, slot_pos=placeholder, slot_token=placeholder,
+                              slot_valid=placeholder > 0)
   slot_idx = jnp.arange(num_slots, dtype=jnp.int32)
   return NaiveState(
       table=table, pool=jax.tree.map(rows, main_pool),
@@ -242,6 +243,8 @@ def naive_prefill_and_run(model_fn, params, prompt_tokens, lengths, script, scri
   Returns the final thread table (an InterpState) for `loop.unpack`."""
   if type(cfg.rules) is not PastaRules:
     raise PastaError(f"the naive interpreter is PASTA's Appendix-B baseline; it cannot run {cfg.rules.name} rules")
+  if cfg.sampling.penalizes:  # its per-lane rows keep no pool metadata to read what a row sees
+    raise PastaError("the naive interpreter has no repetition penalty: use the interleaved one")
   cfg = dataclasses.replace(cfg, rules=NaivePastaRules(**{f.name: getattr(cfg.rules, f.name)
                                                           for f in dataclasses.fields(cfg.rules)}))
   loop.check_runnable(cfg, forced)

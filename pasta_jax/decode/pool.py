@@ -16,7 +16,7 @@ from pasta_jax.decode.state import InterpState
 
 
 def write_slots(state: InterpState, feed: jax.Array, slots: jax.Array) -> InterpState:
-  """Feeding lanes [B, T] write their thread, position and a fresh write order (consecutive, in lane
+  """Feeding lanes [B, T] write their thread, token, position and a fresh write order (consecutive, in lane
   order) at `slots` [B, T] (S: no write). Updates the append pointer and the peak of live slots."""
   b = jnp.arange(slots.shape[0])[:, None]
   orders = state.next_slot[:, None] + jnp.cumsum(feed, axis=1) - 1
@@ -28,7 +28,7 @@ def write_slots(state: InterpState, feed: jax.Array, slots: jax.Array) -> Interp
   written = state.next_slot + feed.sum(axis=1)
   return dataclasses.replace(
       state, slot_owner=put(state.slot_owner, state.thread), slot_order=put(state.slot_order, orders),
-      slot_pos=put(state.slot_pos, state.position), slot_valid=valid, next_slot=written,
+      slot_pos=put(state.slot_pos, state.position), slot_token=put(state.slot_token, state.token), slot_valid=valid, next_slot=written,
       peak_live=jnp.maximum(state.peak_live, valid.sum(axis=1).astype(jnp.int32)))
 
 

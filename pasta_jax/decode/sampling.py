@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, all on device with static settings."""
+"""Token sampling: greedy, temperature, top-k, top-p, all on device with static settings; and the
+repetition penalty (CTRL's, as in Hugging Face's `repetition_penalty`), applied before any of them."""
 
 from __future__ import annotations
 
@@ -14,10 +15,18 @@ class SamplingConfig:
   top_k: int = 0  # 0 = off
   top_p: float = 1.0  # 1 = off
   seed: int = 0
+  # > 1 discourages every token the row already sees (its visible context: the prompt, and what its thread
+  # and the threads it sees wrote); 1 = off. Tags and end ids are never penalized: they are the language.
+  repetition_penalty: float = 1.0
 
   def __post_init__(self):
-    if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-      raise ValueError(f"bad sampling settings {self}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1")
+    if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or not self.repetition_penalty > 0:
+      raise ValueError(f"bad sampling settings {self}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
+                       "repetition_penalty > 0")
+
+  @property
+  def penalizes(self) -> bool:
+    return self.repetition_penalty != 1.0
 
   @property
   def greedy(self) -> bool:
@@ -53,3 +62,10 @@ def sample_rows(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig) -> jax.
   if cfg.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   return jax.vmap(lambda row, key: sample(row, key, cfg))(logits, keys)
+
+
+def penalize_repeats(logits: jax.Array, seen: jax.Array, penalty: float) -> jax.Array:
+  """CTRL's repetition penalty: the logit of each seen token is divided by `penalty` if positive and
+  multiplied by it if not (so > 1 always makes it less likely). logits, seen: [..., V] (seen bool)."""
+  penalized = jnp.where(logits > 0, logits / penalty, logits * penalty)
+  return jnp.where(seen, penalized, logits)

@@ -26,6 +26,7 @@ class InterpState:
   slot_order: jax.Array  # [B, S] int32 write order
   slot_pos: jax.Array  # [B, S] int32 position
   slot_valid: jax.Array  # [B, S] bool
+  slot_token: jax.Array  # [B, S] int32 the token written there (what a repetition penalty reads)
   next_slot: jax.Array  # [B] int32 next write order (= the append pointer while no slot is ever freed)
   peak_live: jax.Array  # [B] int32 most valid slots at once (APAR's memory metric)
   # Lanes: the thread table.

@@ -16,17 +16,35 @@ import jax
 import jax.numpy as jnp
 
 from pasta_jax.decode.config import InterpreterConfig
+from pasta_jax.decode.sampling import penalize_repeats
 from pasta_jax.decode.state import CLOSING, InterpState
-from pasta_jax.visibility import HIDDEN, ThreadMask
+from pasta_jax.visibility import HIDDEN, ThreadMask, visible
 
 # (params, tokens, positions, mask, pool, slots, kv_positions[, token_weights=, logit_rows=]) -> (logits, pool)
 ModelFn = Callable
 
 
+def seen_tokens(state: InterpState, rows_lane: jax.Array, vocab_size: int, vocab) -> jax.Array:
+  """[B, Q, V] bool: the tokens each query row sees in the pool (the one visibility rule over its lane's
+  horizons), tags and end ids left out: they are the interpreter's language, not repeated text."""
+  b = jnp.arange(rows_lane.shape[0])[:, None]
+  sees = visible(state.horizon[b, rows_lane], state.slot_owner, state.slot_order, state.slot_valid)  # [B, Q, S]
+  tokens = jnp.where(sees, state.slot_token[:, None, :], vocab_size)  # unseen slots scatter nowhere
+  batch, num_q, _ = sees.shape
+  seen = jnp.zeros((batch, num_q, vocab_size), bool).at[
+      jnp.arange(batch)[:, None, None], jnp.arange(num_q)[None, :, None], tokens].set(True, mode="drop")
+  language = jnp.asarray(sorted(vocab.tag_ids | set(vocab.eos_ids)), jnp.int32)
+  return seen.at[:, :, language].set(False, mode="drop")
+
+
 def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: InterpreterConfig, forced: bool, aux=None):
   """The token of each query row: the rules' choice (`rules.select_tokens`), or the forced script's.
   logits: [B, Q, V]; aux: what else the rules asked the model for (`rules.model_extras`; None at prefill).
+  A repetition penalty (`cfg.sampling`) first lowers the logits of what each row already sees.
   Returns (state, tokens [B, Q], [B, Q] rows that had a fork refused by a limit)."""
+  if cfg.sampling.penalizes and not forced:
+    seen = seen_tokens(state, rows_lane, logits.shape[-1], cfg.vocab)
+    logits = penalize_repeats(logits, seen, cfg.sampling.repetition_penalty)
   if not forced:
     return cfg.rules.select_tokens(state, rows_lane, row_ok, logits, cfg, aux=aux)
   b = jnp.arange(logits.shape[0])[:, None]

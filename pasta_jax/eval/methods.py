@@ -41,6 +41,7 @@ from pasta_jax.data.encode import record_prompt
 from pasta_jax.data.structural import annotate
 from pasta_jax.data.structural_scoped import annotate_scoped
 from pasta_jax.decode import api
+from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.errors import PastaError, TagError
 from pasta_jax.lang import scoped
 from pasta_jax.lang.text import strip_tags
@@ -58,6 +59,7 @@ class DecodeSettings:
   lanes: int = 8
   chat: bool = True  # Gemma chat turns, as SFT trains (data.encode)
   dtype: str = "float32"
+  repetition_penalty: float = 1.0  # greedy under CTRL's penalty (decode.sampling), for every method alike
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,7 @@ class InterpreterMethod:
     answer, note, budget = self.forced(record) if self.forced is not None else (None, "", s.max_new_tokens)
     [result] = api.generate(self.model, [record_prompt(record)], method=self.method, max_new_tokens=budget,
                             lanes=s.lanes, chat=s.chat, dtype=jnp.dtype(s.dtype),
+                            sampling=SamplingConfig(repetition_penalty=s.repetition_penalty),
                             forced_answers=None if answer is None else [answer], **self.method_options)
     if result.drafts:
       note = f"best of {len(result.drafts)} drafts"

@@ -173,7 +173,7 @@ async def _json(http: fastapi.Request):
 
 
 def _sampling(body) -> SamplingConfig:
-  return SamplingConfig(temperature=body.temperature, top_p=body.top_p)
+  return SamplingConfig(temperature=body.temperature, top_p=body.top_p, repetition_penalty=body.repetition_penalty)
 
 
 def _sse(payload: dict) -> str:

@@ -51,6 +51,7 @@ class _Body(pydantic.BaseModel):
   # Ours.
   method: str = "pasta"
   return_trace: bool = False
+  repetition_penalty: float = pydantic.Field(default=1.0, gt=0.0, le=10.0)  # vLLM's extra field (CTRL's penalty)
 
   def unsupported(self) -> str | None:
     """The first OpenAI field given a value this server cannot honour, or None."""

@@ -24,7 +24,16 @@ import dataclasses
 import jax
 import numpy as np
 
-from pasta_jax.decode.reference.pasta import DONE, FREE, RUNNING, Lane, ReferenceResult, Request, constrain_logits
+from pasta_jax.decode.reference.pasta import (
+  DONE,
+  FREE,
+  RUNNING,
+  Lane,
+  ReferenceResult,
+  Request,
+  constrain_logits,
+  penalized_row,
+)
 from pasta_jax.decode.sampling import lane_key, sample
 from pasta_jax.lang.tags import TagVocab
 
@@ -163,7 +172,7 @@ class AparRequest(Request):
     lane = self.lanes[index]
     row = self._model_row(slot)
     self.fed_token = lane.token
-    token = self._choose(row, step, index, lane.thread)
+    token = self._choose(row, step, index, lane.thread, slot)
     position = lane.position + 1
     self._record(step, index, lane.thread, token, position, row)
     if token in self.vocab.eos_ids:
@@ -181,11 +190,12 @@ class AparRequest(Request):
         needed |= self.seen[lane.thread]
     self.live &= needed
 
-  def _choose(self, row: np.ndarray, step: int, lane: int, thread: int) -> int:
+  def _choose(self, row: np.ndarray, step: int, lane: int, thread: int, slot: int) -> int:
     scripted = self.script is not None and (
         not self.cfg.sample_after_script or self.cursor.get(thread, 0) < len(self._script_of(thread)))
     if scripted:
       return self._forced(thread)
+    row = penalized_row(row, self.entries, self.visible[slot], self.cfg.sampling, self.vocab)
     fed = self.fed_token
     grammar_may_fork = fed not in (self.vocab.apar_fork, self.vocab.apar_child)
     under_limits = self.depth[thread] < self.cfg.max_depth and self.has_free

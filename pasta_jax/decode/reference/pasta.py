@@ -79,6 +79,20 @@ def constraint_mask(vocab: TagVocab, vocab_size: int, is_main: bool, in_promise:
   return allowed
 
 
+def penalized_row(row: np.ndarray, entries, visible_slots, sampling: SamplingConfig, vocab: TagVocab) -> np.ndarray:
+  """The row under CTRL's repetition penalty over the tokens of the slots it sees (tags and end ids left out):
+  seen logits > 0 are divided by the penalty, the others multiplied by it."""
+  if not sampling.penalizes:
+    return row
+  language = vocab.tag_ids | set(vocab.eos_ids)
+  seen = np.zeros(row.shape[-1], bool)
+  for k in visible_slots:
+    token = entries[k][0]  # (token, thread, position)
+    seen[token] = token not in language
+  p = sampling.repetition_penalty
+  return np.where(seen, np.where(row > 0, row / p, row * p), row).astype(np.float32)
+
+
 def constrain_logits(logits, allowed: np.ndarray) -> jax.Array:
   """-inf where a token is not allowed, so no sampler can pick it."""
   return jnp.where(jnp.asarray(allowed), jnp.asarray(logits, jnp.float32), -jnp.inf)
@@ -239,7 +253,7 @@ class Request:
                    for key in ((True, False), (True, True), (False, False))}
     main = self.lanes[0]
     main.state, main.thread, main.position = RUNNING, 0, len(prompt)
-    main.token = self._choose(row, step=0, lane=0, thread=0)
+    main.token = self._choose(row, step=0, lane=0, thread=0, slot=len(prompt) - 1)
     self.in_promise = main.token == self.vocab.promise  # the first token may open a promise too
     self._record(0, 0, 0, main.token, main.position, row)
 
@@ -340,7 +354,7 @@ class Request:
     position = lane.position + 1
     if lane.thread == 0 and self.vocab.is_length(fed):
       position += self._span(fed, spawned)
-    token = self._choose(row, step, index, lane.thread)
+    token = self._choose(row, step, index, lane.thread, slot)
     if lane.thread == 0:
       if token == self.vocab.promise:
         self.in_promise = True
@@ -361,10 +375,12 @@ class Request:
   def _model_row(self, slot: int) -> np.ndarray:
     return model_row(self.cfg.model_fn, self.cfg.params, self.entries, self.visible, slot, self.cfg.bucket)
 
-  def _choose(self, row: np.ndarray, step: int, lane: int, thread: int) -> int:
-    """The lane's next token: from its thread's script in forced mode, else sampled constrained."""
+  def _choose(self, row: np.ndarray, step: int, lane: int, thread: int, slot: int) -> int:
+    """The lane's next token: from its thread's script in forced mode, else sampled constrained (after the
+    repetition penalty over what the query in `slot` sees)."""
     if self.script is not None:
       return self._forced(thread)
+    row = penalized_row(row, self.entries, self.visible[slot], self.cfg.sampling, self.vocab)
     allowed = self._masks[(thread == 0, thread == 0 and self.in_promise)]
     key = lane_key(jax.random.key(self.cfg.sampling.seed), self.index, step, lane)
     return int(sample(constrain_logits(row, allowed), key, self.cfg.sampling))

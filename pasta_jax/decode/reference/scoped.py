@@ -44,6 +44,7 @@ from pasta_jax.decode.reference.pasta import (
   ReferenceResult,
   constrain_logits,
   model_row,
+  penalized_row,
 )
 from pasta_jax.decode.sampling import SamplingConfig, lane_key, sample
 from pasta_jax.lang.scoped import DEFAULT_MAX_DEPTH, ThreadScript, descendants
@@ -120,7 +121,7 @@ class ScopedRequest:
     main.state, main.thread, main.position = RUNNING, 0, len(prompt)
     row = self._model_row(len(prompt) - 1)
     self.vocab_size = vocab_size or (None if row is None else row.shape[-1])
-    main.token = self._choose(row, 0, 0, 0, may_fork=True)
+    main.token = self._choose(row, 0, 0, 0, len(prompt) - 1, may_fork=True)
     self._record(0, 0, 0, main.token, main.position, row)
 
   # -- one step ------------------------------------------------------------------------------------
@@ -242,7 +243,7 @@ class ScopedRequest:
       self.lanes[index] = Lane()  # it just wrote </async>: its logits are never computed
       return
     row = self._model_row(slot)
-    token = self._choose(row, step, index, lane.thread, may_fork=index == 0 or may_fork)
+    token = self._choose(row, step, index, lane.thread, slot, may_fork=index == 0 or may_fork)
     if index > 0 and (token == self.vocab.async_close or token in self.vocab.eos_ids):
       token, lane.state = self.vocab.async_close, CLOSING
     lane.token, lane.position = token, len(self.visible[slot])
@@ -254,7 +255,7 @@ class ScopedRequest:
       return None  # a schedule-only run (forced scripts need no logits)
     return model_row(self.model_fn, self.params, self.entries, self.visible, slot, self.bucket)
 
-  def _choose(self, row, step: int, lane: int, thread_id: int, may_fork: bool) -> int:
+  def _choose(self, row, step: int, lane: int, thread_id: int, slot: int, may_fork: bool) -> int:
     thread = self.threads[thread_id]
     if self.forced:
       tokens = thread.script.tokens
@@ -262,6 +263,7 @@ class ScopedRequest:
       if thread.cursor <= len(tokens):
         return int(tokens[thread.cursor - 1])
       return self.vocab.eos_ids[0] if thread_id == 0 else self.vocab.async_close
+    row = penalized_row(row, self.entries, self.visible[slot], self.sampling, self.vocab)
     allowed = scoped_constraint_mask(
         self.vocab, row.shape[-1], is_main=thread_id == 0, open_scopes=len(thread.scopes),
         scope_depth=thread.base_scope + len(thread.scopes), fork_depth=thread.fork_depth, may_fork=may_fork,
