@@ -14,8 +14,9 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--top-k", type=int, default=0)
   parser.add_argument("--top-p", type=float, default=1.0)
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--repetition-penalty", type=float, default=1.0,
-                      help="> 1 discourages tokens each thread already sees (CTRL's penalty; tags exempt); 1 = off")
+  parser.add_argument("--repetition-penalty", type=float, default=None,
+                      help="> 1 discourages tokens each thread already sees (CTRL's penalty; tags exempt); 1 = off "
+                           "(default: the model's generation.json, else off)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -154,3 +154,16 @@ def test_bad_adapters_are_refused(tmp_path):
   adapter = lora.init_adapter(other.params, lora.AdapterConfig(rank=2), jax.random.key(0))
   with pytest.raises(WeightsError, match="another model"):
     lora.check_matches(tiny_model("tiny-gemma3").params, adapter, "x")
+
+
+def test_generation_defaults_come_from_the_models_folder(tmp_path):
+  from pasta_jax.errors import WeightsError
+  from pasta_jax.model.load import LoadedModel, generation_defaults
+
+  model = LoadedModel(None, {}, None, str(tmp_path))
+  assert generation_defaults(model) == {}
+  (tmp_path / "generation.json").write_text('{"repetition_penalty": 1.1, "why": "measured"}')
+  assert generation_defaults(model) == {"repetition_penalty": 1.1}
+  (tmp_path / "generation.json").write_text('{"repetition_penalty": 1.1, "temprature": 2}')
+  with pytest.raises(WeightsError, match="temprature"):
+    generation_defaults(model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -10,15 +11,26 @@ import jax.numpy as jnp
 from pasta_jax.decode import api
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.errors import PastaError
-from pasta_jax.model.load import load_model
+from pasta_jax.model.load import GENERATION_FILE, generation_defaults, load_model
 
 
 def _sampling(args) -> SamplingConfig:
+  """The flags' sampling, checked before any model loads (a penalty not given is 1 here: see _model_defaults)."""
   try:
     return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          repetition_penalty=args.repetition_penalty)
+                          repetition_penalty=1.0 if args.repetition_penalty is None else args.repetition_penalty)
   except ValueError as err:
     raise PastaError(str(err)) from None
+
+
+def _model_defaults(sampling: SamplingConfig, args, model) -> SamplingConfig:
+  """A repetition penalty not given on the command line comes from the model's `generation.json`, said aloud."""
+  penalty = generation_defaults(model).get("repetition_penalty", 1.0)
+  if args.repetition_penalty is not None or penalty == 1.0:
+    return sampling
+  print(f"[repetition penalty {penalty}: this model's {GENERATION_FILE}; --repetition-penalty 1 turns it off]",
+        file=sys.stderr)
+  return dataclasses.replace(sampling, repetition_penalty=penalty)
 
 
 def _prompt_ids(model, text: str, chat: bool) -> list[int]:
@@ -50,6 +62,7 @@ def run_generate(args) -> int:
   args.mesh_obj = _mesh(args)
   model = load_model(args.model)
   print(f"[model: {model.describe()}]", file=sys.stderr)
+  sampling = _model_defaults(sampling, args, model)
   if args.chat is None:
     args.chat = model.adapter is not None
   prompt_ids = _prompt_ids(model, args.prompt, args.chat)

@@ -42,7 +42,7 @@ def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: Interprete
   logits: [B, Q, V]; aux: what else the rules asked the model for (`rules.model_extras`; None at prefill).
   A repetition penalty (`cfg.sampling`) first lowers the logits of what each row already sees.
   Returns (state, tokens [B, Q], [B, Q] rows that had a fork refused by a limit)."""
-  if cfg.sampling.penalizes and not forced:
+  if cfg.sampling.penalizes and (not forced or cfg.rules.sample_after_script):  # wherever the rules sample
     seen = seen_tokens(state, rows_lane, logits.shape[-1], cfg.vocab)
     logits = penalize_repeats(logits, seen, cfg.sampling.repetition_penalty)
   if not forced:

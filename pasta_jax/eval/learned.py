@@ -7,6 +7,9 @@ From `evaluate`'s results (a `pasta` method measured against a `sequential` base
                        cut (a block left open by the cut is closed first: the budget cut it, not the model)
   truncated            answers cut off by the token budget (no end token)
   duplicate-block rate sibling-block pairs with word 4-gram overlap > 0.5, over all pairs of all answers
+  repeated list items  the same rule over the sibling list items of the clean answer, for both models: a
+                       small model repeats itself in plain lists too, so this says how much of the
+                       duplicate-block rate is forking and how much is the model
   ROUGE-L              against the prompt's reference answer, for both models
   log-likelihood       mean per-token log p of each model's clean answer under the scoring model
                        (Baseline-SFT), when a scorer is given
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
+from pasta_jax.data.structural import split_items
 from pasta_jax.eval.quality import rouge_l
 from pasta_jax.lang import metrics
 from pasta_jax.lang.metrics import arithmetic_mean
@@ -35,8 +39,10 @@ def answer_figures(run: Mapping, reference: str) -> dict:
   annotated = run["annotated"] if run["finished"] else _closed_at_cut(run["annotated"])
   blocks = blocks_of(annotated)
   dupes, pairs = metrics.duplicate_block_pairs(blocks or [])
+  items = [chunk for kind, chunk in split_items(run["text"]) if kind == "item"]
+  item_dupes, item_pairs = metrics.duplicate_block_pairs(items)
   return dict(forks=run["threads"] - 1, well_formed=blocks is not None, truncated=not run["finished"],
-              duplicate_pairs=dupes, sibling_pairs=pairs,
+              duplicate_pairs=dupes, sibling_pairs=pairs, repeated_item_pairs=item_dupes, item_pairs=item_pairs,
               rouge_l=rouge_l(run["text"], reference) if reference else math.nan)
 
 
@@ -68,10 +74,13 @@ def learned_figures(results: Mapping, records: Sequence[Mapping], method: str, b
 def _aggregate(rows: Sequence[Mapping]) -> dict:
   n = max(len(rows), 1)
   pairs = sum(r["sibling_pairs"] for r in rows)
+  item_pairs = sum(r["item_pairs"] for r in rows)
   agg = dict(fork_rate=sum(r["forks"] > 0 for r in rows) / n, well_formed=sum(r["well_formed"] for r in rows) / n,
              truncated=sum(r["truncated"] for r in rows) / n,
              duplicate_rate=sum(r["duplicate_pairs"] for r in rows) / pairs if pairs else 0.0,
-             sibling_pairs=pairs, rouge_l=arithmetic_mean(r["rouge_l"] for r in rows if math.isfinite(r["rouge_l"])))
+             sibling_pairs=pairs,
+             repeated_items=sum(r["repeated_item_pairs"] for r in rows) / item_pairs if item_pairs else 0.0,
+             rouge_l=arithmetic_mean(r["rouge_l"] for r in rows if math.isfinite(r["rouge_l"])))
   if rows and "logprob" in rows[0]:
     agg["logprob"] = arithmetic_mean(r["logprob"] for r in rows)
   return agg
@@ -87,7 +96,8 @@ def figure_lines(figures: Mapping) -> list[str]:
   """A markdown table: the PASTA model beside Baseline-SFT."""
   p, b = figures["pasta"], figures["baseline"]
   rows = [("fork rate", "fork_rate", 3), ("well-formed tags", "well_formed", 3), ("truncated", "truncated", 3),
-          ("duplicate-block rate", "duplicate_rate", 3), ("ROUGE-L vs reference", "rouge_l", 4),
+          ("duplicate-block rate", "duplicate_rate", 3), ("repeated list items (clean text)", "repeated_items", 3),
+          ("ROUGE-L vs reference", "rouge_l", 4),
           ("log p per token under Baseline-SFT", "logprob", 4)]
   lines = [f"Prompts: {figures['n']}. Realized speedup (geo) {figures['realized']:.3f} "
            f"(arithmetic {figures['realized_arithmetic']:.3f}), theoretical {figures['theoretical']:.3f}, "

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -111,6 +112,22 @@ def base_reference(model: LoadedModel) -> str:
   except WeightsError:
     pass
   return str(Path(model.source).resolve())
+
+
+GENERATION_FILE = "generation.json"  # decoding defaults shipped with a model, as Hugging Face's generation_config
+GENERATION_KEYS = ("repetition_penalty",)
+
+
+def generation_defaults(model: LoadedModel) -> dict:
+  """The decoding defaults the model's folder recommends (`generation.json`; {} when it has none)."""
+  path = Path(model.source) / GENERATION_FILE
+  if not path.is_file():
+    return {}
+  values = json.loads(path.read_text())
+  unknown = sorted(set(values) - set(GENERATION_KEYS) - {"why"})
+  if unknown:
+    raise WeightsError(f"{path}: unknown keys {unknown}; known: {', '.join(GENERATION_KEYS)}")
+  return {k: values[k] for k in GENERATION_KEYS if k in values}
 
 
 def _load_with_adapter(folder: Path, dtype, with_tokenizer: bool, cache_dir) -> LoadedModel:
