@@ -63,7 +63,7 @@ def reference(prompt: str, method: str, max_tokens: int, chat: bool) -> str:
   return api.generate(MODEL, [prompt], method=method, max_new_tokens=max_tokens, lanes=CFG.lanes, chat=chat)[0].text
 
 
-@pytest.mark.parametrize("method", ["sequential", "pasta", "apar"])
+@pytest.mark.parametrize("method", ["sequential", "pasta", "apar", "pasta-v0"])
 def test_completions_equal_generate_streamed_or_not(client, method):
   """Four prompts at once (they share the batch), each streamed and whole, against generate alone."""
   max_tokens = 20
