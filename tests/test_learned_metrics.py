@@ -92,8 +92,9 @@ def test_answer_figures_and_aggregates():
 def test_repeated_list_items_are_counted_in_the_clean_text_of_both_models():
   text = "Tips:\n1. Eat more fruit every day.\n2. Eat more fruit every day.\n3. Sleep eight hours a night.\n"
   fig = answer_figures(_run(text, 1, text=text), reference="")
-  assert (fig["repeated_item_pairs"], fig["item_pairs"]) == (1, 3)
-  assert answer_figures(_run("no list here", 1, text="no list here"), "")["item_pairs"] == 0
+  assert (fig["repeated_item_pairs"], fig["item_pairs"], fig["has_list"]) == (1, 3, True)
+  plain = answer_figures(_run("no list here", 1, text="no list here"), "")
+  assert (plain["item_pairs"], plain["has_list"]) == (0, False)
 
 
 def test_answer_logprob_equals_an_independent_forward():

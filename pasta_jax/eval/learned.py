@@ -10,6 +10,8 @@ From `evaluate`'s results (a `pasta` method measured against a `sequential` base
   repeated list items  the same rule over the sibling list items of the clean answer, for both models: a
                        small model repeats itself in plain lists too, so this says how much of the
                        duplicate-block rate is forking and how much is the model
+  list rate            answers whose clean text holds a list of 2+ items: the structural annotator forks
+                       only list items, so Baseline-SFT's list rate bounds what this recipe's fork rate can be
   ROUGE-L              against the prompt's reference answer, for both models
   log-likelihood       mean per-token log p of each model's clean answer under the scoring model
                        (Baseline-SFT), when a scorer is given
@@ -43,6 +45,7 @@ def answer_figures(run: Mapping, reference: str) -> dict:
   item_dupes, item_pairs = metrics.duplicate_block_pairs(items)
   return dict(forks=run["threads"] - 1, well_formed=blocks is not None, truncated=not run["finished"],
               duplicate_pairs=dupes, sibling_pairs=pairs, repeated_item_pairs=item_dupes, item_pairs=item_pairs,
+              has_list=len(items) >= 2,
               rouge_l=rouge_l(run["text"], reference) if reference else math.nan)
 
 
@@ -75,7 +78,7 @@ def _aggregate(rows: Sequence[Mapping]) -> dict:
   n = max(len(rows), 1)
   pairs = sum(r["sibling_pairs"] for r in rows)
   item_pairs = sum(r["item_pairs"] for r in rows)
-  agg = dict(fork_rate=sum(r["forks"] > 0 for r in rows) / n, well_formed=sum(r["well_formed"] for r in rows) / n,
+  agg = dict(fork_rate=sum(r["forks"] > 0 for r in rows) / n, list_rate=sum(r["has_list"] for r in rows) / n, well_formed=sum(r["well_formed"] for r in rows) / n,
              truncated=sum(r["truncated"] for r in rows) / n,
              duplicate_rate=sum(r["duplicate_pairs"] for r in rows) / pairs if pairs else 0.0,
              sibling_pairs=pairs,
@@ -95,7 +98,7 @@ def result_line(figures: Mapping) -> str:
 def figure_lines(figures: Mapping) -> list[str]:
   """A markdown table: the PASTA model beside Baseline-SFT."""
   p, b = figures["pasta"], figures["baseline"]
-  rows = [("fork rate", "fork_rate", 3), ("well-formed tags", "well_formed", 3), ("truncated", "truncated", 3),
+  rows = [("fork rate", "fork_rate", 3), ("answers with a list (2+ items)", "list_rate", 3), ("well-formed tags", "well_formed", 3), ("truncated", "truncated", 3),
           ("duplicate-block rate", "duplicate_rate", 3), ("repeated list items (clean text)", "repeated_items", 3),
           ("ROUGE-L vs reference", "rouge_l", 4),
           ("log p per token under Baseline-SFT", "logprob", 4)]
