@@ -12,18 +12,25 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
 from pasta_jax.decode import api
 from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.decode.speculation import Drafter
+from pasta_jax.model import medusa
 from pasta_jax.serve.app import make_server
 from pasta_jax.serve.engine import Engine, ServeConfig
 from tests.tiny import tiny_model
 
 MODEL = tiny_model()
 NAME = "tiny"
-CFG = ServeConfig(batch=4, pool_slots=256, lanes=8, chunk_steps=4, max_queue=8, max_tokens=48, default_max_tokens=24)
+# Medusa heads that start as the tied output head (so the tiny model's loops get real multi-token paths)
+HEADS = Drafter(medusa.init_heads(medusa.MedusaConfig(num_heads=2), MODEL.params["params"]["embedder"]),
+                medusa.MedusaConfig(num_heads=2), np.full((2, 8), 0.3, np.float32))
+CFG = ServeConfig(batch=4, pool_slots=256, lanes=8, chunk_steps=4, max_queue=8, max_tokens=48, default_max_tokens=24,
+                  heads=HEADS, tree_size=4)
 PROMPTS = ["Tell me a tea.", "x", "Why blue sky?", "abc def"]  # one prompt bucket (few compiles)
 
 
@@ -60,10 +67,12 @@ def client(server):
 
 
 def reference(prompt: str, method: str, max_tokens: int, chat: bool) -> str:
-  return api.generate(MODEL, [prompt], method=method, max_new_tokens=max_tokens, lanes=CFG.lanes, chat=chat)[0].text
+  tree = {"heads": HEADS, "tree_size": CFG.tree_size} if method == "medusa" else {}
+  return api.generate(MODEL, [prompt], method=method, max_new_tokens=max_tokens, lanes=CFG.lanes, chat=chat,
+                      **tree)[0].text
 
 
-@pytest.mark.parametrize("method", ["sequential", "pasta", "apar", "pasta-v0"])
+@pytest.mark.parametrize("method", ["sequential", "pasta", "apar", "pasta-v0", "medusa"])
 def test_completions_equal_generate_streamed_or_not(client, method):
   """Four prompts at once (they share the batch), each streamed and whole, against generate alone."""
   max_tokens = 20

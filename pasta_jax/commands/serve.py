@@ -24,6 +24,8 @@ def add_serve_parser(subparsers) -> None:
   serve.add_argument("--grace", type=float, default=10.0,
                      help="seconds running requests may finish after SIGTERM before they are cut")
   serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+  serve.add_argument("--heads", default=None, help="Medusa heads folder for method medusa (default: the model's)")
+  serve.add_argument("--tree-size", type=int, default=None, help="Medusa's fixed tree size (default 16)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -33,7 +35,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
   try:
     cfg = ServeConfig(batch=args.batch, pool_slots=args.pool, lanes=args.lanes, chunk_steps=args.chunk,
-                      max_queue=args.max_queue, max_tokens=args.max_tokens, dtype=args.dtype)
+                      max_queue=args.max_queue, max_tokens=args.max_tokens, dtype=args.dtype, heads=args.heads,
+                      tree_size=args.tree_size)
   except ValueError as err:
     raise PastaError(str(err)) from None
   model = load_model(args.model)

@@ -63,15 +63,32 @@ def batch_config(cfg: InterpreterConfig, max_new_tokens: int) -> InterpreterConf
   return dataclasses.replace(loop.static_config(cfg), max_steps=steps, max_content=max(content, 1))
 
 
-def _put_rows(running: InterpState, new: InterpState, rows: jax.Array) -> InterpState:
-  """`running` with rows `rows` [n] replaced by `new`'s n rows (index B: a padding row, dropped)."""
+def _per_row(rule_state, shared: tuple[str, ...]):
+  """The rule state without its `shared` fields (those have no request axis: `Rules.shared_state`)."""
+  if rule_state is None or not shared:
+    return rule_state
+  return dataclasses.replace(rule_state, **{name: None for name in shared})
+
+
+def _with_shared(rule_state, source, shared: tuple[str, ...]):
+  """`rule_state` with its `shared` fields taken from `source`."""
+  if rule_state is None or not shared:
+    return rule_state
+  return dataclasses.replace(rule_state, **{name: getattr(source, name) for name in shared})
+
+
+def _put_rows(running: InterpState, new: InterpState, rows: jax.Array, shared: tuple[str, ...] = ()) -> InterpState:
+  """`running` with rows `rows` [n] replaced by `new`'s n rows (index B: a padding row, dropped); the rule
+  state's `shared` fields stay `running`'s."""
   def put(axis):
     index = (slice(None),) * axis + (rows,)
     return lambda old, upd: old.at[index].set(upd.astype(old.dtype), mode="drop")
   changes = {"pool": jax.tree.map(put(1), running.pool, new.pool)}  # [layers, B, S, K, hd]
   for field in dataclasses.fields(InterpState):
-    if field.name not in SHARED_FIELDS + ("pool",):
+    if field.name not in SHARED_FIELDS + ("pool", "rule_state"):
       changes[field.name] = jax.tree.map(put(0), getattr(running, field.name), getattr(new, field.name))
+  rows_put = jax.tree.map(put(0), _per_row(running.rule_state, shared), _per_row(new.rule_state, shared))
+  changes["rule_state"] = _with_shared(rows_put, running.rule_state, shared)
   return dataclasses.replace(running, **changes)
 
 
@@ -79,19 +96,20 @@ STATIC = ("model_fn", "cfg", "vocab_size", "pool_spec")
 
 
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("state",))
-def admit(model_fn, params, state: InterpState, tokens, lengths, rows, content_budget, step_budget, slot_limit, *,
-          cfg: InterpreterConfig, vocab_size: int, pool_spec: tuple) -> InterpState:
+def admit(model_fn, params, state: InterpState, tokens, lengths, rows, content_budget, step_budget, slot_limit,
+          rule_inputs=None, *, cfg: InterpreterConfig, vocab_size: int, pool_spec: tuple) -> InterpState:
   """Prefills the newcomers' prompts (tokens [n, P], lengths [n]) and writes them into rows [n] of the
   running batch with their budgets ([n] each; step_budget counts from now)."""
   n = tokens.shape[0]
   script = jnp.zeros((n, cfg.max_threads, 1), jnp.int32)
   new = loop.start_state(model_fn, params, tokens, lengths, script, jnp.zeros((n, cfg.max_threads), jnp.int32),
-                         jnp.uint32(0), cfg=cfg, forced=False, vocab_size=vocab_size, pool_spec=pool_spec)
+                         jnp.uint32(0), rule_inputs, cfg=cfg, forced=False, vocab_size=vocab_size,
+                         pool_spec=pool_spec)
   offset = state.step
   new = dataclasses.replace(
       new, records=new.records.at[:, :, STEP].add(offset), last_fed_step=new.last_fed_step + offset,
       content_budget=content_budget, step_limit=offset + step_budget, slot_limit=slot_limit)
-  return _put_rows(state, cut_at_budget(new, cfg), rows)
+  return _put_rows(state, cut_at_budget(new, cfg), rows, cfg.rules.shared_state)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -100,12 +118,14 @@ def release(state: InterpState, rows: jax.Array) -> InterpState:
   return dataclasses.replace(state, truncated=state.truncated | rows)
 
 
-def _take_rows(state: InterpState, rows: int) -> InterpState:
-  """The first `rows` rows of the batch (shared fields as they are)."""
+def _take_rows(state: InterpState, rows: int, shared: tuple[str, ...] = ()) -> InterpState:
+  """The first `rows` rows of the batch (shared fields, and the rule state's `shared` ones, as they are)."""
   changes = {"pool": jax.tree.map(lambda x: x[:, :rows], state.pool)}
   for field in dataclasses.fields(InterpState):
-    if field.name not in SHARED_FIELDS + ("pool",):
+    if field.name not in SHARED_FIELDS + ("pool", "rule_state"):
       changes[field.name] = jax.tree.map(lambda x: x[:rows], getattr(state, field.name))
+  taken = jax.tree.map(lambda x: x[:rows], _per_row(state.rule_state, shared))
+  changes["rule_state"] = _with_shared(taken, state.rule_state, shared)
   return dataclasses.replace(state, **changes)
 
 
@@ -118,18 +138,19 @@ def run_chunk(model_fn, params, state: InterpState, *, cfg: InterpreterConfig, v
   (each row stops at its own `step_limit`), so it is not bounded by cfg.max_steps."""
   if rows == state.finished.shape[0]:
     return loop.run_loop(model_fn, params, state, state.step + steps, cfg, False, vocab_size)
-  head = loop.run_loop(model_fn, params, _take_rows(state, rows), state.step + steps, cfg, False, vocab_size)
-  return dataclasses.replace(_put_rows(state, head, jnp.arange(rows)), step=head.step, key=head.key)
+  shared = cfg.rules.shared_state
+  head = loop.run_loop(model_fn, params, _take_rows(state, rows, shared), state.step + steps, cfg, False, vocab_size)
+  return dataclasses.replace(_put_rows(state, head, jnp.arange(rows), shared), step=head.step, key=head.key)
 
 
 def empty_batch(model_fn, params, batch: int, *, cfg: InterpreterConfig, vocab_size: int,
-                pool_spec: tuple) -> InterpState:
+                pool_spec: tuple, rule_inputs=None) -> InterpState:
   """A batch of `batch` free rows (a one-token prefill of each, then released)."""
   tokens = jnp.ones((batch, bucket(1)), jnp.int32)
   lengths = jnp.ones((batch,), jnp.int32)
   script = jnp.zeros((batch, cfg.max_threads, 1), jnp.int32)
   state = loop.start(model_fn, params, tokens, lengths, script, jnp.zeros((batch, cfg.max_threads), jnp.int32),
-                     jnp.uint32(0), cfg=cfg, forced=False, vocab_size=vocab_size, pool_spec=pool_spec)
+                     jnp.uint32(0), rule_inputs, cfg=cfg, forced=False, vocab_size=vocab_size, pool_spec=pool_spec)
   return release(state, jnp.ones((batch,), bool))
 
 
@@ -162,9 +183,11 @@ class HostView:
         rule_outputs=cfg.rules.host_outputs(self.rule_state, row) if self.rule_state is not None else None)
 
 
-def peek(state: InterpState) -> HostView:
-  """Copies the records and flags of every row to the host (one transfer; the pool stays on device)."""
-  fields, rule_state = jax.device_get(({k: getattr(state, k) for k in HOST_FIELDS}, state.rule_state))
+def peek(state: InterpState, shared: tuple[str, ...] = ()) -> HostView:
+  """Copies the records and flags of every row to the host (one transfer; the pool and the rule state's
+  shared inputs stay on device)."""
+  fields, rule_state = jax.device_get(({k: getattr(state, k) for k in HOST_FIELDS},
+                                       _per_row(state.rule_state, shared)))
   return HostView(fields, rule_state)
 
 
@@ -177,12 +200,11 @@ class RowBatch:
 
   def __init__(self, model_fn, params, cfg: InterpreterConfig, *, batch: int, vocab_size: int, pool_spec: tuple,
                rule_inputs=None):
-    if rule_inputs is not None:
-      raise PastaError(f"method {cfg.rules.name!r} needs read-only rule inputs; chunked batches do not take them yet")
     self.model_fn, self.params, self.cfg, self.batch = model_fn, params, cfg, batch
+    self.rule_inputs = rule_inputs  # read-only arrays of the rules (Medusa's heads), bound to params (`prepare`)
     self.run_args = dict(cfg=cfg, vocab_size=vocab_size)
     self.pool_spec = pool_spec
-    self.state = empty_batch(model_fn, params, batch, pool_spec=pool_spec, **self.run_args)
+    self.state = empty_batch(model_fn, params, batch, pool_spec=pool_spec, rule_inputs=rule_inputs, **self.run_args)
     self.admitted_at: list[int | None] = [None] * batch  # the batch step at each row's admission; None: free
 
   def free_rows(self) -> list[int]:
@@ -204,7 +226,7 @@ class RowBatch:
     step = int(self.state.step)
     self.state = admit(self.model_fn, self.params, self.state, jnp.asarray(tokens), jnp.asarray(lengths),
                        jnp.asarray(rows + [self.batch] * (group - len(rows)), jnp.int32), column("content"),
-                       column("steps"), column("slots"), pool_spec=self.pool_spec, **self.run_args)
+                       column("steps"), column("slots"), self.rule_inputs, pool_spec=self.pool_spec, **self.run_args)
     for row in rows:
       self.admitted_at[row] = step
     return rows
@@ -217,7 +239,7 @@ class RowBatch:
     self.state = run_chunk(self.model_fn, self.params, self.state, steps=steps, rows=rows, **self.run_args)
 
   def peek(self) -> HostView:
-    return peek(self.state)
+    return peek(self.state, self.cfg.rules.shared_state)
 
   def output(self, view: HostView, row: int) -> RunOutput:
     return view.run_output(row, self.cfg, self.admitted_at[row])

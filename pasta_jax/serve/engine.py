@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import threading
 import time
+from typing import Any
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -41,6 +42,8 @@ class ServeConfig:
   default_max_tokens: int | None = None  # for a request without max_tokens (None: min(256, max_tokens))
   max_batches: int = 4  # compiled (method, sampling) batches held at once
   dtype: str = "float32"
+  heads: Any = None  # Medusa: a heads folder or `speculation.Drafter` (None: the heads shipped with the model)
+  tree_size: int | None = None  # Medusa's fixed tree (None: `speculation.default_tree_size`)
 
   def __post_init__(self):
     if self.default_max_tokens is None:
@@ -249,11 +252,12 @@ class Engine:
       del self.batches[idle]
     method, sampling = key
     bos = self.model.tokenizer.encode(" ", add_bos=True)[:1]
+    tree = {"heads": self.cfg.heads, "tree_size": self.cfg.tree_size} if method in api.TREE_METHODS else {}
     prep = api.prepare_method(self.model, [bos], method=method, max_new_tokens=self.cfg.max_tokens,
-                              lanes=self.cfg.lanes, sampling=sampling, dtype=jnp.dtype(self.cfg.dtype))
+                              lanes=self.cfg.lanes, sampling=sampling, dtype=jnp.dtype(self.cfg.dtype), **tree)
     cfg = batching.batch_config(dataclasses.replace(prep.cfg, pool_slots=self.cfg.pool_slots), self.cfg.max_tokens)
     rows = batching.RowBatch(prep.model_fn, prep.params, cfg, batch=self.cfg.batch, vocab_size=prep.vocab_size,
-                             pool_spec=prep.pool_spec)
+                             pool_spec=prep.pool_spec, rule_inputs=prep.rule_inputs)
     self.batches[key] = MethodBatch(rows, dataclasses.replace(prep, cfg=cfg))
     return self.batches[key]
 

@@ -7,7 +7,8 @@ closes. A sequential answer is a PASTA answer without forks. APAR answers settle
 children's texts land between their parents' in tree order), so they are streamed whole at the end.
 
 The last settled token is held back one chunk: a subword tokenizer may merge it with the next one when both
-are decoded together, and streamed text can never be taken back.
+are decoded together, and streamed text can never be taken back. Medusa's accepted paths join main (its
+records are main's), so its answers settle as sequential ones do.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pasta_jax.errors import TagError
 from pasta_jax.lang import tokens as tok
 from pasta_jax.lang.tags import TagVocab
 
-STREAMED_METHODS = ("pasta", "sequential")  # the rest hand out their text when they end
+STREAMED_METHODS = ("pasta", "sequential", "medusa")  # the rest hand out their text when they end
 
 
 def settled_ids(records: np.ndarray, vocab: TagVocab) -> list[int]:

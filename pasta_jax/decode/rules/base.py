@@ -69,6 +69,9 @@ class Rules(abc.ABC):
   """Base of every method's rules. Subclasses are frozen dataclasses: hashable, so a jit static."""
 
   name: ClassVar[str] = "rules"
+  # Fields of the rule's state that have no request axis (read-only inputs: Medusa's heads, an n-gram index):
+  # continuous batching (decode/batching.py) moves rows of everything else and keeps these as they are.
+  shared_state: ClassVar[tuple[str, ...]] = ()
   initial_threads: int = 1  # threads that start together after the prompt (main + a fan-out)
   sample_after_script: bool = False  # forced scripts are prefixes: a thread samples once its script ends
 

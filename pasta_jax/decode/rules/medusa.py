@@ -65,6 +65,7 @@ class MedusaRules(SequentialRules):
   """Token-tree speculation with Medusa heads; `dynamic=True` is ProPD's dynamic tree size."""
 
   name: ClassVar[str] = "medusa"
+  shared_state: ClassVar[tuple[str, ...]] = ("inputs",)
   tree: TokenTree = TokenTree(((),))
   num_heads: int = 4
   top_k: int = 8  # candidates kept per head (the tree reads ranks below it)

@@ -57,6 +57,7 @@ class Drafts:
 @dataclasses.dataclass(frozen=True)
 class SuperposedRules(SequentialRules):
   name: ClassVar[str] = "superposed"
+  shared_state: ClassVar[tuple[str, ...]] = ("index",)
   drafts: int = 3  # k
   candidates: int = 0  # tokens of the shared distribution each draft may take (0: 3k)
   temperature: float = 0.06  # tau of p_theta
