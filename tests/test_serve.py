@@ -118,10 +118,10 @@ def test_chat_streams_pasta_and_returns_the_trace(client):
 def test_repetition_penalty_reaches_the_decoder(client):
   """vLLM's extra field: the answer equals generate's under the same penalty, and differs from the plain one."""
   done = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=20,
-                                   extra_body={"method": "pasta", "repetition_penalty": 3.0})
-  want = api.generate(MODEL, [PROMPTS[1]], max_new_tokens=20, lanes=CFG.lanes, chat=False,
+                                   extra_body={"method": "sequential", "repetition_penalty": 3.0})
+  want = api.generate(MODEL, [PROMPTS[1]], method="sequential", max_new_tokens=20, chat=False,
                       sampling=SamplingConfig(repetition_penalty=3.0))[0].text
-  assert done.choices[0].text == want != reference(PROMPTS[1], "pasta", 20, chat=False)
+  assert done.choices[0].text == want != reference(PROMPTS[1], "sequential", 20, chat=False)
 
 
 def test_models_health_and_metrics(server, client):
