@@ -3,6 +3,7 @@ agreement with the steps the jitted interpreter actually runs."""
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 
@@ -123,3 +124,17 @@ def test_trace_with_stalls():
     metrics = M.trace_metrics(out.records, V, steps=out.steps)
     assert metrics.realized_step_speedup() <= metrics.answer.theoretical_speedup() + 1e-9
   assert stalled > 0
+
+
+def test_a_cut_leaves_forks_open_and_close_open_closes_each():
+  """Records of a run cut with two forks still writing (threads 1 and 2) and main mid-text: only `close_open`
+  gives each open fork its `</async>`, in place, and the answer then parses."""
+  P = V.promise
+  rows = [(0, 0, 0, t, 0) for t in (x, P, a, L10)] + [(0, 1, 1, V.async_open, 0), (0, 1, 1, y, 0)] + \
+         [(0, 0, 0, t, 0) for t in (P, b, L10)] + [(0, 2, 2, V.async_open, 0), (0, 2, 2, x, 0), (0, 0, 0, y, 0)]
+  records = np.asarray(rows, np.int32)
+  cut = M.annotated_from_records(records, V)
+  assert cut == [x, P, a, L10, V.async_open, y, P, b, L10, V.async_open, x, y]
+  closed = M.annotated_from_records(records, V, close_open=True)
+  assert closed == [x, P, a, L10, V.async_open, y, V.async_close, P, b, L10, V.async_open, x, V.async_close, y]
+  assert M.answer_metrics(closed, V).content_tokens == 4

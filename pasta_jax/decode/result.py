@@ -141,8 +141,9 @@ def pasta_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, met
     answer = metrics.answer_metrics(ids, vocab)
     speedup, parallelism, content = answer.theoretical_speedup(), answer.theoretical_parallelism, answer.content_tokens
     path = float(answer.critical_path)
-  except TagError:  # a run cut off mid-block: render what there is
-    annotated = tok.decode_answer(ids, tokenizer, vocab, strict=False)
+  except TagError:  # a run cut off mid-block: render what there is, each fork the cut left open closed
+    annotated = tok.decode_answer(metrics.annotated_from_records(run.records, vocab, close_open=True), tokenizer,
+                                  vocab, strict=False)
     speedup = parallelism = path = math.nan
     content = len(content_ids(ids, vocab))
   return Result(

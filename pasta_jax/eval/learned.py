@@ -31,7 +31,9 @@ blocks_of = metrics.block_texts
 
 
 def _closed_at_cut(annotated: str) -> str:
-  """A cut-off answer with the block the cut left open closed (nothing else is repaired)."""
+  """A cut-off answer with the block the cut left open closed (`Result.annotated` closes every fork a cut
+  left open, in place, since its renderer reads the records; answers stored before that may still end in
+  one). Nothing else is repaired."""
   last_open, last_close = annotated.rfind("<async>"), annotated.rfind("</async>")
   return annotated + "</async>" if last_open > last_close else annotated
 

@@ -102,9 +102,10 @@ def theoretical_parallelism(ids: Sequence[int], vocab: TagVocab) -> float:
 
 
 # --- interpreter traces ------------------------------------------------------------------------------
-def annotated_from_records(records: np.ndarray, vocab: TagVocab) -> list[int]:
+def annotated_from_records(records: np.ndarray, vocab: TagVocab, close_open: bool = False) -> list[int]:
   """[N, 5] records -> the annotated answer: main's tokens (its final end id included) with each
   fork's tokens (`<async>` ... `</async>`) spliced right after the LENGTH token that spawned it.
+  close_open: a fork a cut left open gets its `</async>` (the budget cut it, not the model).
 
   Fork thread u was spawned by main's u-th LENGTH token (threads are numbered in spawn order).
   """
@@ -117,7 +118,10 @@ def annotated_from_records(records: np.ndarray, vocab: TagVocab) -> list[int]:
     out.append(token)
     if vocab.is_length(token):
       fork += 1
-      out += by_thread.get(fork, [])
+      block = by_thread.get(fork, [])
+      out += block
+      if close_open and block and block[-1] != vocab.async_close:
+        out.append(vocab.async_close)
   return out
 
 
