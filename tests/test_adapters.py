@@ -167,3 +167,18 @@ def test_generation_defaults_come_from_the_models_folder(tmp_path):
   (tmp_path / "generation.json").write_text('{"repetition_penalty": 1.1, "temprature": 2}')
   with pytest.raises(WeightsError, match="temprature"):
     generation_defaults(model)
+
+
+def test_pasta_generate_takes_the_folders_penalty_unless_the_flag_is_given(tmp_path, capsys):
+  import argparse
+
+  from pasta_jax.commands.generate import _model_defaults, _sampling
+  from pasta_jax.model.load import LoadedModel
+
+  (tmp_path / "generation.json").write_text('{"repetition_penalty": 1.1}')
+  model = LoadedModel(None, {}, None, str(tmp_path))
+  args = argparse.Namespace(temperature=0.0, top_k=0, top_p=1.0, seed=0, repetition_penalty=None)
+  assert _model_defaults(_sampling(args), args, model).repetition_penalty == 1.1
+  assert "generation.json" in capsys.readouterr().err  # said aloud
+  args.repetition_penalty = 1.0
+  assert _model_defaults(_sampling(args), args, model).repetition_penalty == 1.0
