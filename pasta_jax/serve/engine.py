@@ -15,8 +15,8 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -52,6 +52,8 @@ class ServeConfig:
                  "max_batches"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+    if self.tree_size is not None and self.tree_size < 1:
+      raise ValueError(f"tree_size must be at least 1, got {self.tree_size}")
     if self.default_max_tokens > self.max_tokens:
       raise ValueError(f"default_max_tokens {self.default_max_tokens} > max_tokens {self.max_tokens}")
 
