@@ -9,6 +9,7 @@ and only the program varies.
 from __future__ import annotations
 
 import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest

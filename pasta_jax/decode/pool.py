@@ -28,7 +28,8 @@ def write_slots(state: InterpState, feed: jax.Array, slots: jax.Array) -> Interp
   written = state.next_slot + feed.sum(axis=1)
   return dataclasses.replace(
       state, slot_owner=put(state.slot_owner, state.thread), slot_order=put(state.slot_order, orders),
-      slot_pos=put(state.slot_pos, state.position), slot_token=put(state.slot_token, state.token), slot_valid=valid, next_slot=written,
+      slot_pos=put(state.slot_pos, state.position), slot_token=put(state.slot_token, state.token), slot_valid=valid,
+      next_slot=written,
       peak_live=jnp.maximum(state.peak_live, valid.sum(axis=1).astype(jnp.int32)))
 
 

@@ -80,7 +80,8 @@ def _aggregate(rows: Sequence[Mapping]) -> dict:
   n = max(len(rows), 1)
   pairs = sum(r["sibling_pairs"] for r in rows)
   item_pairs = sum(r["item_pairs"] for r in rows)
-  agg = dict(fork_rate=sum(r["forks"] > 0 for r in rows) / n, list_rate=sum(r["has_list"] for r in rows) / n, well_formed=sum(r["well_formed"] for r in rows) / n,
+  agg = dict(fork_rate=sum(r["forks"] > 0 for r in rows) / n, list_rate=sum(r["has_list"] for r in rows) / n,
+             well_formed=sum(r["well_formed"] for r in rows) / n,
              truncated=sum(r["truncated"] for r in rows) / n,
              duplicate_rate=sum(r["duplicate_pairs"] for r in rows) / pairs if pairs else 0.0,
              sibling_pairs=pairs,
@@ -100,7 +101,8 @@ def result_line(figures: Mapping) -> str:
 def figure_lines(figures: Mapping) -> list[str]:
   """A markdown table: the PASTA model beside Baseline-SFT."""
   p, b = figures["pasta"], figures["baseline"]
-  rows = [("fork rate", "fork_rate", 3), ("answers with a list (2+ items)", "list_rate", 3), ("well-formed tags", "well_formed", 3), ("truncated", "truncated", 3),
+  rows = [("fork rate", "fork_rate", 3), ("answers with a list (2+ items)", "list_rate", 3),
+          ("well-formed tags", "well_formed", 3), ("truncated", "truncated", 3),
           ("duplicate-block rate", "duplicate_rate", 3), ("repeated list items (clean text)", "repeated_items", 3),
           ("ROUGE-L vs reference", "rouge_l", 4),
           ("log p per token under Baseline-SFT", "logprob", 4)]
