@@ -172,6 +172,9 @@ def test_naive_refuses_other_rules():
   with pytest.raises(PastaError, match="cannot run apar rules"):
     run_naive(toy_apply, toy_params(TOY, {}), PROMPTS[:1], config(rules=AparRules()), vocab_size=TOY.vocab_size,
               pool_spec=TOY_SPEC)
+  with pytest.raises(PastaError, match="no repetition penalty"):  # its rows keep no slot tokens to read
+    run_naive(toy_apply, toy_params(TOY, {}), PROMPTS[:1], config(sampling=SamplingConfig(repetition_penalty=1.2)),
+              vocab_size=TOY.vocab_size, pool_spec=TOY_SPEC)
 
 
 def test_naive_pool_is_lanes_times_larger():
