@@ -24,6 +24,11 @@ from pasta_jax.visibility import HIDDEN, ThreadMask, visible
 ModelFn = Callable
 
 
+def language_ids(vocab) -> jax.Array:
+  """[n] the tag and end ids: the interpreter's language, never answer text."""
+  return jnp.asarray(sorted(vocab.tag_ids | set(vocab.eos_ids)), jnp.int32)
+
+
 def seen_tokens(state: InterpState, rows_lane: jax.Array, vocab_size: int, vocab) -> jax.Array:
   """[B, Q, V] bool: the tokens each query row sees in the pool (the one visibility rule over its lane's
   horizons), tags and end ids left out: they are the interpreter's language, not repeated text."""
@@ -33,8 +38,7 @@ def seen_tokens(state: InterpState, rows_lane: jax.Array, vocab_size: int, vocab
   batch, num_q, _ = sees.shape
   seen = jnp.zeros((batch, num_q, vocab_size), bool).at[
       jnp.arange(batch)[:, None, None], jnp.arange(num_q)[None, :, None], tokens].set(True, mode="drop")
-  language = jnp.asarray(sorted(vocab.tag_ids | set(vocab.eos_ids)), jnp.int32)
-  return seen.at[:, :, language].set(False, mode="drop")
+  return seen.at[:, :, language_ids(vocab)].set(False, mode="drop")
 
 
 def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: InterpreterConfig, forced: bool, aux=None):
@@ -133,8 +137,7 @@ def append_records(state: InterpState, inserted, recorded, lane_logits, cfg) -> 
 
 def is_content(tokens: jax.Array, in_topic: jax.Array, vocab) -> jax.Array:
   """[B, T] bool: the tokens are answer text (no tag, promise topic, end id or padding)."""
-  not_text = jnp.asarray(sorted(vocab.tag_ids | set(vocab.eos_ids)), jnp.int32)
-  return (tokens >= 0) & ~jnp.isin(tokens, not_text) & ~in_topic
+  return (tokens >= 0) & ~jnp.isin(tokens, language_ids(vocab)) & ~in_topic
 
 
 def spend_budget(state: InterpState, recorded: jax.Array, cfg: InterpreterConfig) -> InterpState:
