@@ -97,14 +97,25 @@ def test_sampled_runs_contain_real_programs():
   assert (tokens == VOCAB.async_close).sum() >= 1
 
 
+PENALTY_BASE = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=16, pool_slots=128, max_steps=64)
+PENALIZED = dataclasses.replace(PENALTY_BASE, sampling=SamplingConfig(repetition_penalty=4.0))
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt_batch=st.lists(prompts, min_size=2, max_size=2))
 def test_greedy_repetition_penalty_matches_reference(prompt_batch):
   """Greedy under a strong repetition penalty: forks, syncs and main each penalize what they see, and only
-  that; the penalty changes the answers (else this test could not fail)."""
-  base = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=16, pool_slots=128, max_steps=64)
-  cfg = dataclasses.replace(base, sampling=SamplingConfig(repetition_penalty=4.0))
-  got = run_interpreter(toy_apply, SAMPLING_PARAMS, prompt_batch, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)
-  assert_same(got, reference(cfg, SAMPLING_PARAMS, prompt_batch))
-  plain = run_interpreter(toy_apply, SAMPLING_PARAMS, prompt_batch, base, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)
+  that (the reference's explicit visible sets)."""
+  got = run_interpreter(toy_apply, SAMPLING_PARAMS, prompt_batch, PENALIZED, vocab_size=VOCAB_SIZE,
+                        pool_spec=POOL_SPEC)
+  assert_same(got, reference(PENALIZED, SAMPLING_PARAMS, prompt_batch))
+
+
+def test_repetition_penalty_changes_greedy_answers():
+  """Guards the test above against vacuity: on these prompts the penalty changes what greedy writes."""
+  prompt_batch = [[5, 6, 7], [8, 9, 10, 11]]
+  got = run_interpreter(toy_apply, SAMPLING_PARAMS, prompt_batch, PENALIZED, vocab_size=VOCAB_SIZE,
+                        pool_spec=POOL_SPEC)
+  plain = run_interpreter(toy_apply, SAMPLING_PARAMS, prompt_batch, PENALTY_BASE, vocab_size=VOCAB_SIZE,
+                          pool_spec=POOL_SPEC)
   assert any(a.records.tolist() != b.records.tolist() for a, b in zip(got, plain))
