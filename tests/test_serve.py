@@ -16,6 +16,7 @@ import numpy as np
 import openai
 import pytest
 
+from pasta_jax.baselines.sot import SkeletonOfThought, SotConfig
 from pasta_jax.decode import api
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.speculation import Drafter
@@ -29,7 +30,7 @@ NAME = "tiny"
 # Medusa heads that start as the tied output head (so the tiny model's loops get real multi-token paths)
 HEADS = Drafter(medusa.init_heads(medusa.MedusaConfig(num_heads=2), MODEL.params["params"]["embedder"]),
                 medusa.MedusaConfig(num_heads=2), np.full((2, 8), 0.3, np.float32))
-CFG = ServeConfig(batch=4, pool_slots=256, lanes=8, chunk_steps=4, max_queue=8, max_tokens=48, default_max_tokens=24,
+CFG = ServeConfig(batch=4, pool_slots=512, lanes=8, chunk_steps=4, max_queue=8, max_tokens=48, default_max_tokens=24,
                   heads=HEADS, tree_size=4)
 PROMPTS = ["Tell me a tea.", "x", "Why blue sky?", "abc def"]  # one prompt bucket (few compiles)
 
@@ -67,12 +68,15 @@ def client(server):
 
 
 def reference(prompt: str, method: str, max_tokens: int, chat: bool) -> str:
+  if method == "sot":  # the tiny model writes no outline: SoT answers plainly (tests/test_serve_sot.py expands)
+    config = SotConfig(chat=chat, point_tokens=max_tokens, answer_tokens=max_tokens, lanes=CFG.lanes)
+    return SkeletonOfThought(MODEL, config).run(prompt).text
   tree = {"heads": HEADS, "tree_size": CFG.tree_size} if method == "medusa" else {}
   return api.generate(MODEL, [prompt], method=method, max_new_tokens=max_tokens, lanes=CFG.lanes, chat=chat,
                       **tree)[0].text
 
 
-@pytest.mark.parametrize("method", ["sequential", "pasta", "apar", "pasta-v0", "medusa"])
+@pytest.mark.parametrize("method", ["sequential", "pasta", "apar", "pasta-v0", "medusa", "sot"])
 def test_completions_equal_generate_streamed_or_not(client, method):
   """Four prompts at once (they share the batch), each streamed and whole, against generate alone."""
   max_tokens = 20
@@ -144,6 +148,7 @@ def test_models_health_and_metrics(server, client):
     ({"prompt": "hi", "n": 2}, 400, "n"),
     ({"prompt": "hi", "seed": 3}, 400, "seed"),
     ({"prompt": "y" * 300}, 400, "prompt"),
+    ({"prompt": "y" * 200, "method": "sot"}, 400, "prompt"),  # fits, but SoT's skeleton prompt does not
     ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
@@ -156,6 +161,14 @@ def test_bad_input_gets_its_status_and_an_openai_error_body(server, body, status
   error = reply.json()["error"]
   assert error["message"] and error["type"] and error["param"] == param
   assert engine.error is None and httpx.get(f"{url}/health").json()["status"] == "ok"  # the server is untouched
+
+
+def test_sot_answers_one_question_not_a_conversation(server):
+  url, engine = server
+  turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+  reply = httpx.post(f"{url}/v1/chat/completions", json={"messages": turns, "method": "sot"})
+  assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages"
+  assert engine.error is None
 
 
 def test_a_full_queue_is_429_with_retry_after():

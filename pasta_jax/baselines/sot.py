@@ -50,6 +50,7 @@ class SotConfig:
   skeleton_tokens: int = 96
   point_tokens: int = 96  # per point
   answer_tokens: int = 256  # the normal-decoding fallback
+  lanes: int | None = None  # the expansion's lanes (None: the points' count, bucketed); `pasta serve` uses its own
   chat: bool = True
   dtype: str = "float32"
 
@@ -100,6 +101,11 @@ def _chat_ids(tokenizer, text: str, chat: bool) -> list[int]:
   return api.prompt_ids(tokenizer, [text], chat)[0]
 
 
+def skeleton_prompt_ids(tokenizer, question: str, config: SotConfig) -> list[int]:
+  """Stage 1's prompt: ask for a numbered outline of 3 to max_points points."""
+  return _chat_ids(tokenizer, SKELETON_PROMPT.format(low=3, high=config.max_points, question=question), config.chat)
+
+
 def _model_turn_suffix(tokenizer, chat: bool) -> str:
   """What follows the user text in a chat prompt (e.g. '<end_of_turn>\\n<start_of_turn>model\\n')."""
   if not chat:
@@ -140,11 +146,10 @@ class SkeletonOfThought:
     cfg, tok = self.config, self.model.tokenizer
     if self.router is not None and not self.router.use_sot(question):
       return self._normal(question, "router chose normal decoding")
-    prompt = SKELETON_PROMPT.format(low=3, high=cfg.max_points, question=question)
     script = None
     if forced_skeleton is not None:
       script = [[api.LangTokenizer(tok).encode(forced_skeleton) + [tok.tag_vocab().eos_ids[0]]]]
-    [skel] = self._decode([_chat_ids(tok, prompt, cfg.chat)], cfg.skeleton_tokens, script)
+    [skel] = self._decode([skeleton_prompt_ids(tok, question, cfg)], cfg.skeleton_tokens, script)
     points = extract_points(skel.text, cfg.max_points)
     if len(points) < cfg.min_points:
       normal = self._normal(question, f"no skeleton ({len(points)} numbered points)")
@@ -153,10 +158,10 @@ class SkeletonOfThought:
     shared, suffixes = expansion_inputs(tok, question, skel.text, points, cfg.chat)
     [expand] = api.generate_ids(
         self.model, [shared], method="sot", scripts=[suffixes],
-        max_new_tokens=cfg.point_tokens + max(map(len, suffixes)), lanes=bucket(len(points), minimum=1),
+        max_new_tokens=cfg.point_tokens + max(map(len, suffixes)), lanes=cfg.lanes or bucket(len(points), minimum=1),
         max_threads=max(len(points), 1), dtype=jnp.dtype(cfg.dtype))
     lang = api.LangTokenizer(tok)
-    expansions = [_after_suffix(expand.records, u, len(suffixes[u]), lang, tok.tag_vocab())
+    expansions = [point_expansion(expand.records, u, len(suffixes[u]), lang, tok.tag_vocab())
                   for u in range(len(points))]
     text = join_points(points, expansions)
     return SotResult(text=text, used_sot=True, skeleton=skel.text, points=tuple(points),
@@ -167,8 +172,9 @@ class SkeletonOfThought:
                      finished=skel.finished and expand.finished)
 
   def _decode(self, ids, budget: int, scripts=None):
-    return api.generate_ids(self.model, ids, method="apar", scripts=scripts, max_new_tokens=budget, lanes=1,
-                            max_threads=1, dtype=jnp.dtype(self.config.dtype), max_depth=0)
+    """Plain decoding (the skeleton, or the answer without one)."""
+    return api.generate_ids(self.model, ids, method="sequential", scripts=scripts, max_new_tokens=budget,
+                            dtype=jnp.dtype(self.config.dtype))
 
   def _normal(self, question: str, note: str) -> SotResult:
     [answer] = self._decode([_chat_ids(self.model.tokenizer, question, self.config.chat)], self.config.answer_tokens)
@@ -177,7 +183,7 @@ class SkeletonOfThought:
                      content_tokens=answer.content_tokens, finished=answer.finished, note=note)
 
 
-def _after_suffix(records: np.ndarray, thread: int, skip: int, lang, vocab) -> str:
+def point_expansion(records: np.ndarray, thread: int, skip: int, lang, vocab) -> str:
   """Thread's sampled text: its records after the forced suffix, end ids and tags dropped."""
   own = records[records[:, THREAD] == thread, TOKEN].tolist()[skip:]
   return lang.decode([t for t in own if t not in vocab.eos_ids and t not in vocab.tag_ids])

@@ -44,16 +44,18 @@ class RowBudget:
   slots: int  # pool slots (the prompt included)
 
 
-def row_budgets(cfg: InterpreterConfig, prompt_len: int, max_new_tokens: int) -> RowBudget:
-  """The budgets `api.prepare` gives a free run of this prompt alone, bounded by the batch's pool."""
+def row_budgets(cfg: InterpreterConfig, prompt_len: int, max_new_tokens: int, scripts=None) -> RowBudget:
+  """The budgets `api.prepare` gives a run of this prompt alone, bounded by the batch's pool: free, or with
+  per-thread `scripts` (replayed whole; then the pool's room, not a content budget, ends the run)."""
   padded = bucket(prompt_len)
-  slots = loop.pool_size(padded, max_new_tokens, cfg.lanes)
+  new = max_new_tokens if scripts is None else max(max_new_tokens, sum(map(len, scripts)) + 2 * len(scripts))
+  slots = loop.pool_size(padded, new, cfg.lanes)
   if padded >= cfg.pool_slots:
     raise PastaError(f"a prompt of {prompt_len} tokens (padded to {padded}) does not fit a pool of "
                      f"{cfg.pool_slots} slots")
   slots = min(slots, cfg.pool_slots)
-  steps, content = cfg.rules.budgets(max_new_tokens, slots - padded)
-  return RowBudget(content=content, steps=steps, slots=slots)
+  steps, content = cfg.rules.budgets(new, slots - padded)
+  return RowBudget(content=content if scripts is None else 0, steps=steps, slots=slots)
 
 
 def batch_config(cfg: InterpreterConfig, max_new_tokens: int) -> InterpreterConfig:
@@ -92,19 +94,18 @@ def _put_rows(running: InterpState, new: InterpState, rows: jax.Array, shared: t
   return dataclasses.replace(running, **changes)
 
 
-STATIC = ("model_fn", "cfg", "vocab_size", "pool_spec")
+STATIC = ("model_fn", "cfg", "vocab_size", "pool_spec", "forced")
 
 
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("state",))
 def admit(model_fn, params, state: InterpState, tokens, lengths, rows, content_budget, step_budget, slot_limit,
-          rule_inputs=None, *, cfg: InterpreterConfig, vocab_size: int, pool_spec: tuple) -> InterpState:
-  """Prefills the newcomers' prompts (tokens [n, P], lengths [n]) and writes them into rows [n] of the
-  running batch with their budgets ([n] each; step_budget counts from now)."""
-  n = tokens.shape[0]
-  script = jnp.zeros((n, cfg.max_threads, 1), jnp.int32)
-  new = loop.start_state(model_fn, params, tokens, lengths, script, jnp.zeros((n, cfg.max_threads), jnp.int32),
-                         jnp.uint32(0), rule_inputs, cfg=cfg, forced=False, vocab_size=vocab_size,
-                         pool_spec=pool_spec)
+          script, script_len, rule_inputs=None, *, cfg: InterpreterConfig, vocab_size: int, pool_spec: tuple,
+          forced: bool = False) -> InterpState:
+  """Prefills the newcomers' prompts (tokens [n, P], lengths [n]) with their per-thread scripts ([n, U, L],
+  [n, U]) and writes them into rows [n] of the running batch with their budgets ([n] each; step_budget counts
+  from now)."""
+  new = loop.start_state(model_fn, params, tokens, lengths, script, script_len, jnp.uint32(0), rule_inputs, cfg=cfg,
+                         forced=forced, vocab_size=vocab_size, pool_spec=pool_spec)
   offset = state.step
   new = dataclasses.replace(
       new, records=new.records.at[:, :, STEP].add(offset), last_fed_step=new.last_fed_step + offset,
@@ -129,26 +130,27 @@ def _take_rows(state: InterpState, rows: int, shared: tuple[str, ...] = ()) -> I
   return dataclasses.replace(state, **changes)
 
 
-@functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "vocab_size", "steps", "rows"),
+@functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "vocab_size", "steps", "rows", "forced"),
                    donate_argnames=("state",))
 def run_chunk(model_fn, params, state: InterpState, *, cfg: InterpreterConfig, vocab_size: int, steps: int,
-              rows: int) -> InterpState:
+              rows: int, forced: bool = False) -> InterpState:
   """Up to `steps` steps of the first `rows` rows in one device call (every live row must be among them:
   rows past them are free, and a free row never changes). The batch's step counter runs on across requests
   (each row stops at its own `step_limit`), so it is not bounded by cfg.max_steps."""
   if rows == state.finished.shape[0]:
-    return loop.run_loop(model_fn, params, state, state.step + steps, cfg, False, vocab_size)
+    return loop.run_loop(model_fn, params, state, state.step + steps, cfg, forced, vocab_size)
   shared = cfg.rules.shared_state
-  head = loop.run_loop(model_fn, params, _take_rows(state, rows, shared), state.step + steps, cfg, False, vocab_size)
+  head = loop.run_loop(model_fn, params, _take_rows(state, rows, shared), state.step + steps, cfg, forced, vocab_size)
   return dataclasses.replace(_put_rows(state, head, jnp.arange(rows), shared), step=head.step, key=head.key)
 
 
 def empty_batch(model_fn, params, batch: int, *, cfg: InterpreterConfig, vocab_size: int,
-                pool_spec: tuple, rule_inputs=None) -> InterpState:
-  """A batch of `batch` free rows (a one-token prefill of each, then released)."""
+                pool_spec: tuple, rule_inputs=None, script_len: int = 1) -> InterpState:
+  """A batch of `batch` free rows (a one-token prefill of each, then released); scripts of up to
+  `script_len` tokens per thread."""
   tokens = jnp.ones((batch, bucket(1)), jnp.int32)
   lengths = jnp.ones((batch,), jnp.int32)
-  script = jnp.zeros((batch, cfg.max_threads, 1), jnp.int32)
+  script = jnp.zeros((batch, cfg.max_threads, script_len), jnp.int32)
   state = loop.start(model_fn, params, tokens, lengths, script, jnp.zeros((batch, cfg.max_threads), jnp.int32),
                      jnp.uint32(0), rule_inputs, cfg=cfg, forced=False, vocab_size=vocab_size, pool_spec=pool_spec)
   return release(state, jnp.ones((batch,), bool))
@@ -196,15 +198,19 @@ class RowBatch:
 
   `cfg` is the batch's config (`batch_config`); rows are admitted in groups padded to a power of two (so
   only log2(B) admission shapes per prompt bucket compile); a row's records count steps from its admission.
+  `script_len` > 0: every row brings per-thread scripts of up to that many tokens (SoT's point prompts,
+  which its threads read before they sample: `rules.sample_after_script`); 0: free decoding.
   """
 
   def __init__(self, model_fn, params, cfg: InterpreterConfig, *, batch: int, vocab_size: int, pool_spec: tuple,
-               rule_inputs=None):
+               rule_inputs=None, script_len: int = 0):
     self.model_fn, self.params, self.cfg, self.batch = model_fn, params, cfg, batch
     self.rule_inputs = rule_inputs  # read-only arrays of the rules (Medusa's heads), bound to params (`prepare`)
-    self.run_args = dict(cfg=cfg, vocab_size=vocab_size)
+    self.script_len = bucket(script_len) if script_len > 0 else 0  # as `loop.pad_scripts` pads
+    self.run_args = dict(cfg=cfg, vocab_size=vocab_size, forced=script_len > 0)
     self.pool_spec = pool_spec
-    self.state = empty_batch(model_fn, params, batch, pool_spec=pool_spec, rule_inputs=rule_inputs, **self.run_args)
+    self.state = empty_batch(model_fn, params, batch, pool_spec=pool_spec, rule_inputs=rule_inputs, cfg=cfg,
+                             vocab_size=vocab_size, script_len=max(script_len, 1))
     self.admitted_at: list[int | None] = [None] * batch  # the batch step at each row's admission; None: free
 
   def free_rows(self) -> list[int]:
@@ -213,23 +219,42 @@ class RowBatch:
   def busy_rows(self) -> list[int]:
     return [r for r, at in enumerate(self.admitted_at) if at is not None]
 
-  def admit(self, prompts: list[list[int]], budgets: list[RowBudget]) -> list[int]:
-    """Prefills `prompts` into free rows (as many as there are); returns their rows, in order."""
+  def admit(self, prompts: list[list[int]], budgets: list[RowBudget], scripts=None) -> list[int]:
+    """Prefills `prompts` into free rows (as many as there are), with their per-thread `scripts` when the
+    batch takes scripts; returns their rows, in order."""
     rows = self.free_rows()[: len(prompts)]
     if len(rows) < len(prompts):
       raise PastaError(f"{len(prompts)} requests for {len(rows)} free rows")
     group = min(bucket(len(rows), minimum=1), self.batch)
     padded = list(prompts) + [[1]] * (group - len(rows))  # padding rows prefill one token and are dropped
     tokens, lengths = loop.pad_prompts(padded, self.cfg.pool_slots)
+    script, script_len = self._scripts(scripts, len(prompts), group)
     budgets = list(budgets) + [RowBudget(0, 0, 0)] * (group - len(rows))
     column = lambda name: jnp.asarray([getattr(b, name) for b in budgets], jnp.int32)
     step = int(self.state.step)
     self.state = admit(self.model_fn, self.params, self.state, jnp.asarray(tokens), jnp.asarray(lengths),
                        jnp.asarray(rows + [self.batch] * (group - len(rows)), jnp.int32), column("content"),
-                       column("steps"), column("slots"), self.rule_inputs, pool_spec=self.pool_spec, **self.run_args)
+                       column("steps"), column("slots"), script, script_len, self.rule_inputs,
+                       pool_spec=self.pool_spec, **self.run_args)
     for row in rows:
       self.admitted_at[row] = step
     return rows
+
+  def _scripts(self, scripts, count: int, group: int) -> tuple[jax.Array, jax.Array]:
+    """Per-row, per-thread scripts -> [group, U, L] tokens and [group, U] lengths (L fixed at start-up)."""
+    if (scripts is not None) != (self.script_len > 0):
+      raise PastaError("this batch takes scripts" if self.script_len else "this batch decodes freely: no scripts")
+    threads = self.cfg.max_threads
+    if scripts is None:
+      tokens, lens = loop.pad_scripts(None, group, threads)
+    else:
+      if len(scripts) != count or any(len(s) > threads for s in scripts):
+        raise PastaError(f"scripts: one list per request, of at most {threads} threads")
+      tokens, lens = loop.pad_scripts(list(scripts) + [[]] * (group - count), group, threads)
+      if tokens.shape[2] > self.script_len:
+        raise PastaError(f"a script of {int(lens.max())} tokens; this batch takes at most {self.script_len}")
+      tokens = np.pad(tokens, ((0, 0), (0, 0), (0, self.script_len - tokens.shape[2])))
+    return jnp.asarray(tokens), jnp.asarray(lens)
 
   def run(self, steps: int) -> None:
     """`steps` steps of the busy rows: only the smallest power-of-two prefix of rows that holds them all is

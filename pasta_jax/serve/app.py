@@ -95,16 +95,16 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0) -> fastap
     if not prompts[0]:
       raise ApiError(400, "prompt: empty prompt", param="prompt")
     ids = engine.model.tokenizer.encode(prompts[0], add_bos=True)
-    return await _serve(http, body, ids, chat=False)
+    return await _serve(http, body, ids, chat=False, question=prompts[0])
 
   @app.post("/v1/chat/completions")
   async def chat_completions(http: fastapi.Request):
     body = protocol.parse_body(ChatBody, await _json(http))
     text = protocol.chat_prompt_text(body.messages, lambda t: chat_text(engine.model.tokenizer, t))
     ids = engine.model.tokenizer.encode(text, add_bos=True)
-    return await _serve(http, body, ids, chat=True)
+    return await _serve(http, body, ids, chat=True, question=protocol.sot_question(body))
 
-  async def _serve(http: fastapi.Request, body, ids: list[int], chat: bool):
+  async def _serve(http: fastapi.Request, body, ids: list[int], chat: bool, question: str | None = None):
     if body.model not in (None, model_name):
       raise ApiError(404, f"model: this server serves {model_name!r}, not {body.model!r}", param="model",
                      kind="not_found_error")
@@ -115,7 +115,8 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0) -> fastap
       with contextlib.suppress(RuntimeError):  # the event loop already closed (the server is gone)
         loop.call_soon_threadsafe(updates.put_nowait, update)
 
-    request = Request(ids=ids, method=body.method, max_tokens=max_tokens, sampling=_sampling(body), sink=sink)
+    request = Request(ids=ids, method=body.method, max_tokens=max_tokens, sampling=_sampling(body), sink=sink,
+                      question=question, chat=chat)
     try:
       engine.submit(request)
     except QueueFull as err:

@@ -20,12 +20,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from pasta_jax.baselines.sot import SotConfig
 from pasta_jax.decode import api, batching
 from pasta_jax.decode.result import Result
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.tokenizing import LangTokenizer
 from pasta_jax.errors import PastaError
-from pasta_jax.serve import streaming
+from pasta_jax.serve import sot, streaming
 from pasta_jax.serve.metrics import ServeMetrics
 
 
@@ -44,6 +45,8 @@ class ServeConfig:
   dtype: str = "float32"
   heads: Any = None  # Medusa: a heads folder or `speculation.Drafter` (None: the heads shipped with the model)
   tree_size: int | None = None  # Medusa's fixed tree (None: `speculation.default_tree_size`)
+  sot: SotConfig = SotConfig()  # SoT's stages (its point and answer budgets are each request's max_tokens)
+  sot_script_tokens: int = 64  # the longest point prompt a SoT row takes (longer: answered plainly)
 
   def __post_init__(self):
     if self.default_max_tokens is None:
@@ -95,10 +98,25 @@ class Request:
   sent: str = ""  # settled text already handed out
   counted: int = 0  # content tokens already counted in the metrics
   first_token_at: float | None = None
+  question: str | None = None  # sot: the question its stages are built from
+  chat: bool = True  # sot: whether its stage prompts are chat turns
+  stage_of: Request | None = None  # an internal stage (`serve/sot.py`): the client request it serves
+  hidden: bool = False  # a stage whose text the client never sees (SoT's skeleton)
+  scripts: list | None = None  # a stage's per-thread point prompts
+  render: Callable | None = None  # a stage's text from (records, final), instead of the method's
 
   @property
   def key(self) -> tuple:
     return (self.method, self.sampling)
+
+  @property
+  def dropped(self) -> bool:
+    return self.cancelled or (self.stage_of is not None and self.stage_of.cancelled)
+
+  @property
+  def label(self) -> str:
+    """The method the metrics count it under: the client's."""
+    return self.stage_of.method if self.stage_of is not None else self.method
 
 
 @dataclasses.dataclass
@@ -138,6 +156,10 @@ class Engine:
   def submit(self, request: Request) -> None:
     """Queues a checked request; raises QueueFull or ShuttingDown."""
     self.check(request.ids, request.max_tokens)
+    if request.method == "sot":  # its skeleton prompt must fit too
+      if not request.question:
+        raise PastaError("method 'sot' builds its stages from the question: give Request.question")
+      self.check(sot.stage_one(self.model.tokenizer, request.question, self._sot_config(request)), 1)
     with self.lock:
       if self.error is not None:
         raise ShuttingDown(f"the engine failed: {self.error}")
@@ -177,7 +199,8 @@ class Engine:
     for method in methods:
       done = threading.Event()
       ids = [self.model.tokenizer.encode(" ", add_bos=True)[0]] * max(prompt_tokens, 1)
-      self.submit(Request(ids=ids, method=method, max_tokens=2, sink=lambda u, d=done: u.done and d.set()))
+      self.submit(Request(ids=ids, method=method, max_tokens=2, sink=lambda u, d=done: u.done and d.set(),
+                          question="Name three colors."))
       if not done.wait(timeout=1800):
         raise PastaError(f"warm-up of {method!r} did not finish")
 
@@ -216,15 +239,17 @@ class Engine:
   def _cut_everyone(self) -> None:
     for request in self._everyone():
       request.sink(Update("", True, "length", note="cut: the server shut down"))
-      self.metrics.finished.labels(request.method, "shutdown").inc()
+      if not request.hidden:
+        self.metrics.finished.labels(request.label, "shutdown").inc()
     self.batches.clear()
 
   def _admit_waiting(self) -> None:
     with self.lock:
-      waiting = [r for r in self.waiting if not r.cancelled]
+      waiting = [r for r in self.waiting if not r.dropped]
       for request in self.waiting:
-        if request.cancelled:
-          self.metrics.finished.labels(request.method, "cancelled").inc()
+        if request.dropped and not request.hidden:
+          self.metrics.finished.labels(request.label, "cancelled").inc()
+      waiting = [self._skeleton_stage(r) if r.method == "sot" and r.stage_of is None else r for r in waiting]
       self.waiting = collections.deque(waiting)
     groups: dict[tuple, list[Request]] = collections.defaultdict(list)
     for request in waiting:
@@ -233,14 +258,32 @@ class Engine:
         groups[request.key].append(request)
     for key, requests in groups.items():
       entry = self.batches[key]
-      budgets = [batching.row_budgets(entry.rows.cfg, len(r.ids), r.max_tokens) for r in requests]
-      for row, request in zip(entry.rows.admit([r.ids for r in requests], budgets), requests, strict=True):
+      requests, budgets = self._budgets(entry, requests)
+      if not requests:
+        continue
+      scripts = [r.scripts for r in requests] if entry.rows.script_len else None
+      for row, request in zip(entry.rows.admit([r.ids for r in requests], budgets, scripts), requests, strict=True):
         entry.holders[row] = request
       with self.lock:
         for request in requests:
           self.waiting.remove(request)
     self.metrics.queue.set(len(self.waiting))
     self.metrics.running.set(self.running)
+
+  def _budgets(self, entry: MethodBatch, requests: list[Request]) -> tuple[list[Request], list]:
+    """The requests that fit the batch, with their row budgets; one that does not is ended with its reason
+    (a guard: `submit` checks what it can before queueing)."""
+    kept, budgets = [], []
+    for request in requests:
+      try:
+        budgets.append(batching.row_budgets(entry.rows.cfg, len(request.ids), request.max_tokens, request.scripts))
+        kept.append(request)
+      except PastaError as err:
+        with self.lock:
+          self.waiting.remove(request)
+        request.sink(Update("", True, "error", note=f"not served: {err}"))
+        self.metrics.finished.labels(request.label, "error").inc()
+    return kept, budgets
 
   def _batch_for(self, key: tuple) -> MethodBatch | None:
     """The batch of a (method, sampling), created (and an idle one evicted) when needed; None: wait."""
@@ -254,12 +297,16 @@ class Engine:
       del self.batches[idle]
     method, sampling = key
     bos = self.model.tokenizer.encode(" ", add_bos=True)[:1]
-    tree = {"heads": self.cfg.heads, "tree_size": self.cfg.tree_size} if method in api.TREE_METHODS else {}
-    prep = api.prepare_method(self.model, [bos], method=method, max_new_tokens=self.cfg.max_tokens,
-                              lanes=self.cfg.lanes, sampling=sampling, dtype=jnp.dtype(self.cfg.dtype), **tree)
-    cfg = batching.batch_config(dataclasses.replace(prep.cfg, pool_slots=self.cfg.pool_slots), self.cfg.max_tokens)
+    extra = {"heads": self.cfg.heads, "tree_size": self.cfg.tree_size} if method in api.TREE_METHODS else {}
+    script_len, max_tokens = 0, self.cfg.max_tokens
+    if method == sot.EXPAND:  # a fan-out of sot_fan_out threads, each with its point prompt
+      extra = {"scripts": [[bos] * self.sot_fan_out], "max_threads": self.sot_fan_out}
+      script_len, max_tokens = self.cfg.sot_script_tokens, max_tokens + self.cfg.sot_script_tokens
+    prep = api.prepare_method(self.model, [bos], method=method, max_new_tokens=max_tokens, lanes=self.cfg.lanes,
+                              sampling=sampling, dtype=jnp.dtype(self.cfg.dtype), **extra)
+    cfg = batching.batch_config(dataclasses.replace(prep.cfg, pool_slots=self.cfg.pool_slots), max_tokens)
     rows = batching.RowBatch(prep.model_fn, prep.params, cfg, batch=self.cfg.batch, vocab_size=prep.vocab_size,
-                             pool_spec=prep.pool_spec, rule_inputs=prep.rule_inputs)
+                             pool_spec=prep.pool_spec, rule_inputs=prep.rule_inputs, script_len=script_len)
     self.batches[key] = MethodBatch(rows, dataclasses.replace(prep, cfg=cfg))
     return self.batches[key]
 
@@ -276,9 +323,10 @@ class Engine:
     ended = []
     for row, request in list(holders.items()):
       run = batch.output(view, row)
-      if request.cancelled:
+      if request.dropped:
         ended.append(row)
-        self.metrics.finished.labels(request.method, "cancelled").inc()
+        if not request.hidden:
+          self.metrics.finished.labels(request.label, "cancelled").inc()
         continue
       live = view.live(row)
       try:
@@ -287,7 +335,7 @@ class Engine:
       except Exception as err:  # one request's host-side failure (its text, its client) ends it, not the engine
         with contextlib.suppress(Exception):
           request.sink(Update("", True, "error", note=f"server error in this request: {err!r}"))
-        self.metrics.finished.labels(request.method, "error").inc()
+        self.metrics.finished.labels(request.label, "error").inc()
         live = False
       if not live:
         ended.append(row)
@@ -298,9 +346,17 @@ class Engine:
 
   def _hand_out(self, request: Request, run, vocab, result: Result | None, now: float) -> None:
     """Counts the request's new tokens and hands it its new settled text (and, at the end, its result)."""
-    self.metrics.tokens.labels(request.method).inc(max(run.content - request.counted, 0))
+    self.metrics.tokens.labels(request.label).inc(max(run.content - request.counted, 0))
     request.counted = max(run.content, request.counted)
-    text = streaming.settled_text(run.records, self.lang, vocab, request.method) if result is None else result.text
+    if request.hidden:
+      if result is not None:
+        request.sink(Update("", True, "stop" if result.stop_reason == "end" else "length", result))
+      return
+    if request.render is not None:
+      text = request.render(run.records, result is not None)
+      result = None if result is None else dataclasses.replace(result, text=text)
+    else:
+      text = streaming.settled_text(run.records, self.lang, vocab, request.method) if result is None else result.text
     delta = streaming.delta(request.sent, text)
     if delta is None:  # the final text does not extend what was streamed (a detokenizer seam)
       self.metrics.stream_seams.inc()
@@ -315,6 +371,57 @@ class Engine:
         request.sink(Update(delta))
       return
     reason = "stop" if result.stop_reason == "end" else "length"
-    self.metrics.finished.labels(request.method, reason).inc()
+    self.metrics.finished.labels(request.label, reason).inc()
     self.metrics.latency.observe(now - request.created)
     request.sink(Update(delta, True, reason, result, note=result.stop_note))
+
+  # --- Skeleton-of-Thought's stages (`serve/sot.py`) ---------------------------------------------------------
+  @property
+  def sot_fan_out(self) -> int:
+    return min(self.cfg.lanes, self.cfg.sot.max_points)
+
+  def _sot_config(self, request: Request) -> SotConfig:
+    return dataclasses.replace(self.cfg.sot, chat=request.chat, point_tokens=request.max_tokens,
+                               answer_tokens=request.max_tokens)
+
+  def _stage(self, parent: Request, method: str, ids: list[int], max_tokens: int, sink, **kw) -> Request:
+    return Request(ids=ids, method=method, max_tokens=max_tokens, sink=sink, sampling=parent.sampling,
+                   created=parent.created, id=parent.id, stage_of=parent, **kw)
+
+  def _skeleton_stage(self, parent: Request) -> Request:
+    """Stage 1 in place of the client's request; when it ends, stage 2 is queued (`_after_skeleton`)."""
+    config = self._sot_config(parent)
+    ids = sot.stage_one(self.model.tokenizer, parent.question, config)
+    return self._stage(parent, sot.PLAN, ids, config.skeleton_tokens, hidden=True,
+                       sink=lambda update: self._after_skeleton(parent, config, update))
+
+  def _after_skeleton(self, parent: Request, config: SotConfig, update: Update) -> None:
+    if not update.done:
+      return
+    if update.result is None:  # cut or failed: the client hears it as it is
+      parent.sink(update)
+      return
+    end_id = self.model.tokenizer.tag_vocab().eos_ids[0]
+    ids, scripts, expansion = sot.stage_two(self.model.tokenizer, parent.question, update.result.text, config,
+                                            self.sot_fan_out, self.cfg.sot_script_tokens, end_id)
+    if ids is not None:
+      try:
+        self.check(ids, 1)
+      except PastaError as err:
+        ids, expansion = None, f"the points' prompt does not fit: {err}"
+    if ids is None:  # no usable skeleton: answer plainly, and say why
+      plain = api.prompt_ids(self.model.tokenizer, [parent.question], config.chat)[0]
+      stage = self._stage(parent, sot.PLAN, plain, config.answer_tokens, _noting(parent.sink, expansion))
+    else:
+      render = lambda records, final: expansion.text(records, self.lang, self.model.tokenizer.tag_vocab(), final)
+      stage = self._stage(parent, sot.EXPAND, ids, sot.expansion_budget(config, scripts), parent.sink,
+                          scripts=scripts, render=render)
+    with self.lock:  # a running request's next stage: ahead of the queue, and not counted against it
+      self.waiting.appendleft(stage)
+
+
+def _noting(sink, note: str):
+  """`sink` with `note` added to the last update."""
+  def noted(update: Update) -> None:
+    sink(dataclasses.replace(update, note="; ".join(filter(None, [update.note, note]))) if update.done else update)
+  return noted

@@ -16,7 +16,7 @@ import pydantic
 
 from pasta_jax.model.tokenizer import END_OF_TURN, START_OF_TURN
 
-SERVED_METHODS = ("sequential", "pasta", "apar", "pasta-v0", "medusa")
+SERVED_METHODS = ("sequential", "pasta", "apar", "pasta-v0", "medusa", "sot")
 
 
 class ApiError(Exception):
@@ -120,3 +120,14 @@ def chat_prompt_text(messages: list[ChatMessage], format_single) -> str:
   if len(turns) == 1:
     return format_single(turns[0][1])
   return "".join(f"{START_OF_TURN}{role}\n{text}{END_OF_TURN}\n" for role, text in turns) + f"{START_OF_TURN}model\n"
+
+
+def sot_question(body) -> str | None:
+  """SoT's question: the one user message of a chat (SoT answers one question, not a conversation)."""
+  if body.method != "sot":
+    return None
+  turns = [m for m in body.messages if m.role != "system"]
+  if len(turns) != 1 or any(m.role == "system" for m in body.messages):
+    raise ApiError(400, "messages: method 'sot' answers one user message (no system message, no history)",
+                   param="messages")
+  return turns[0].content

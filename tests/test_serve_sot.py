@@ -1,0 +1,63 @@
+"""Skeleton-of-Thought served by the engine: its stages run as internal requests, and the client gets exactly
+`SkeletonOfThought.run`'s answer, streamed point by point (tiny random model; its skeleton is replaced by a
+fixed outline, as `run(forced_skeleton=...)` replays one, so that the expansion stage runs)."""
+
+from __future__ import annotations
+
+import queue
+
+from pasta_jax.baselines.sot import SkeletonOfThought, SotConfig
+from pasta_jax.serve import sot as served_sot
+from pasta_jax.serve.engine import Engine, Request, ServeConfig
+from tests.tiny import tiny_model
+
+MODEL = tiny_model()
+CFG = ServeConfig(batch=2, pool_slots=2048, lanes=8, chunk_steps=4, max_tokens=24)
+QUESTIONS = ["How to make tea?", "Why is the sky blue?", "Hi?"]
+THREE = "1. Leaves\n2. Hot water\n3. Wait"
+EIGHT = "\n".join(f"{i}. Part {i}" for i in range(1, 9))
+
+
+def ask(engine: Engine, question: str, max_tokens: int) -> queue.Queue:
+  updates: queue.Queue = queue.Queue()
+  ids = MODEL.tokenizer.encode(MODEL.tokenizer.chat_prompt(question), add_bos=True)
+  engine.submit(Request(ids=ids, method="sot", max_tokens=max_tokens, sink=updates.put, question=question))
+  return updates
+
+
+def collect(updates: queue.Queue) -> list:
+  got = [updates.get(timeout=300)]
+  while not got[-1].done:
+    got.append(updates.get(timeout=300))
+  return got
+
+
+def test_served_sot_equals_skeleton_of_thought(monkeypatch):
+  """Three questions at once in a batch of two rows: 3 points (5 spare threads) and 8 points (the whole
+  fan-out) share the expansion batch; the third question gets no outline and is answered plainly."""
+  outlines = {QUESTIONS[0]: THREE, QUESTIONS[1]: EIGHT}
+  decoded = []
+  def fixed_outline(tokenizer, question, decoded_skeleton, *args):
+    decoded.append(question)
+    return stage_two(tokenizer, question, outlines.get(question, decoded_skeleton), *args)
+  stage_two = served_sot.stage_two
+  monkeypatch.setattr(served_sot, "stage_two", fixed_outline)
+  engine = Engine(MODEL, CFG).start()
+  try:
+    pending = [ask(engine, q, 20) for q in QUESTIONS]
+    answers = [collect(p) for p in pending]
+  finally:
+    engine.stop(grace_s=0)
+  assert sorted(decoded) == sorted(QUESTIONS)  # stage 1 ran for each question
+  config = SotConfig(point_tokens=20, answer_tokens=20, lanes=CFG.lanes)
+  for question, updates in zip(QUESTIONS, answers):
+    want = SkeletonOfThought(MODEL, config).run(question, outlines.get(question))
+    streamed = "".join(u.delta for u in updates)
+    assert streamed == updates[-1].result.text == want.text
+    if question in outlines:
+      assert want.used_sot and len(want.points) == outlines[question].count("\n") + 1
+      for update in updates[:-1]:  # point by point: each piece ends where a point ends
+        assert update.delta.endswith("\n") and update.delta.count(". ") >= 1
+    else:
+      assert not want.used_sot and "no skeleton" in updates[-1].note
+  assert 'method="sot"' in engine.metrics.text().decode()
