@@ -71,12 +71,14 @@ def reference(prompt: str, method: str, max_tokens: int, chat: bool) -> str:
   if method == "sot":  # the tiny model writes no outline: SoT answers plainly (tests/test_serve_sot.py expands)
     config = SotConfig(chat=chat, point_tokens=max_tokens, answer_tokens=max_tokens, lanes=CFG.lanes)
     return SkeletonOfThought(MODEL, config).run(prompt).text
+  if method == "propd":  # greedy tree decoding is lossless: plain greedy's tokens, whatever sizes it picks
+    method = "sequential"
   tree = {"heads": HEADS, "tree_size": CFG.tree_size} if method == "medusa" else {}
   return api.generate(MODEL, [prompt], method=method, max_new_tokens=max_tokens, lanes=CFG.lanes, chat=chat,
                       **tree)[0].text
 
 
-@pytest.mark.parametrize("method", ["sequential", "pasta", "apar", "pasta-v0", "medusa", "sot"])
+@pytest.mark.parametrize("method", ["sequential", "pasta", "apar", "pasta-v0", "medusa", "propd", "sot"])
 def test_completions_equal_generate_streamed_or_not(client, method):
   """Four prompts at once (they share the batch), each streamed and whole, against generate alone."""
   max_tokens = 20

@@ -259,9 +259,13 @@ class RowBatch:
   def run(self, steps: int) -> None:
     """`steps` steps of the busy rows: only the smallest power-of-two prefix of rows that holds them all is
     computed (rows are admitted lowest first), so a lightly loaded batch costs what a small one does."""
+    self.state = run_chunk(self.model_fn, self.params, self.state, steps=steps, rows=self.rows_to_run(),
+                           **self.run_args)
+
+  def rows_to_run(self) -> int:
+    """The rows the next chunk computes: the smallest power-of-two prefix that holds every busy row."""
     busy = self.busy_rows()
-    rows = min(bucket(max(busy) + 1, minimum=1), self.batch) if busy else 1
-    self.state = run_chunk(self.model_fn, self.params, self.state, steps=steps, rows=rows, **self.run_args)
+    return min(bucket(max(busy) + 1, minimum=1), self.batch) if busy else 1
 
   def peek(self) -> HostView:
     return peek(self.state, self.cfg.rules.shared_state)

@@ -28,6 +28,7 @@ from pasta_jax.decode.tokenizing import LangTokenizer
 from pasta_jax.errors import PastaError
 from pasta_jax.serve import sot, streaming
 from pasta_jax.serve.metrics import ServeMetrics
+from pasta_jax.serve.propd import OnlineLatency
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,8 @@ class ServeConfig:
   max_batches: int = 4  # compiled (method, sampling) batches held at once
   dtype: str = "float32"
   heads: Any = None  # Medusa: a heads folder or `speculation.Drafter` (None: the heads shipped with the model)
-  tree_size: int | None = None  # Medusa's fixed tree (None: `speculation.default_tree_size`)
+  tree_size: int | None = None  # Medusa's fixed tree, ProPD's largest (None: `speculation.default_tree_size`)
+  propd_samples: int = 2  # ProPD: timed chunks per tree size and rows bucket before T(s) is fitted (`serve/propd.py`)
   sot: SotConfig = SotConfig()  # SoT's stages (its point and answer budgets are each request's max_tokens)
   sot_script_tokens: int = 64  # the longest point prompt a SoT row takes (longer: answered plainly)
 
@@ -126,6 +128,7 @@ class MethodBatch:
   rows: batching.RowBatch
   prep: api.Prepared  # its cfg is the batch's (vocab, rules, tokenizer-facing parts for `to_result`)
   holders: dict[int, Request] = dataclasses.field(default_factory=dict)
+  latency: OnlineLatency | None = None  # ProPD: its step-time model, measured from these chunks
 
 
 class Engine:
@@ -298,6 +301,8 @@ class Engine:
     method, sampling = key
     bos = self.model.tokenizer.encode(" ", add_bos=True)[:1]
     extra = {"heads": self.cfg.heads, "tree_size": self.cfg.tree_size} if method in api.TREE_METHODS else {}
+    if method == "propd":  # a placeholder step-time table; the chunks' own times replace it (`_run_chunk`)
+      extra["latency"] = (1.0, 1.0)
     script_len, max_tokens = 0, self.cfg.max_tokens
     if method == sot.EXPAND:  # a fan-out of sot_fan_out threads, each with its point prompt
       extra = {"scripts": [[bos] * self.sot_fan_out], "max_threads": self.sot_fan_out}
@@ -307,7 +312,8 @@ class Engine:
     cfg = batching.batch_config(dataclasses.replace(prep.cfg, pool_slots=self.cfg.pool_slots), max_tokens)
     rows = batching.RowBatch(prep.model_fn, prep.params, cfg, batch=self.cfg.batch, vocab_size=prep.vocab_size,
                              pool_spec=prep.pool_spec, rule_inputs=prep.rule_inputs, script_len=script_len)
-    self.batches[key] = MethodBatch(rows, dataclasses.replace(prep, cfg=cfg))
+    latency = OnlineLatency(cfg.rules.sizes, self.cfg.propd_samples) if method == "propd" else None
+    self.batches[key] = MethodBatch(rows, dataclasses.replace(prep, cfg=cfg), latency=latency)
     return self.batches[key]
 
   def _run_chunk(self, key: tuple) -> None:
@@ -315,11 +321,19 @@ class Engine:
     batch, holders = entry.rows, entry.holders
     if not holders:
       return
+    rows, step = batch.rows_to_run(), int(batch.state.step)
+    if entry.latency is not None:
+      batch.state = entry.prep.cfg.rules.with_latency(batch.state, entry.latency.table(rows))
     begin = time.perf_counter()
     batch.run(self.cfg.chunk_steps)
     view = batch.peek()
     now = time.perf_counter()
     self.metrics.chunk_seconds.observe(now - begin)
+    if entry.latency is not None:
+      entry.latency.observe(rows, now - begin, view.step - step)
+      for fitted_rows, (alpha, beta) in entry.latency.fits().items():
+        self.metrics.propd_latency.labels(str(fitted_rows), "alpha").set(alpha)
+        self.metrics.propd_latency.labels(str(fitted_rows), "beta").set(beta)
     ended = []
     for row, request in list(holders.items()):
       run = batch.output(view, row)

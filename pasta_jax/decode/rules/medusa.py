@@ -118,6 +118,14 @@ class MedusaRules(SequentialRules):
     del state, cfg, num_q
     return {"return_hidden": True}
 
+  @staticmethod
+  def with_latency(state: InterpState, table) -> InterpState:
+    """`state` with ProPD's step-time table [n_sizes] replaced (same shape: no recompile); for callers that
+    measure step times between chunks (`pasta_jax/serve/propd.py`)."""
+    d = state.rule_state
+    latency = jnp.asarray(table, d.inputs["latency"].dtype).reshape(d.inputs["latency"].shape)
+    return dataclasses.replace(state, rule_state=dataclasses.replace(d, inputs={**d.inputs, "latency": latency}))
+
   # --- before the model: lay out the tree -----------------------------------------------------------
   def tree_size(self, d: TreeState) -> jax.Array:
     """[B] nodes each request feeds: the whole tree, or ProPD's choice; the root alone before candidates."""
