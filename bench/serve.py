@@ -3,17 +3,20 @@
 Starts `pasta serve` as a subprocess on 127.0.0.1 (batch rows B, chunk K), then for each concurrency level
 (1, 4, 16, 64 streaming clients) runs a warm-up wave (not measured: it compiles the admission shapes) and a
 measured wave: every client streams chat completions of alpaca_eval_805 instructions (mixed lengths), the
-methods alternating pasta / sequential, greedy, `--max-tokens` each. Measured per level: throughput (content
+methods taking turns (`--methods`, default pasta / sequential), greedy, `--max-tokens` each.
+Measured per level: throughput (content
 tokens / s over the wave), time to first streamed text (p50, p99), the gap between streamed events and tokens
 per event (p50, p99), requests lost (no final event, or an HTTP error). Then, with the load stopped, every
 answer is compared with `pasta_jax.generate` of its prompt alone (greedy): a streamed answer that differs is
 "mixed up". Batch-1 overhead: each request's wall time alone through the server against `generate` alone
 (both warm), as tokens/s, on a second server with one row (`--batch 1`: the cost of chunks and HTTP alone).
 The server's peak memory is its VmHWM. Throughput at 16 clients is divided by the better of one client on
-the same server and `generate` alone.
+the same server and `generate` alone. The device's own ceiling: plain `generate` of 16 prompts in one batch
+against the same prompts one at a time (content tokens / s), no server at all.
 
   python -m bench.serve [--levels 1,4,16,64] [--max-tokens 64] [--batch 16] [--chunk 8]
 Last line: RESULT throughput_16_over_1=... ttft_p99_s=... (16 clients) lost=... mixed_up=... batch1_over_generate=...
+          ceiling_16_over_1=...
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def server(args, batch: int, log: Path, chunk: int | None = None):
   port = free_port()
   cmd = [sys.executable, "-m", "pasta_jax.cli", "serve", "--port", str(port), "--batch", str(batch),
          "--chunk", str(chunk or args.chunk), "--max-tokens", str(args.max_tokens), "--max-queue", "256",
-         "--pool", str(args.pool), "--warmup", "pasta,sequential"]
+         "--pool", str(args.pool), "--warmup", "pasta,sequential", "--lanes", str(args.lanes)]
   proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
   url = f"http://127.0.0.1:{port}"
   try:
@@ -144,16 +147,41 @@ def level_report(clients: int, answers: list[dict], seconds: float) -> dict:
           "events_per_answer": statistics.mean(len(a["events"]) for a in ok) if ok else 0.0}
 
 
-def check_answers(model, answers: list[dict], max_tokens: int) -> int:
-  """Every answer against `generate` of its prompt alone (greedy); returns how many differ (mixed up)."""
+def reference_text(model, prompt: str, method: str, max_tokens: int, lanes: int) -> str:
+  """What the server must answer, greedy: `generate` alone; ProPD's is plain greedy decoding's (lossless);
+  SoT's is `SkeletonOfThought.run` with the server's budgets and lanes."""
+  from pasta_jax.baselines.sot import SkeletonOfThought, SotConfig
   from pasta_jax.decode import api
+  if method == "sot":
+    config = SotConfig(point_tokens=max_tokens, answer_tokens=max_tokens, lanes=lanes)
+    return SkeletonOfThought(model, config).run(prompt).text
+  method = "sequential" if method == "propd" else method
+  return api.generate(model, [prompt], method=method, max_new_tokens=max_tokens, lanes=lanes)[0].text
+
+
+def check_answers(model, answers: list[dict], max_tokens: int, lanes: int) -> int:
+  """Every answer against its greedy reference alone (`reference_text`); returns how many differ (mixed up)."""
   refs, mixed = {}, 0
   for a in tqdm([a for a in answers if not a["lost"]], desc="greedy references", unit="answer"):
     key = (a["prompt"], a["method"])
     if key not in refs:
-      refs[key] = api.generate(model, [a["prompt"]], method=a["method"], max_new_tokens=max_tokens)[0].text
+      refs[key] = reference_text(model, a["prompt"], a["method"], max_tokens, lanes)
     mixed += a["text"] != refs[key]
   return mixed
+
+
+def batching_ceiling(model, prompts: list[str], max_tokens: int) -> tuple[float, float]:
+  """Content tokens / s of plain greedy `generate`: all `prompts` in one batch, and one at a time (each warm)."""
+  from pasta_jax.decode import api
+  def rate(batches):
+    for batch in batches:  # compile every shape first
+      api.generate(model, batch, method="sequential", max_new_tokens=max_tokens)
+    start, tokens = time.perf_counter(), 0
+    for batch in batches:
+      tokens += sum(r.content_tokens for r in api.generate(model, batch, method="sequential",
+                                                           max_new_tokens=max_tokens))
+    return tokens / (time.perf_counter() - start)
+  return rate([prompts]), rate([[p] for p in prompts])
 
 
 def generate_rate(model, prompt: str, method: str, max_tokens: int) -> float:
@@ -177,6 +205,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--chunk", type=int, default=8)
   parser.add_argument("--batch1-chunks", default="", help="more chunk sizes K for the batch-1 overhead (e.g. 4,16)")
   parser.add_argument("--pool", type=int, default=512)
+  parser.add_argument("--lanes", type=int, default=8, help="PASTA / APAR lanes, SoT's fan-out")
+  parser.add_argument("--methods", default="pasta,sequential",
+                      help="methods the requests take in turn (pasta, sequential, apar, pasta-v0, medusa, propd, sot)")
+  parser.add_argument("--ceiling", type=int, default=16, help="prompts in the plain batched-generate ceiling (0: skip)")
   parser.add_argument("--start-timeout", type=float, default=900)
   parser.add_argument("--out", default="runs/bench_serve")
   return parser.parse_args(argv)
@@ -187,13 +219,14 @@ def main(argv=None) -> None:
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   levels = [int(x) for x in args.levels.split(",")]
+  methods = [m.strip() for m in args.methods.split(",") if m.strip()]
   prompts = [r["instruction"] for r in sources.read_records(args.prompts, max_records=200)]
   reports, answers_all, peak = [], [], float("nan")
   with server(args, args.batch, out / "server.log") as (url, proc):
     for i, clients in enumerate(levels):
       n = min(max(4, int(clients * args.per_client)), args.max_requests)
       start = sum(min(max(4, int(c * args.per_client)), args.max_requests) for c in levels[:i])
-      jobs = [(prompts[(start + j) % len(prompts)], ("pasta", "sequential")[j % 2]) for j in range(n)]
+      jobs = [(prompts[(start + j) % len(prompts)], methods[j % len(methods)]) for j in range(n)]
       for measured in (False, True):  # the warm-up wave sends the same prompts: it compiles their shapes
         with tqdm(total=n, desc=f"{clients} clients {'measured' if measured else 'warm-up'}", unit="req") as bar:
           answers, seconds = asyncio.run(wave(url, clients, jobs, args.max_tokens, bar))
@@ -201,7 +234,8 @@ def main(argv=None) -> None:
       answers_all += answers
     (out / "metrics.txt").write_text(httpx.get(f"{url}/metrics").text)
     peak = peak_rss_mib(proc.pid)
-  alone_jobs = [(a["prompt"], a["method"]) for a in answers_all[:4]]
+  # the batch-1 overhead compares with `generate` alone: methods it runs as one call
+  alone_jobs = [(a["prompt"], a["method"]) for a in answers_all if a["method"] not in ("sot", "propd")][:4]
   chunks = sorted({args.chunk, *(int(k) for k in args.batch1_chunks.split(",") if k)})
   alone_by_chunk = {}
   for chunk in chunks:  # the chunking overhead alone: one row, chunk K
@@ -212,7 +246,10 @@ def main(argv=None) -> None:
   alone = alone_by_chunk[args.chunk]
   from pasta_jax.model.load import load_model
   model = load_model(None)
-  mixed = check_answers(model, answers_all + [a for k in chunks for a in alone_by_chunk[k]], args.max_tokens)
+  mixed = check_answers(model, answers_all + [a for k in chunks for a in alone_by_chunk[k]], args.max_tokens,
+                        args.lanes)
+  batched_tps, one_by_one_tps = batching_ceiling(model, prompts[:args.ceiling], args.max_tokens) if args.ceiling \
+      else (float("nan"), float("nan"))
   rates = [generate_rate(model, a["prompt"], a["method"], args.max_tokens) for a in alone]
   by_chunk = {k: statistics.median((a["tokens"] / a["seconds"]) / rate
                                    for a, rate in zip(alone_by_chunk[k], rates, strict=True)) for k in chunks}
@@ -233,6 +270,8 @@ def main(argv=None) -> None:
   (out / "report.json").write_text(json.dumps({"levels": reports, "mixed_up": mixed, "peak_mib": peak,
                                                "batch1_over_generate": ratio, "generate_tps": generate_tps,
                                                "batch1_over_generate_by_chunk": by_chunk,
+                                               "ceiling": {"batched_tps": batched_tps,
+                                                           "one_by_one_tps": one_by_one_tps},
                                                "args": vars(args)}, indent=1))
   checked = len(answers_all) + len(chunks) * len(alone) - lost
   print(f"answers checked against generate alone: {checked}, mixed up: {mixed}")
@@ -241,8 +280,10 @@ def main(argv=None) -> None:
   print(f"one request at a time: generate alone {generate_tps:.1f} tok/s; a --batch 1 server {ratio:.2f}x that "
         f"(median of {len(alone)}); the --batch {args.batch} server at 1 client "
         f"{by.get(1, reports[0])['throughput']:.1f} tok/s")
+  print(f"the device's ceiling, no server: plain generate of {args.ceiling} prompts in one batch {batched_tps:.1f} "
+        f"tok/s, one at a time {one_by_one_tps:.1f} tok/s ({batched_tps / one_by_one_tps:.2f}x)")
   print(f"RESULT throughput_16_over_1={top['throughput'] / base:.2f} ttft_p99_s={top['ttft_p99']:.2f} lost={lost} "
-        f"mixed_up={mixed} batch1_over_generate={ratio:.2f}")
+        f"mixed_up={mixed} batch1_over_generate={ratio:.2f} ceiling_16_over_1={batched_tps / one_by_one_tps:.2f}")
 
 
 if __name__ == "__main__":

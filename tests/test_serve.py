@@ -5,6 +5,7 @@ disconnects and a shutdown behave as documented."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import socket
@@ -31,7 +32,7 @@ NAME = "tiny"
 HEADS = Drafter(medusa.init_heads(medusa.MedusaConfig(num_heads=2), MODEL.params["params"]["embedder"]),
                 medusa.MedusaConfig(num_heads=2), np.full((2, 8), 0.3, np.float32))
 CFG = ServeConfig(batch=4, pool_slots=512, lanes=8, chunk_steps=4, max_queue=8, max_tokens=48, default_max_tokens=24,
-                  heads=HEADS, tree_size=4)
+                  heads=HEADS, tree_size=4, drafts=3, ngram=None)
 PROMPTS = ["Tell me a tea.", "x", "Why blue sky?", "abc def"]  # one prompt bucket (few compiles)
 
 
@@ -148,6 +149,7 @@ def test_models_health_and_metrics(server, client):
     ({"prompt": "hi", "max_tokens": 49}, 400, "max_tokens"),
     ({"prompt": "hi", "method": "telepathy"}, 400, "method"),
     ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "n": 4, "method": "superposed"}, 400, "n"),  # more choices than the server's 3 drafts
     ({"prompt": "hi", "seed": 3}, 400, "seed"),
     ({"prompt": "y" * 300}, 400, "prompt"),
     ({"prompt": "y" * 200, "method": "sot"}, 400, "prompt"),  # fits, but SoT's skeleton prompt does not
@@ -163,6 +165,19 @@ def test_bad_input_gets_its_status_and_an_openai_error_body(server, body, status
   error = reply.json()["error"]
   assert error["message"] and error["type"] and error["param"] == param
   assert engine.error is None and httpx.get(f"{url}/health").json()["status"] == "ok"  # the server is untouched
+
+
+def test_superposed_returns_its_best_n_drafts(client):
+  """`n` choices are the best n of one decode's k drafts, as `generate` ranks them, streamed or whole."""
+  want = api.generate(MODEL, [PROMPTS[0]], method="superposed", max_new_tokens=12, chat=False, ngram=None)[0].drafts
+  kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=12, extra_body={"method": "superposed"})
+  whole = client.completions.create(n=2, **kw)
+  assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == list(want[:2])
+  streamed = collections.defaultdict(str)
+  for chunk in client.completions.create(n=3, stream=True, **kw):
+    for choice in chunk.choices:
+      streamed[choice.index] += choice.text
+  assert [streamed[i] for i in range(3)] == list(want) and len(set(want)) == 3
 
 
 def test_sot_answers_one_question_not_a_conversation(server):

@@ -25,7 +25,11 @@ def add_serve_parser(subparsers) -> None:
                      help="seconds running requests may finish after SIGTERM before they are cut")
   serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
   serve.add_argument("--heads", default=None, help="Medusa heads folder for method medusa (default: the model's)")
-  serve.add_argument("--tree-size", type=int, default=None, help="Medusa's fixed tree size (default 16)")
+  serve.add_argument("--tree-size", type=int, default=None,
+                     help="Medusa's fixed tree size, ProPD's largest (default: 16 for medusa, 64 for propd)")
+  serve.add_argument("--drafts", type=int, default=3, help="Superposed Decoding's k (a request's n takes the best n)")
+  serve.add_argument("--ngram", default="default",
+                     help="Superposed Decoding's n-gram index folder ('default': `pasta ngram build`'s; 'none': off)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -36,7 +40,7 @@ def run_serve(args: argparse.Namespace) -> int:
   try:
     cfg = ServeConfig(batch=args.batch, pool_slots=args.pool, lanes=args.lanes, chunk_steps=args.chunk,
                       max_queue=args.max_queue, max_tokens=args.max_tokens, dtype=args.dtype, heads=args.heads,
-                      tree_size=args.tree_size)
+                      tree_size=args.tree_size, drafts=args.drafts, ngram=None if args.ngram == "none" else args.ngram)
   except ValueError as err:
     raise PastaError(str(err)) from None
   model = load_model(args.model)

@@ -107,9 +107,12 @@ def admit(model_fn, params, state: InterpState, tokens, lengths, rows, content_b
   new = loop.start_state(model_fn, params, tokens, lengths, script, script_len, jnp.uint32(0), rule_inputs, cfg=cfg,
                          forced=forced, vocab_size=vocab_size, pool_spec=pool_spec)
   offset = state.step
+  # The prefill cut at the batch's compiled budget (cfg.max_content); the rows' own budgets replace it (a row
+  # budget of 0 means none: Superposed Decoding's drafts end by steps)
   new = dataclasses.replace(
       new, records=new.records.at[:, :, STEP].add(offset), last_fed_step=new.last_fed_step + offset,
-      content_budget=content_budget, step_limit=offset + step_budget, slot_limit=slot_limit)
+      content_budget=content_budget, step_limit=offset + step_budget, slot_limit=slot_limit,
+      truncated=new.truncated & ~new.budget_spent, budget_spent=jnp.zeros_like(new.budget_spent))
   return _put_rows(state, cut_at_budget(new, cfg), rows, cfg.rules.shared_state)
 
 

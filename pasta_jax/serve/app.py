@@ -111,6 +111,9 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0) -> fastap
     updates: asyncio.Queue[Update] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or engine.cfg.default_max_tokens
+    if body.n > engine.cfg.drafts:
+      raise ApiError(400, f"n: superposed decoding here writes {engine.cfg.drafts} drafts; ask for at most that many",
+                     param="n")
     def sink(update: Update) -> None:  # called from the engine thread
       with contextlib.suppress(RuntimeError):  # the event loop already closed (the server is gone)
         loop.call_soon_threadsafe(updates.put_nowait, update)
@@ -126,7 +129,7 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0) -> fastap
     except PastaError as err:
       raise ApiError(400, str(err), param="max_tokens" if "max_tokens" in str(err) else "prompt") from None
     usage = bool((body.stream_options or {}).get("include_usage"))
-    shape = _Shape(request, model_name, chat, body.return_trace, len(ids), usage)
+    shape = _Shape(request, model_name, chat, body.return_trace, len(ids), usage, body.n)
     if body.stream:
       return responses.StreamingResponse(_events(http, request, updates, shape), media_type="text/event-stream")
     return await _whole(http, request, updates, shape)
@@ -154,6 +157,8 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0) -> fastap
         if update.delta or update.done:
           yield _sse(shape.chunk(update.delta, update if update.done else None))
         if update.done:
+          for index, text in enumerate(shape.texts("", update)[1:], start=1):  # superposed's other drafts
+            yield _sse(shape.chunk(text, update, index=index))
           if shape.stream_usage:
             yield _sse(shape.usage_chunk(update))
           yield "data: [DONE]\n\n"
@@ -184,8 +189,10 @@ def _sse(payload: dict) -> str:
 class _Shape:
   """OpenAI's response shapes for one request (completion or chat, whole or chunked)."""
 
-  def __init__(self, request: Request, model: str, chat: bool, trace: bool, prompt_tokens: int, stream_usage: bool):
+  def __init__(self, request: Request, model: str, chat: bool, trace: bool, prompt_tokens: int, stream_usage: bool,
+               n: int = 1):
     self.request, self.model, self.chat, self.trace, self.prompt_tokens = request, model, chat, trace, prompt_tokens
+    self.n = n  # choices: superposed decoding's best n drafts
     self.stream_usage = stream_usage  # stream_options.include_usage: a last chunk with the usage
     self.created = int(time.time())
     self.object = "chat.completion" if chat else "text_completion"
@@ -208,19 +215,27 @@ class _Shape:
                            "finish_step": t.finish_step, "tokens": t.tokens} for t in result.threads]
     return out
 
-  def whole(self, text: str, update: Update) -> dict:
-    choice = {"index": 0, "finish_reason": update.finish_reason, "logprobs": None}
-    choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
-    return {"id": self.request.id, "object": self.object, "created": self.created, "model": self.model,
-            "choices": [choice], "usage": self.usage(update), "pasta": self.extras(update)}
+  def texts(self, text: str, update: Update) -> list[str]:
+    """Each choice's text: the answer, or superposed decoding's best n drafts (the first is the answer)."""
+    drafts = update.result.drafts if update.result is not None else ()
+    return [text, *drafts[1:self.n]] if self.n > 1 else [text]
 
-  def chunk(self, delta: str, end: Update | None, first: bool = False) -> dict:
+  def whole(self, text: str, update: Update) -> dict:
+    choices = []
+    for index, content in enumerate(self.texts(text, update)):
+      choice = {"index": index, "finish_reason": update.finish_reason, "logprobs": None}
+      choice.update({"message": {"role": "assistant", "content": content}} if self.chat else {"text": content})
+      choices.append(choice)
+    return {"id": self.request.id, "object": self.object, "created": self.created, "model": self.model,
+            "choices": choices, "usage": self.usage(update), "pasta": self.extras(update)}
+
+  def chunk(self, delta: str, end: Update | None, first: bool = False, index: int = 0) -> dict:
     reason = end.finish_reason if end is not None else None
     if self.chat:
-      piece = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
-      choice = {"index": 0, "delta": piece, "finish_reason": reason, "logprobs": None}
+      piece = {"role": "assistant", "content": delta} if first or index else ({"content": delta} if delta else {})
+      choice = {"index": index, "delta": piece, "finish_reason": reason, "logprobs": None}
     else:
-      choice = {"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}
+      choice = {"index": index, "text": delta, "finish_reason": reason, "logprobs": None}
     out = {"id": self.request.id, "object": f"{self.object}.chunk" if self.chat else self.object,
            "created": self.created, "model": self.model, "choices": [choice]}
     if end is not None:

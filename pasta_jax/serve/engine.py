@@ -46,6 +46,8 @@ class ServeConfig:
   dtype: str = "float32"
   heads: Any = None  # Medusa: a heads folder or `speculation.Drafter` (None: the heads shipped with the model)
   tree_size: int | None = None  # Medusa's fixed tree, ProPD's largest (None: `speculation.default_tree_size`)
+  drafts: int = 3  # Superposed Decoding's k (a request's `n` takes its best n)
+  ngram: Any = "default"  # Superposed Decoding's n-gram index: "default", a folder, an `NgramIndex`, None (off)
   propd_samples: int = 2  # ProPD: timed chunks per tree size and rows bucket before T(s) is fitted (`serve/propd.py`)
   sot: SotConfig = SotConfig()  # SoT's stages (its point and answer budgets are each request's max_tokens)
   sot_script_tokens: int = 64  # the longest point prompt a SoT row takes (longer: answered plainly)
@@ -54,7 +56,7 @@ class ServeConfig:
     if self.default_max_tokens is None:
       object.__setattr__(self, "default_max_tokens", min(256, self.max_tokens))
     for name in ("batch", "pool_slots", "lanes", "chunk_steps", "max_queue", "max_tokens", "default_max_tokens",
-                 "max_batches"):
+                 "max_batches", "drafts"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
     if self.tree_size is not None and self.tree_size < 1:
@@ -256,7 +258,11 @@ class Engine:
       self.waiting = collections.deque(waiting)
     groups: dict[tuple, list[Request]] = collections.defaultdict(list)
     for request in waiting:
-      entry = self._batch_for(request.key)
+      try:
+        entry = self._batch_for(request.key)
+      except PastaError as err:  # this method cannot run here (no Medusa heads, no n-gram index): say so
+        self._refuse(request, err)
+        continue
       if entry is not None and len(groups[request.key]) < len(entry.rows.free_rows()):
         groups[request.key].append(request)
     for key, requests in groups.items():
@@ -282,11 +288,15 @@ class Engine:
         budgets.append(batching.row_budgets(entry.rows.cfg, len(request.ids), request.max_tokens, request.scripts))
         kept.append(request)
       except PastaError as err:
-        with self.lock:
-          self.waiting.remove(request)
-        request.sink(Update("", True, "error", note=f"not served: {err}"))
-        self.metrics.finished.labels(request.label, "error").inc()
+        self._refuse(request, err)
     return kept, budgets
+
+  def _refuse(self, request: Request, err: PastaError) -> None:
+    """Ends a queued request that cannot run, with the reason."""
+    with self.lock:
+      self.waiting.remove(request)
+    request.sink(Update("", True, "error", note=f"not served: {err}"))
+    self.metrics.finished.labels(request.label, "error").inc()
 
   def _batch_for(self, key: tuple) -> MethodBatch | None:
     """The batch of a (method, sampling), created (and an idle one evicted) when needed; None: wait."""
@@ -303,6 +313,8 @@ class Engine:
     extra = {"heads": self.cfg.heads, "tree_size": self.cfg.tree_size} if method in api.TREE_METHODS else {}
     if method == "propd":  # a placeholder step-time table; the chunks' own times replace it (`_run_chunk`)
       extra["latency"] = (1.0, 1.0)
+    if method == "superposed":
+      extra = {"drafts": self.cfg.drafts, "ngram": self.cfg.ngram}
     script_len, max_tokens = 0, self.cfg.max_tokens
     if method == sot.EXPAND:  # a fan-out of sot_fan_out threads, each with its point prompt
       extra = {"scripts": [[bos] * self.sot_fan_out], "max_threads": self.sot_fan_out}

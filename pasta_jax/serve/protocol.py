@@ -16,7 +16,7 @@ import pydantic
 
 from pasta_jax.model.tokenizer import END_OF_TURN, START_OF_TURN
 
-SERVED_METHODS = ("sequential", "pasta", "apar", "pasta-v0", "medusa", "propd", "sot")
+SERVED_METHODS = ("sequential", "pasta", "apar", "pasta-v0", "medusa", "propd", "sot", "superposed")
 
 
 class ApiError(Exception):
@@ -42,8 +42,9 @@ class _Body(pydantic.BaseModel):
   stream_options: dict | None = None
   seed: int | None = None
   user: str | None = None
-  # Neutral values only (checked in `unsupported`): one choice, no stop strings, no penalties, no logprobs.
-  n: int = 1
+  # Neutral values only (checked in `unsupported`): one choice (superposed: up to its k drafts), no stop
+  # strings, no penalties, no logprobs.
+  n: int = pydantic.Field(default=1, ge=1)
   stop: str | list[str] | None = None
   presence_penalty: float = 0.0
   frequency_penalty: float = 0.0
@@ -55,7 +56,7 @@ class _Body(pydantic.BaseModel):
 
   def unsupported(self) -> str | None:
     """The first OpenAI field given a value this server cannot honour, or None."""
-    given = {"n": self.n != 1, "stop": bool(self.stop), "seed": self.seed is not None,
+    given = {"n": self.n != 1 and self.method != "superposed", "stop": bool(self.stop), "seed": self.seed is not None,
              "presence_penalty": self.presence_penalty != 0,
              "frequency_penalty": self.frequency_penalty != 0, "logprobs": self.logprobs not in (None, False)}
     return next((name for name, bad in given.items() if bad), None)
