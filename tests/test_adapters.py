@@ -14,7 +14,7 @@ from pasta_jax.model.gemma import Gemma
 from pasta_jax.model.load import load_model
 from pasta_jax.training.config import TrainConfig
 from pasta_jax.training.partitioning import param_specs
-from pasta_jax.training.trainer import Trainer
+from pasta_jax.training.trainer import Trainer, adapter_config
 from tests import training_data
 from tests.tiny import tiny_model
 from tests.train_worker import cyclic
@@ -110,6 +110,26 @@ def test_adapter_export_loads_folded_and_resumes(tmp_path):
   for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
   assert lora.adapter_bytes(loaded.adapter.tree) < 0.5 * sum(x.size * 4 for x in jax.tree.leaves(model.params))
+
+
+def test_a_run_goes_on_training_a_models_adapter_with_its_rows(tmp_path):
+  """A model loaded with an adapter trains on with the adapter's own rows when the run's tag rows differ (the
+  tag vocabulary grew since); a different rank is refused."""
+  base_dir = tmp_path / "base"
+  model = tiny_model()
+  save_checkpoint(base_dir, model.params, model.config)
+  first = _adapter_trainer(tmp_path / "first", train_rows=())
+  first.model = first.model._replace(source=str(base_dir))
+  loaded = load_model(first.run().model_dir, with_tokenizer=False)._replace(tokenizer=model.tokenizer)
+  assert loaded.adapter.config.row_ids == ()
+  config = TrainConfig(model="tiny", lora_rank=4, lora_alpha=8.0, lora_targets=lora.TARGETS)
+  assert adapter_config(config, model).row_ids  # a fresh run would train the tag rows
+  assert adapter_config(config, loaded) == loaded.adapter.config
+  data = cyclic(training_data.batches(model.tokenizer), 2)
+  goes_on = Trainer(config, loaded, data, tmp_path / "second", check_memory=False, progress=False)
+  assert goes_on.adapter == loaded.adapter.config
+  with pytest.raises(ConfigError, match="the run asks for"):
+    Trainer(config.replace(lora_rank=2), loaded, data, tmp_path / "third", check_memory=False, progress=False)
 
 
 def test_adapter_run_resumes_from_its_checkpoint(tmp_path):

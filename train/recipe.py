@@ -71,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--duplicate-penalty", type=float, default=PreferenceConfig.duplicate_penalty,
                       help="BoNBoN: score penalty per share of sibling blocks that repeat each other")
   parser.add_argument("--bonbon-tokens", type=int, default=192, help="BoNBoN: max new tokens per sample")
+  parser.add_argument("--speed-measure", choices=["speedup", "parallelism"], default="speedup",
+                      help="BoNBoN's speed score: the paper's speedup over Baseline-SFT (rewards shorter answers too), "
+                           "or the sample's own parallelism")
   parser.add_argument("--ship-lambda", type=float, default=None,
                       help="ship stage: the BoNBoN lambda whose model ships as pasta-bon (default: none ships)")
   parser.add_argument("--seed", type=int, default=0)
@@ -165,7 +168,7 @@ def stage_bonbon(args, out: Path) -> None:
     flags = ["--model", str(out / "pasta_sft" / "model"), "--baseline", str(out / "baseline_sft" / "model"),
              "--data", str(prompts), "--out", str(out / f"bonbon_l{lam:g}"), "--rounds", "1",
              "--samples", str(args.samples), "--quality-weight", str(lam), "--judge", args.judge,
-             "--duplicate-penalty", str(args.duplicate_penalty),
+             "--duplicate-penalty", str(args.duplicate_penalty), "--speed-measure", args.speed_measure,
              "--max-new-tokens", str(args.bonbon_tokens), "--seq-len", str(args.bonbon_tokens + 128),
              "--num-threads", str(args.num_threads), "--lr", str(args.bonbon_lr),
              "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha),

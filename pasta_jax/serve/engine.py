@@ -105,7 +105,7 @@ class Request:
   question: str | None = None  # sot: the question its stages are built from
   chat: bool = True  # sot: whether its stage prompts are chat turns
   stage_of: Request | None = None  # an internal stage (`serve/sot.py`): the client request it serves
-  hidden: bool = False  # a stage whose text the client never sees (SoT's skeleton)
+  hidden: bool = False  # a stage whose text the client never sees (SoT's skeleton); its normal end is not counted
   scripts: list | None = None  # a stage's per-thread point prompts
   render: Callable | None = None  # a stage's text from (records, final), instead of the method's
 
@@ -244,15 +244,14 @@ class Engine:
   def _cut_everyone(self) -> None:
     for request in self._everyone():
       request.sink(Update("", True, "length", note="cut: the server shut down"))
-      if not request.hidden:
-        self.metrics.finished.labels(request.label, "shutdown").inc()
+      self.metrics.finished.labels(request.label, "shutdown").inc()
     self.batches.clear()
 
   def _admit_waiting(self) -> None:
     with self.lock:
       waiting = [r for r in self.waiting if not r.dropped]
       for request in self.waiting:
-        if request.dropped and not request.hidden:
+        if request.dropped:
           self.metrics.finished.labels(request.label, "cancelled").inc()
       waiting = [self._skeleton_stage(r) if r.method == "sot" and r.stage_of is None else r for r in waiting]
       self.waiting = collections.deque(waiting)
@@ -351,8 +350,7 @@ class Engine:
       run = batch.output(view, row)
       if request.dropped:
         ended.append(row)
-        if not request.hidden:
-          self.metrics.finished.labels(request.label, "cancelled").inc()
+        self.metrics.finished.labels(request.label, "cancelled").inc()
         continue
       live = view.live(row)
       try:

@@ -203,8 +203,15 @@ def adapter_config(config: TrainConfig, model: LoadedModel) -> lora.AdapterConfi
   if lookup is not None and "chat" in config.train_rows:
     from pasta_jax.model.tokenizer import END_OF_TURN, START_OF_TURN
     rows += [i for i in (lookup(START_OF_TURN), lookup(END_OF_TURN)) if i is not None]
-  return lora.AdapterConfig(config.lora_rank, config.lora_alpha, tuple(config.lora_targets),
-                            lora.row_ids_for(rows))
+  wanted = lora.AdapterConfig(config.lora_rank, config.lora_alpha, tuple(config.lora_targets),
+                              lora.row_ids_for(rows))
+  own = model.adapter.config if model.adapter is not None else None
+  if own is not None and own != wanted and dataclasses.replace(own, row_ids=wanted.row_ids) == wanted:
+    # Going on training a model's adapter: its own embedding rows (the tag vocabulary may have grown since it
+    # was trained; its new tags were never in its data)
+    print(f"trainer: the model's adapter trains rows {own.row_ids}, not {wanted.row_ids}: keeping its rows")
+    return own
+  return wanted
 
 
 def _truncate_metrics(out_dir, resume_step: int) -> None:
