@@ -50,7 +50,7 @@ class ServeConfig:
   ngram: Any = "default"  # Superposed Decoding's n-gram index: "default", a folder, an `NgramIndex`, None (off)
   propd_samples: int = 2  # ProPD: timed chunks per tree size and rows bucket before T(s) is fitted (`serve/propd.py`)
   sot: SotConfig = SotConfig()  # SoT's stages (its point and answer budgets are each request's max_tokens)
-  sot_script_tokens: int = 64  # the longest point prompt a SoT row takes (longer: answered plainly)
+  sot_script_tokens: int = 128  # the longest point prompt a SoT row takes (longer: answered plainly)
 
   def __post_init__(self):
     if self.default_max_tokens is None:
