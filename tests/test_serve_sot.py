@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 
 from pasta_jax.baselines.sot import SkeletonOfThought, SotConfig
+from pasta_jax.lang.schema import THREAD
 from pasta_jax.serve import sot as served_sot
 from pasta_jax.serve.engine import Engine, Request, ServeConfig
 from tests.tiny import tiny_model
@@ -58,6 +59,9 @@ def test_served_sot_equals_skeleton_of_thought(monkeypatch):
       assert want.used_sot and len(want.points) == outlines[question].count("\n") + 1
       for update in updates[:-1]:  # point by point: each piece ends where a point ends
         assert update.delta.endswith("\n") and update.delta.count(". ") >= 1
+      threads = updates[-1].result.records[:, THREAD]
+      spare = [int((threads == u).sum()) for u in range(len(want.points), CFG.lanes)]
+      assert spare == [2] * (CFG.lanes - len(want.points))  # spare threads end after one step, taking no room
     else:
       assert not want.used_sot and "no skeleton" in updates[-1].note
   assert 'method="sot"' in engine.metrics.text().decode()

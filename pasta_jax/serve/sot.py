@@ -3,8 +3,8 @@
 Stage 1 decodes the skeleton in the sequential batch (plain decoding of `SKELETON_PROMPT`, never shown to
 the client). With at least `min_points` numbered points, stage 2 expands them in one row of the `sot`
 batch: the row's threads fan out after the shared prefix, each forced through its point prompt (a
-script), then sampling; rows with fewer points than the batch's fan-out end the spare threads at once
-(their script is an end id). Without a skeleton the question is answered by plain decoding instead, as
+script), then sampling; rows with fewer points than the batch's fan-out end the spare threads after one
+step (their script is two end ids). Without a skeleton the question is answered by plain decoding instead, as
 `pasta_jax.baselines.sot.SkeletonOfThought` does; the served text equals that class's, token for token.
 
 The client sees the joined answer ("1. title: expansion\\n2. ..."), streamed point by point: a point's
@@ -62,7 +62,9 @@ def stage_two(tokenizer, question: str, skeleton: str, config: sot.SotConfig, fa
   shared, suffixes = sot.expansion_inputs(tokenizer, question, skeleton, points, config.chat)
   if max(map(len, suffixes)) > script_width:
     return None, None, f"a point prompt of {max(map(len, suffixes))} tokens exceeds the server's {script_width}"
-  scripts = list(suffixes) + [[end_id]] * (fan_out - len(points))  # spare threads end at once
+  # Spare threads end after one step: a thread's first script token is fed as its pending token, never read
+  # as an end; the second, an end id chosen from the script, ends it
+  scripts = list(suffixes) + [[end_id, end_id]] * (fan_out - len(points))
   return shared, scripts, Expansion(tuple(points), tuple(map(len, suffixes)))
 
 
