@@ -20,7 +20,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from pasta_jax.baselines.sot import SotConfig
+from pasta_jax.baselines.sot import SotConfig, skeleton_prompt_ids
 from pasta_jax.decode import api, batching
 from pasta_jax.decode.result import Result
 from pasta_jax.decode.sampling import SamplingConfig
@@ -164,7 +164,7 @@ class Engine:
     if request.method == "sot":  # its skeleton prompt must fit too
       if not request.question:
         raise PastaError("method 'sot' builds its stages from the question: give Request.question")
-      self.check(sot.stage_one(self.model.tokenizer, request.question, self._sot_config(request)), 1)
+      self.check(skeleton_prompt_ids(self.model.tokenizer, request.question, self._sot_config(request)), 1)
     with self.lock:
       if self.error is not None:
         raise ShuttingDown(f"the engine failed: {self.error}")
@@ -415,7 +415,7 @@ class Engine:
   def _skeleton_stage(self, parent: Request) -> Request:
     """Stage 1 in place of the client's request; when it ends, stage 2 is queued (`_after_skeleton`)."""
     config = self._sot_config(parent)
-    ids = sot.stage_one(self.model.tokenizer, parent.question, config)
+    ids = skeleton_prompt_ids(self.model.tokenizer, parent.question, config)
     return self._stage(parent, sot.PLAN, ids, config.skeleton_tokens, hidden=True,
                        sink=lambda update: self._after_skeleton(parent, config, update))
 

@@ -48,10 +48,6 @@ def _finished_prefix(records: np.ndarray, points: int, vocab) -> int:
   return shown
 
 
-def stage_one(tokenizer, question: str, config: sot.SotConfig) -> list[int]:
-  return sot.skeleton_prompt_ids(tokenizer, question, config)
-
-
 def stage_two(tokenizer, question: str, skeleton: str, config: sot.SotConfig, fan_out: int, script_width: int,
               end_id: int):
   """(prompt ids, per-thread scripts, Expansion) for a skeleton, or (None, None, note) when the question
