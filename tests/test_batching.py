@@ -36,10 +36,14 @@ def alone(prompt, budget: batching.RowBudget, cfg: InterpreterConfig):
   return run_interpreter(toy_apply, PARAMS, [prompt], own, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)[0]
 
 
-def serve(requests, cfg: InterpreterConfig, chunk: int, admit_per_chunk: int):
+def row_batch(cfg: InterpreterConfig, rows: int = BATCH) -> batching.RowBatch:
+  return batching.RowBatch(toy_apply, PARAMS, batching.batch_config(cfg, 64), batch=rows, vocab_size=VOCAB_SIZE,
+                           pool_spec=POOL_SPEC)
+
+
+def serve(requests, cfg: InterpreterConfig, chunk: int, admit_per_chunk: int, batch=None):
   """Runs `requests` [(prompt, max_new_tokens)] through one RowBatch, admitting in arrival order."""
-  batch = batching.RowBatch(toy_apply, PARAMS, batching.batch_config(cfg, 64), batch=BATCH, vocab_size=VOCAB_SIZE,
-                            pool_spec=POOL_SPEC)
+  batch = batch or row_batch(cfg)
   waiting, holder, done = list(enumerate(requests)), {}, {}
   while waiting or holder:
     take = waiting[: min(admit_per_chunk, len(batch.free_rows()))]
@@ -81,6 +85,24 @@ def test_pasta_rows_fork_while_neighbours_come_and_go():
   for (prompt, new), got in zip(requests, outs, strict=True):
     want = alone(prompt, batching.row_budgets(batching.batch_config(cfg, 64), len(prompt), new), cfg)
     np.testing.assert_array_equal(got.records, want.records)
+
+
+def test_compiled_shapes_cover_every_chunk_and_admission():
+  """After `compile_shapes`, any load (rows prefix, admission group, prompt bucket, chunk length) runs compiled
+  programs only, and the warm-up changed no row: requests still decode as alone."""
+  cfg = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=16, pool_slots=POOL)
+  batch = row_batch(cfg, rows=5)
+  assert batch.row_buckets() == [1, 2, 4, 5]
+  assert batch.compile_shapes((16, 32)) == 4 * 3
+  compiled = (batching.run_chunk._cache_size(), batching.admit._cache_size())
+  rng = np.random.default_rng(1)
+  requests = [([int(t) for t in rng.integers(70, 120, size=n)], 24) for n in (5, 20, 3, 14, 9, 30, 2)]
+  for chunk, admit_per_chunk in [(3, 5), (2, 1)]:
+    outs = serve(requests, cfg, chunk=chunk, admit_per_chunk=admit_per_chunk, batch=batch)
+    for (prompt, new), got in zip(requests, outs, strict=True):
+      want = alone(prompt, batching.row_budgets(batching.batch_config(cfg, 64), len(prompt), new), cfg)
+      np.testing.assert_array_equal(got.records, want.records)
+  assert (batching.run_chunk._cache_size(), batching.admit._cache_size()) == compiled
 
 
 def test_budgets_equal_what_generate_sizes():

@@ -265,3 +265,26 @@ def test_a_failing_request_ends_alone_and_the_engine_serves_on():
     assert 'outcome="error"' in engine.metrics.text().decode()
   finally:
     engine.stop(grace_s=0)
+
+
+def test_a_newcomers_first_text_streams_after_a_short_chunk():
+  """After an admission the batch runs `first_chunk_steps` steps, not `chunk_steps`: the newcomer's first text
+  comes from its first few tokens, and the answer is still the one `generate` gives."""
+  import queue
+
+  from pasta_jax.serve.engine import Request
+  engine = Engine(MODEL, ServeConfig(batch=2, pool_slots=256, chunk_steps=8, first_chunk_steps=2,
+                                     max_tokens=24)).start()
+  try:
+    updates: queue.Queue = queue.Queue()
+    request = Request(ids=[2] + [100 + ord(c) for c in "Tea?"], method="sequential", max_tokens=24,
+                      sink=lambda u: updates.put((u, request.counted)))
+    engine.submit(request)
+    seen = [updates.get(timeout=120)]
+    while not seen[-1][0].done:
+      seen.append(updates.get(timeout=120))
+    first_tokens = next(counted for update, counted in seen if update.delta)
+    assert first_tokens <= 1 + 2  # the prefill's token and the short chunk's two (a chunk of 8 would give 9)
+    assert "".join(u.delta for u, _ in seen) == reference("Tea?", "sequential", 24, chat=False)
+  finally:
+    engine.stop(grace_s=0)

@@ -17,10 +17,14 @@ def add_serve_parser(subparsers) -> None:
   serve.add_argument("--pool", type=int, default=1024, help="KV slots per row: prompt + answer, tags included")
   serve.add_argument("--lanes", type=int, default=8, help="PASTA / APAR lanes per request")
   serve.add_argument("--chunk", type=int, default=8, help="decode steps per device call between host visits")
+  serve.add_argument("--first-chunk", type=int, default=2,
+                     help="steps of a batch's chunk right after an admission (newcomers' first text streams sooner)")
   serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
   serve.add_argument("--max-tokens", type=int, default=512, help="the largest max_tokens a request may ask")
   serve.add_argument("--warmup", default="pasta,sequential",
-                     help="methods compiled before the port opens (comma list; 'none': compile on first use)")
+                     help="methods compiled before the port opens, every batch load and prompt bucket up to "
+                          "--warmup-prompt (comma list; 'none': compile on first use)")
+  serve.add_argument("--warmup-prompt", type=int, default=64, help="the longest prompt (tokens) compiled ahead")
   serve.add_argument("--grace", type=float, default=10.0,
                      help="seconds running requests may finish after SIGTERM before they are cut")
   serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -39,8 +43,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
   try:
     cfg = ServeConfig(batch=args.batch, pool_slots=args.pool, lanes=args.lanes, chunk_steps=args.chunk,
-                      max_queue=args.max_queue, max_tokens=args.max_tokens, dtype=args.dtype, heads=args.heads,
-                      tree_size=args.tree_size, drafts=args.drafts, ngram=None if args.ngram == "none" else args.ngram)
+                      first_chunk_steps=args.first_chunk, max_queue=args.max_queue, max_tokens=args.max_tokens,
+                      dtype=args.dtype, heads=args.heads, tree_size=args.tree_size, drafts=args.drafts,
+                      ngram=None if args.ngram == "none" else args.ngram)
   except ValueError as err:
     raise PastaError(str(err)) from None
   model = load_model(args.model)
@@ -50,7 +55,7 @@ def run_serve(args: argparse.Namespace) -> int:
   methods = [] if args.warmup == "none" else [m.strip() for m in args.warmup.split(",") if m.strip()]
   if methods:
     print(f"pasta serve: compiling {', '.join(methods)} (batch {cfg.batch}, pool {cfg.pool_slots}) ...", flush=True)
-    engine.warm_up(methods)
+    engine.warm_up(methods, prompt_tokens=args.warmup_prompt)
   server = make_server(engine, name, host=args.host, port=args.port, grace_s=args.grace)
   print(f"pasta serve: {name} on http://{args.host}:{args.port}/v1", flush=True)
   server.run()

@@ -133,13 +133,14 @@ def _take_rows(state: InterpState, rows: int, shared: tuple[str, ...] = ()) -> I
   return dataclasses.replace(state, **changes)
 
 
-@functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "vocab_size", "steps", "rows", "forced"),
+@functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "vocab_size", "rows", "forced"),
                    donate_argnames=("state",))
-def run_chunk(model_fn, params, state: InterpState, *, cfg: InterpreterConfig, vocab_size: int, steps: int,
+def run_chunk(model_fn, params, state: InterpState, steps, *, cfg: InterpreterConfig, vocab_size: int,
               rows: int, forced: bool = False) -> InterpState:
-  """Up to `steps` steps of the first `rows` rows in one device call (every live row must be among them:
-  rows past them are free, and a free row never changes). The batch's step counter runs on across requests
-  (each row stops at its own `step_limit`), so it is not bounded by cfg.max_steps."""
+  """Up to `steps` steps (traced: every chunk length runs one program) of the first `rows` rows in one device
+  call (every live row must be among them: rows past them are free, and a free row never changes). The batch's
+  step counter runs on across requests (each row stops at its own `step_limit`), so it is not bounded by
+  cfg.max_steps."""
   if rows == state.finished.shape[0]:
     return loop.run_loop(model_fn, params, state, state.step + steps, cfg, forced, vocab_size)
   shared = cfg.rules.shared_state
@@ -262,8 +263,32 @@ class RowBatch:
   def run(self, steps: int) -> None:
     """`steps` steps of the busy rows: only the smallest power-of-two prefix of rows that holds them all is
     computed (rows are admitted lowest first), so a lightly loaded batch costs what a small one does."""
-    self.state = run_chunk(self.model_fn, self.params, self.state, steps=steps, rows=self.rows_to_run(),
+    self.state = run_chunk(self.model_fn, self.params, self.state, jnp.int32(steps), rows=self.rows_to_run(),
                            **self.run_args)
+
+  def row_buckets(self) -> list[int]:
+    """Every rows prefix a chunk may compute (`rows_to_run`) and every admission group size: the powers of
+    two below the batch, and the batch."""
+    return sorted({min(1 << i, self.batch) for i in range(self.batch.bit_length() + 1)})
+
+  def compile_shapes(self, prompt_buckets=(16, 32, 64)) -> int:
+    """Compiles every chunk program (one per rows prefix) and every admission (group size x prompt bucket)
+    ahead of use, so a batch whose load changes never stops mid-serving to compile. No row changes: the
+    chunks run on free rows (no step) and the admissions' rows are all padding. Returns the programs run."""
+    if self.busy_rows():
+      raise PastaError("compile_shapes runs on an idle batch")
+    threads = self.cfg.max_threads
+    script = jnp.zeros((1, threads, max(self.script_len, 1)), jnp.int32)
+    for rows in self.row_buckets():
+      self.state = run_chunk(self.model_fn, self.params, self.state, jnp.int32(0), rows=rows, **self.run_args)
+      for prompt in (b for b in prompt_buckets if b < self.cfg.pool_slots):
+        zeros = jnp.zeros((rows,), jnp.int32)
+        self.state = admit(self.model_fn, self.params, self.state, jnp.ones((rows, prompt), jnp.int32),
+                           jnp.ones((rows,), jnp.int32), jnp.full((rows,), self.batch, jnp.int32), zeros, zeros,
+                           zeros, jnp.broadcast_to(script, (rows,) + script.shape[1:]),
+                           jnp.zeros((rows, threads), jnp.int32), self.rule_inputs, pool_spec=self.pool_spec,
+                           **self.run_args)
+    return len(self.row_buckets()) * (1 + sum(b < self.cfg.pool_slots for b in prompt_buckets))
 
   def rows_to_run(self) -> int:
     """The rows the next chunk computes: the smallest power-of-two prefix that holds every busy row."""

@@ -1,8 +1,9 @@
 """The serving engine: a queue, one `RowBatch` per (method, sampling), and a thread that runs them in chunks.
 
-Each turn of the engine thread: admit waiting requests into free rows (prefill of the newcomers only), run
-one chunk of `chunk_steps` steps on every batch with live rows, copy their records to the host, and hand
-each request its new settled text (`streaming.settled_text`). A finished, cut or cancelled request leaves
+Each turn of the engine thread: admit waiting requests into free rows (prefill of the newcomers only; the batch's
+next chunk is short, so their first text streams soon), run one chunk of `chunk_steps` steps on every batch
+with live rows, copy their records to the host, and hand each request its new settled text
+(`streaming.settled_text`). A finished, cut or cancelled request leaves
 its row at the end of the chunk; the row is reused by the next newcomer. Requests reach the engine from any
 thread (`submit`); updates go back through each request's `sink` callback.
 """
@@ -39,6 +40,9 @@ class ServeConfig:
   pool_slots: int = 1024  # KV slots per row (prompt + answer, tags included)
   lanes: int = 8  # PASTA / APAR lanes per row
   chunk_steps: int = 8  # steps per device call between host visits
+  # after an admission, the batch's next chunk: newcomers' first text streams after this many steps, not K
+  # (the last token is held back one chunk, `streaming`), at the cost of one more host visit
+  first_chunk_steps: int = 2
   max_queue: int = 64  # waiting requests before 429
   max_tokens: int = 512  # the largest max_tokens a request may ask
   default_max_tokens: int | None = None  # for a request without max_tokens (None: min(256, max_tokens))
@@ -55,8 +59,8 @@ class ServeConfig:
   def __post_init__(self):
     if self.default_max_tokens is None:
       object.__setattr__(self, "default_max_tokens", min(256, self.max_tokens))
-    for name in ("batch", "pool_slots", "lanes", "chunk_steps", "max_queue", "max_tokens", "default_max_tokens",
-                 "max_batches", "drafts"):
+    for name in ("batch", "pool_slots", "lanes", "chunk_steps", "first_chunk_steps", "max_queue", "max_tokens",
+                 "default_max_tokens", "max_batches", "drafts"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
     if self.tree_size is not None and self.tree_size < 1:
@@ -131,6 +135,7 @@ class MethodBatch:
   prep: api.Prepared  # its cfg is the batch's (vocab, rules, tokenizer-facing parts for `to_result`)
   holders: dict[int, Request] = dataclasses.field(default_factory=dict)
   latency: OnlineLatency | None = None  # ProPD: its step-time model, measured from these chunks
+  fresh: bool = False  # newcomers since the last chunk: the next one is short, so their first text streams soon
 
 
 class Engine:
@@ -147,6 +152,8 @@ class Engine:
     self.stopping = False
     self.drain_deadline: float | None = None
     self.error: BaseException | None = None
+    self.compile_ahead: set[str] = set()  # methods whose batches compile every shape when created (`warm_up`)
+    self.prompt_buckets: tuple[int, ...] = ()  # the prompt buckets their admissions compile for
 
   # --- the client side ---------------------------------------------------------------------------------
   def check(self, ids: list[int], max_tokens: int) -> None:
@@ -200,7 +207,12 @@ class Engine:
       self._cut_everyone()
 
   def warm_up(self, methods=("pasta",), prompt_tokens: int = 64) -> None:
-    """Compiles each method's batch, admission and chunk ahead of the first request (blocking)."""
+    """Compiles each method's batch ahead of the first request (blocking): its chunk program for every rows
+    prefix, and its admission for every group size and prompt bucket up to `prompt_tokens`'s."""
+    for method in methods:
+      self.compile_ahead.update((sot.PLAN, sot.EXPAND) if method == "sot" else (method,))
+    top = batching.bucket(prompt_tokens)
+    self.prompt_buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024) if b <= top)
     for method in methods:
       done = threading.Event()
       ids = [self.model.tokenizer.encode(" ", add_bos=True)[0]] * max(prompt_tokens, 1)
@@ -270,11 +282,13 @@ class Engine:
       if not requests:
         continue
       scripts = [r.scripts for r in requests] if entry.rows.script_len else None
-      for row, request in zip(entry.rows.admit([r.ids for r in requests], budgets, scripts), requests, strict=True):
+      rows = entry.rows.admit([r.ids for r in requests], budgets, scripts)
+      for row, request in zip(rows, requests, strict=True):
         entry.holders[row] = request
       with self.lock:
         for request in requests:
           self.waiting.remove(request)
+      entry.fresh = True
     self.metrics.queue.set(len(self.waiting))
     self.metrics.running.set(self.running)
 
@@ -323,30 +337,40 @@ class Engine:
     cfg = batching.batch_config(dataclasses.replace(prep.cfg, pool_slots=self.cfg.pool_slots), max_tokens)
     rows = batching.RowBatch(prep.model_fn, prep.params, cfg, batch=self.cfg.batch, vocab_size=prep.vocab_size,
                              pool_spec=prep.pool_spec, rule_inputs=prep.rule_inputs, script_len=script_len)
+    if method in self.compile_ahead:
+      rows.compile_shapes(self.prompt_buckets)
     latency = OnlineLatency(cfg.rules.sizes, self.cfg.propd_samples) if method == "propd" else None
     self.batches[key] = MethodBatch(rows, dataclasses.replace(prep, cfg=cfg), latency=latency)
     return self.batches[key]
 
   def _run_chunk(self, key: tuple) -> None:
     entry = self.batches[key]
-    batch, holders = entry.rows, entry.holders
-    if not holders:
+    batch = entry.rows
+    if not entry.holders:
       return
     rows, step = batch.rows_to_run(), int(batch.state.step)
     if entry.latency is not None:
       batch.state = entry.prep.cfg.rules.with_latency(batch.state, entry.latency.table(rows))
     begin = time.perf_counter()
-    batch.run(self.cfg.chunk_steps)
-    view = batch.peek()
-    now = time.perf_counter()
-    self.metrics.chunk_seconds.observe(now - begin)
+    batch.run(min(self.cfg.first_chunk_steps, self.cfg.chunk_steps) if entry.fresh else self.cfg.chunk_steps)
+    entry.fresh = False
+    view = self._visit(entry, list(entry.holders))
+    self.metrics.chunk_seconds.observe(time.perf_counter() - begin)
     if entry.latency is not None:
-      entry.latency.observe(rows, now - begin, view.step - step)
+      entry.latency.observe(rows, time.perf_counter() - begin, view.step - step)
       for fitted_rows, (alpha, beta) in entry.latency.fits().items():
         self.metrics.propd_latency.labels(str(fitted_rows), "alpha").set(alpha)
         self.metrics.propd_latency.labels(str(fitted_rows), "beta").set(beta)
+
+  def _visit(self, entry: MethodBatch, rows: list[int]) -> batching.HostView:
+    """Copies the batch's records to the host, hands the requests in `rows` their new text, and frees the
+    rows of those that ended (finished, cut, cancelled or failed)."""
+    batch, holders = entry.rows, entry.holders
+    view = batch.peek()
+    now = time.perf_counter()
     ended = []
-    for row, request in list(holders.items()):
+    for row in rows:
+      request = holders[row]
       run = batch.output(view, row)
       if request.dropped:
         ended.append(row)
@@ -367,6 +391,7 @@ class Engine:
       del holders[row]
     batch.release(ended)
     self.metrics.running.set(self.running)
+    return view
 
   def _hand_out(self, request: Request, run, vocab, result: Result | None, now: float) -> None:
     """Counts the request's new tokens and hands it its new settled text (and, at the end, its result)."""
