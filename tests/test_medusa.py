@@ -225,6 +225,8 @@ def test_propd_picks_sizes_by_its_latency_model_and_stays_lossless():
   for runs in (cheap, dear):
     assert_same_greedy(PLAIN, runs)
   assert all(set(k for k, v in r.speculation["tree_sizes"].items() if v) <= {1} for r in dear)
+  assert all(r.speculation["head_trials"] == [0] * 3 for r in dear)  # no tree planned: the heads never ran
+  assert all(min(r.speculation["head_trials"]) > 0 for r in cheap)
   assert all(r.speculation["tree_sizes"][16] > 0 for r in cheap)
   assert fit_latency([1, 2, 4], [3.0, 5.0, 9.0]) == pytest.approx((2.0, 1.0))
   np.testing.assert_allclose(latency_table((2.0, 1.0), (1, 2)), [3.0, 5.0])  # (alpha, beta), even for two sizes

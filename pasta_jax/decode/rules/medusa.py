@@ -20,6 +20,9 @@ E(s) / T(s) among the lane buckets s = 1, 2, 4, ..., N: E(s) is the expected acc
 heads' top-k hit rates (a calibrated prior, updated online from the request's own steps), and
 T(s) = alpha * s + beta the step time of size s, fitted from a calibration run on the device and
 batch size (`rule_inputs["latency"]`): the loop runs on device, so times are measured between host calls.
+Size 1 is the root alone, a plain step: when no request of the batch plans a tree for its next step, the
+heads do not run either (`lax.cond`), so T(1) is a plain step's time and ProPD falls back to plain decoding
+where no tree pays for itself (its hit rates then stay as they are, and so does the choice).
 """
 
 from __future__ import annotations
@@ -129,14 +132,15 @@ class MedusaRules(SequentialRules):
   # --- before the model: lay out the tree -----------------------------------------------------------
   def tree_size(self, d: TreeState) -> jax.Array:
     """[B] nodes each request feeds: the whole tree, or ProPD's choice; the root alone before candidates."""
-    if not self.dynamic:
-      size = jnp.full(d.root_token.shape, self.tree.size, jnp.int32)
-    else:
-      expected = jnp.cumsum(self.node_probabilities(d), axis=1)  # [B, N] E(prefix of i + 1 nodes)
-      sizes = jnp.asarray(self.sizes)
-      gain = expected[:, sizes - 1] / d.inputs["latency"][None, :]  # [B, n_sizes]
-      size = sizes[jnp.argmax(gain, axis=1)]
+    size = self.planned_size(d) if self.dynamic else jnp.full(d.root_token.shape, self.tree.size, jnp.int32)
     return jnp.where(d.have_candidates, size, 1).astype(jnp.int32)
+
+  def planned_size(self, d: TreeState) -> jax.Array:
+    """[B] ProPD's choice: the size s maximising E(s) / T(s), were the heads' candidates at hand."""
+    expected = jnp.cumsum(self.node_probabilities(d), axis=1)  # [B, N] E(prefix of i + 1 nodes)
+    sizes = jnp.asarray(self.sizes)
+    gain = expected[:, sizes - 1] / d.inputs["latency"][None, :]  # [B, n_sizes]
+    return sizes[jnp.argmax(gain, axis=1)]
 
   def hit_rates(self, d: TreeState) -> jax.Array:
     """[B, H, k] each head's rank hit rates: the calibrated prior, moved by the request's own steps."""
@@ -204,12 +208,17 @@ class MedusaRules(SequentialRules):
     path = jnp.zeros((logits.shape[0], cfg.lanes), bool).at[:, :num_q].set(on_path)
     fed = row_ok[:, 0] & state.live
     new = dataclasses.replace(
-        d, candidates=jnp.where(fed[:, None, None], self.last_node_candidates(d, aux, last), d.candidates),
-        have_candidates=d.have_candidates | fed,
-        root_token=jnp.where(fed, chosen[b[:, 0], last], d.root_token),
+        d, root_token=jnp.where(fed, chosen[b[:, 0], last], d.root_token),
         root_pos=jnp.where(fed, d.root_pos + depth[last] + 1, d.root_pos), path=path,
         tree_steps=d.tree_steps + fed, written=d.written + jnp.where(fed, depth[last] + 1, 0))
     new = self.count_hits(new, d, node_token, on_path, depth, chosen[b[:, 0], last], depth[last], fed)
+    fresh = fed
+    if self.dynamic:  # no request will feed a tree next step: the heads do not run (the step costs a plain one)
+      fresh = fed & jnp.any(fed & (self.planned_size(new) > 1))
+    candidates = jax.lax.cond(jnp.any(fresh), lambda: self.last_node_candidates(d, aux, last),
+                              lambda: d.candidates)
+    new = dataclasses.replace(new, candidates=jnp.where(fresh[:, None, None], candidates, d.candidates),
+                              have_candidates=jnp.where(fed, fresh, d.have_candidates))
     return dataclasses.replace(state, rule_state=new), chosen, refused
 
   def last_node_candidates(self, d: TreeState, hidden, last) -> jax.Array:
