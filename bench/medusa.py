@@ -86,7 +86,7 @@ def bench_batch(model, drafter, ids, batch: int, args) -> dict:
     rows[f"medusa-{size}"] = timed(model, groups, args.runs, method="medusa", heads=drafter, tree_size=size, **common)
   calibration = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16)
   rows["propd"] = timed(model, groups, args.runs, method="propd", heads=drafter, tree_size=args.tree,
-                        latency=(calibration["alpha"], calibration["beta"]), **common)
+                        latency=calibration["table"], **common)
   rows["propd"]["calibration"] = calibration
   return rows
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from pasta_jax.decode import api, loop
 from pasta_jax.decode.latency import calibrate_latency
-from pasta_jax.decode.speculation import Drafter, fit_latency, latency_table, rules_and_inputs
+from pasta_jax.decode.speculation import Drafter, fit_latency, latency_table, rules_and_inputs, step_times
 from pasta_jax.decode.tree import TokenTree
 from pasta_jax.errors import PastaError
 from pasta_jax.model import medusa
@@ -229,6 +229,8 @@ def test_propd_picks_sizes_by_its_latency_model_and_stays_lossless():
   assert all(min(r.speculation["head_trials"]) > 0 for r in cheap)
   assert all(r.speculation["tree_sizes"][16] > 0 for r in cheap)
   assert fit_latency([1, 2, 4], [3.0, 5.0, 9.0]) == pytest.approx((2.0, 1.0))
+  table, fit = step_times([1, 2, 4, 8], [1.5, 5.0, 9.0, 17.0])  # a plain step is cheaper than the trees' line
+  assert fit == pytest.approx((2.0, 1.0)) and table == pytest.approx({1: 1.5, 2: 5.0, 4: 9.0, 8: 17.0})
   np.testing.assert_allclose(latency_table((2.0, 1.0), (1, 2)), [3.0, 5.0])  # (alpha, beta), even for two sizes
   np.testing.assert_allclose(latency_table({1: 0.5, 2: 0.7}, (1, 2)), [0.5, 0.7])
   with pytest.raises(PastaError, match="no step time for tree sizes"):
@@ -238,6 +240,7 @@ def test_propd_picks_sizes_by_its_latency_model_and_stays_lossless():
 def test_calibration_times_every_size():
   info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=4, steps=4, repeats=1)
   assert info["sizes"] == [1, 2, 4] and all(s > 0 for s in info["seconds"]) and info["beta"] > 0
+  assert info["table"][1] == info["seconds"][0]  # the plain step as measured
 
 
 def test_bad_requests_name_the_problem(tmp_path):

@@ -114,7 +114,7 @@ def tree_options(model, prompt_ids: list[int], args, method: str) -> dict:
   if method == "propd":
     print("[propd: timing each tree size on this device (calibration)...]", file=sys.stderr)
     cal = calibrate_latency(model, [prompt_ids], drafter, tree_size=options["tree_size"], steps=8, repeats=1)
-    options["latency"] = (cal["alpha"], cal["beta"])
+    options["latency"] = cal["table"]
   return options
 
 

@@ -2,7 +2,8 @@
 
 The decode loop runs on device, so step times are taken between host calls: the ProPD program itself runs
 with its tree size pinned to each candidate size in turn (a latency table of 1 at that size and 1e9
-elsewhere: one compiled program serves every size), and the per-step times are fitted by least squares.
+elsewhere: one compiled program serves every size). Size 1 (a plain step) keeps its measured time, the tree
+sizes are fitted by least squares (`speculation.step_times`).
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import time
 import numpy as np
 
 from pasta_jax.decode import api
-from pasta_jax.decode.speculation import DEFAULT_TREE, Drafter, fit_latency, rules_and_inputs
+from pasta_jax.decode.speculation import DEFAULT_TREE, Drafter, rules_and_inputs, step_times
 
 
 def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_TREE, steps: int = 16,
                       repeats: int = 2, **prepare_kw) -> dict:
   """Times the ProPD loop with its size pinned to each candidate size (latency 1 there, 1e9 elsewhere: the
-  same compiled program) on `ids` (the batch size matters); returns sizes, per-step seconds and the fit."""
+  same compiled program) on `ids` (the batch size matters); returns sizes, per-step seconds, the fit of the
+  tree sizes and the table ProPD takes (`latency=...["table"]`)."""
   rules, _ = rules_and_inputs(drafter, tree_size=tree_size, dynamic=True, latency=(1.0, 1.0))
   per_step = []
   for size in rules.sizes:
@@ -30,6 +32,6 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
       runs, seconds = api.run_prepared(prep)
       best = min(best, seconds / max(1, max(r.steps for r in runs)))
     per_step.append(best)
-  alpha, beta = fit_latency(rules.sizes, per_step)
-  return {"sizes": list(rules.sizes), "seconds": per_step, "alpha": alpha, "beta": beta,
+  table, (alpha, beta) = step_times(rules.sizes, per_step)
+  return {"sizes": list(rules.sizes), "seconds": per_step, "alpha": alpha, "beta": beta, "table": table,
           "when": time.strftime("%Y-%m-%d %H:%M:%S")}

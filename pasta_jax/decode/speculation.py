@@ -101,3 +101,16 @@ def fit_latency(sizes, seconds) -> tuple[float, float]:
   """Least-squares (alpha, beta) of T(s) = alpha s + beta (alpha >= 0, beta > 0)."""
   a, b = np.polyfit(np.asarray(sizes, np.float64), np.asarray(seconds, np.float64), 1)
   return max(float(a), 0.0), max(float(b), 1e-6)
+
+
+def step_times(sizes, seconds) -> tuple[dict[int, float], tuple[float, float]]:
+  """ProPD's step-time table from the per-step seconds measured at each size, and its (alpha, beta): size 1
+  as measured (a plain step: no heads run when no request plans a tree, `rules/medusa.py`), the tree sizes
+  from T(s) = alpha s + beta fitted over them alone (the heads' cost is a step in T between 1 and 2, which a
+  line through the plain step would smear over every size)."""
+  measured = dict(zip((int(s) for s in sizes), (float(t) for t in seconds), strict=True))
+  trees = {s: t for s, t in measured.items() if s > 1}
+  if len(trees) < 2:  # too few tree sizes to fit a line through: the measurements are the table
+    return measured, fit_latency(list(measured), list(measured.values())) if len(measured) > 1 else (0.0, seconds[0])
+  alpha, beta = fit_latency(list(trees), list(trees.values()))
+  return {s: measured[s] if s == 1 else alpha * s + beta for s in measured}, (alpha, beta)

@@ -1,11 +1,12 @@
 """The serving engine: a queue, one `RowBatch` per (method, sampling), and a thread that runs them in chunks.
 
-Each turn of the engine thread: admit waiting requests into free rows (prefill of the newcomers only; the batch's
-next chunk is short, so their first text streams soon), run one chunk of `chunk_steps` steps on every batch
-with live rows, copy their records to the host, and hand each request its new settled text
-(`streaming.settled_text`). A finished, cut or cancelled request leaves
-its row at the end of the chunk; the row is reused by the next newcomer. Requests reach the engine from any
-thread (`submit`); updates go back through each request's `sink` callback.
+Each turn of the engine thread runs one chunk of `chunk_steps` steps on every batch with live rows. Before
+each chunk, waiting requests are admitted into free rows (prefill of the newcomers only), and a batch that
+just took newcomers runs a short chunk (`first_chunk_steps`), so their first text streams soon. After each
+chunk the host copies the batch's records and hands each request its new settled text
+(`streaming.settled_text`). A finished, cut or cancelled request leaves its row at the end of the chunk; the
+row is reused by the next newcomer. Requests reach the engine from any thread (`submit`); updates go back
+through each request's `sink` callback.
 """
 
 from __future__ import annotations
@@ -211,8 +212,7 @@ class Engine:
     prefix, and its admission for every group size and prompt bucket up to `prompt_tokens`'s."""
     for method in methods:
       self.compile_ahead.update((sot.PLAN, sot.EXPAND) if method == "sot" else (method,))
-    top = batching.bucket(prompt_tokens)
-    self.prompt_buckets = tuple(b for b in (16, 32, 64, 128, 256, 512, 1024) if b <= top)
+    self.prompt_buckets = tuple(1 << i for i in range(4, batching.bucket(prompt_tokens).bit_length()))
     for method in methods:
       done = threading.Event()
       ids = [self.model.tokenizer.encode(" ", add_bos=True)[0]] * max(prompt_tokens, 1)
@@ -249,8 +249,11 @@ class Engine:
         if self.stopping and (idle or time.perf_counter() > self.drain_deadline):
           break
       self._admit_waiting()
-      for key in list(self.batches):
-        self._run_chunk(key)
+      for i, key in enumerate(list(self.batches)):
+        if i:  # between batches too: a newcomer waits for one batch's chunk, not for a whole turn of them
+          self._admit_waiting()
+        if key in self.batches:  # (an admission may evict an idle batch)
+          self._run_chunk(key)
     self._cut_everyone()
 
   def _cut_everyone(self) -> None:

@@ -4,10 +4,10 @@ ProPD picks each step's tree size by expected accepted tokens / T(s). T depends 
 many rows a step computes, and the loop runs on device, so the engine measures it between chunks. For each
 rows bucket (the power-of-two prefix of rows a chunk computes), the first chunks pin the tree size to each
 candidate in turn (a latency table of 1 there and 1e9 elsewhere: the same compiled program, no recompile);
-their per-step times are fitted to T(s) = alpha s + beta (`speculation.fit_latency`), and from then on that
-bucket's chunks run with the fitted table. A bucket's first chunk includes its compilation and is not timed.
-Greedy acceptance writes plain greedy decoding's tokens at any tree size, so calibrating costs speed, never
-text.
+the tree sizes' per-step times are fitted to T(s) = alpha s + beta, size 1 (a plain step) keeps its own
+(`speculation.step_times`), and from then on that bucket's chunks run with that table. A bucket's first
+chunk includes its compilation and is not timed. Greedy acceptance writes plain greedy decoding's tokens at
+any tree size, so calibrating costs speed, never text.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from pasta_jax.decode.speculation import fit_latency, latency_table
+from pasta_jax.decode.speculation import latency_table, step_times
 
 PINNED_ELSEWHERE = 1e9  # the step time given to the sizes a calibration chunk must not choose
 
@@ -26,7 +26,8 @@ class _Bucket:
   compiled: bool = False  # its first (compiling) chunk has run
   pinned: int | None = None  # the size the chunk now running is pinned to
   times: dict = dataclasses.field(default_factory=dict)  # size -> per-step seconds measured
-  fit: tuple[float, float] | None = None  # (alpha, beta)
+  fit: tuple[float, float] | None = None  # (alpha, beta) of the tree sizes
+  fitted: dict | None = None  # size -> seconds per step: size 1 measured, the tree sizes from the fit
 
 
 class OnlineLatency:
@@ -41,9 +42,9 @@ class OnlineLatency:
   def table(self, rows: int) -> np.ndarray:
     """[n_sizes] seconds per step for the next chunk of `rows` rows: fitted, or pinned to a size to time."""
     bucket = self.buckets.setdefault(rows, _Bucket())
-    if bucket.fit is not None:
+    if bucket.fitted is not None:
       bucket.pinned = None
-      return latency_table(bucket.fit, self.sizes)
+      return latency_table(bucket.fitted, self.sizes)
     bucket.pinned = next(s for s in self.sizes if len(bucket.times.get(s, ())) < self.samples)
     return np.asarray([1.0 if s == bucket.pinned else PINNED_ELSEWHERE for s in self.sizes])
 
@@ -57,7 +58,7 @@ class OnlineLatency:
       return
     bucket.times.setdefault(bucket.pinned, []).append(seconds / steps)
     if all(len(bucket.times.get(s, ())) >= self.samples for s in self.sizes):
-      bucket.fit = fit_latency(self.sizes, [float(np.median(bucket.times[s])) for s in self.sizes])
+      bucket.fitted, bucket.fit = step_times(self.sizes, [float(np.median(bucket.times[s])) for s in self.sizes])
 
   def fits(self) -> dict[int, tuple[float, float]]:
     """rows bucket -> (alpha, beta) of the buckets calibrated so far."""
