@@ -237,10 +237,44 @@ def test_propd_picks_sizes_by_its_latency_model_and_stays_lossless():
     latency_table({1: 0.5}, (1, 2))
 
 
+def test_propd_picks_one_size_for_the_batch_from_its_live_requests():
+  """Every row of a step computes the batch's largest tree and T(s) is the batch's step time, so ProPD picks one
+  size maximising the live requests' summed expected tokens over T(s): a request whose heads always hit carries
+  along one whose heads never do, and a request that is not live counts for nothing."""
+  from types import SimpleNamespace
+  rules, inputs = rules_and_inputs(drafter(top_k=4), tree_size=4, dynamic=True, latency={1: 1.0, 2: 1.4, 4: 1.9})
+  d = rules.init_rule_state(jnp.zeros((2, 4), jnp.int32), jnp.array([4, 4]), inputs, SimpleNamespace(lanes=4))
+  hits = jnp.zeros_like(d.hits).at[0, :, 0].set(1e6)  # request 0: every head's first candidate right, always
+  d = dataclasses.replace(d, hits=hits, trials=jnp.full_like(d.trials, 1e6))
+  pick = lambda live: [int(s) for s in rules.planned_size(d, jnp.array(live))]
+  assert pick([False, True]) == [1, 1]  # request 1 alone: its trees never pay
+  assert pick([True, False])[0] > 1  # request 0 alone: they do
+  assert pick([True, True]) == [2, 2]  # together: (2 + 1) / 1.4 beats (1 + 1) / 1.0 and (<= 4 + 1) / 1.9
+
+
 def test_calibration_times_every_size():
   info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=4, steps=4, repeats=1)
   assert info["sizes"] == [1, 2, 4] and all(s > 0 for s in info["seconds"]) and info["beta"] > 0
   assert info["table"][1] == info["seconds"][0]  # the plain step as measured
+
+
+def test_calibration_cancels_the_prefill(monkeypatch):
+  """A step's time is the difference of a long and a short run over their steps: the prefill both pay (here
+  0.5 s against 0.05 s a step) does not inflate it, and the plain size keeps its own time."""
+  from types import SimpleNamespace
+
+  from pasta_jax.decode import latency
+  def prepare(model, ids, *, latency, max_new_tokens, **kw):
+    return min(latency, key=latency.get), max_new_tokens  # (the pinned size, the tokens asked)
+  def run(prep):
+    size, steps = prep
+    return [SimpleNamespace(steps=steps)], 0.5 + steps * (0.03 if size == 1 else 0.04 + 0.01 * size)
+  monkeypatch.setattr(latency.api, "prepare_method", prepare)
+  monkeypatch.setattr(latency.api, "run_prepared", run)
+  info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=4, steps=8, repeats=1)
+  np.testing.assert_allclose(info["seconds"], [0.03, 0.06, 0.08])
+  assert (info["alpha"], info["beta"]) == pytest.approx((0.01, 0.04))
+  assert info["table"] == pytest.approx({1: 0.03, 2: 0.06, 4: 0.08})
 
 
 def test_bad_requests_name_the_problem(tmp_path):

@@ -20,18 +20,30 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
                       repeats: int = 2, **prepare_kw) -> dict:
   """Times the ProPD loop with its size pinned to each candidate size (latency 1 there, 1e9 elsewhere: the
   same compiled program) on `ids` (the batch size matters); returns sizes, per-step seconds, the fit of the
-  tree sizes and the table ProPD takes (`latency=...["table"]`)."""
+  tree sizes and the table ProPD takes (`latency=...["table"]`). A step's time is the difference of a run of
+  2 x `steps` tokens and one of `steps` over their step counts, so the prefill both include cancels out."""
   rules, _ = rules_and_inputs(drafter, tree_size=tree_size, dynamic=True, latency=(1.0, 1.0))
+  run = lambda pinned, tokens, times: _best_run(model, ids, drafter, tree_size, pinned, tokens, times, prepare_kw)
+  for tokens in (steps, 2 * steps):  # compile both programs (every pinned size runs the same two)
+    run({s: 1.0 for s in rules.sizes}, tokens, 1)
   per_step = []
   for size in rules.sizes:
     pinned = {s: 1.0 if s == size else 1e9 for s in rules.sizes}
-    prep = api.prepare_method(model, ids, method="propd", heads=drafter, tree_size=tree_size, latency=pinned,
-                              max_new_tokens=steps, **prepare_kw)
-    best = np.inf
-    for _ in range(repeats):
-      runs, seconds = api.run_prepared(prep)
-      best = min(best, seconds / max(1, max(r.steps for r in runs)))
-    per_step.append(best)
+    short, long = run(pinned, steps, repeats), run(pinned, 2 * steps, repeats)
+    differs = long[1] > short[1] and long[0] > short[0]  # (else: ended early, or noise: whole-run average)
+    per_step.append((long[0] - short[0]) / (long[1] - short[1]) if differs else long[0] / max(long[1], 1))
   table, (alpha, beta) = step_times(rules.sizes, per_step)
   return {"sizes": list(rules.sizes), "seconds": per_step, "alpha": alpha, "beta": beta, "table": table,
           "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _best_run(model, ids, drafter, tree_size, pinned, tokens, repeats, prepare_kw) -> tuple[float, int]:
+  """(seconds, steps) of the fastest of `repeats` runs of the pinned ProPD loop writing up to `tokens` tokens
+  (prefill included)."""
+  prep = api.prepare_method(model, ids, method="propd", heads=drafter, tree_size=tree_size, latency=pinned,
+                            max_new_tokens=tokens, **prepare_kw)
+  best = (np.inf, 0)
+  for _ in range(max(repeats, 1)):
+    runs, seconds = api.run_prepared(prep)
+    best = min(best, (seconds, max(r.steps for r in runs)))
+  return best

@@ -15,9 +15,9 @@ node. Then, on device:
   the pool     the path's slots become main's, every other node's slot is freed (lowest-free reuse);
   the heads    the last path node's head candidates build the next tree.
 
-ProPD's dynamic tree size (`dynamic=True`): each step, per request, the prefix of the tree maximising
-E(s) / T(s) among the lane buckets s = 1, 2, 4, ..., N: E(s) is the expected accepted length from the
-heads' top-k hit rates (a calibrated prior, updated online from the request's own steps), and
+ProPD's dynamic tree size (`dynamic=True`): each step, one prefix of the tree for the batch, maximising
+sum_b E_b(s) / T(s) among the lane buckets s = 1, 2, 4, ..., N: E_b(s) is request b's expected accepted
+length from the heads' top-k hit rates (a calibrated prior, updated online from the request's own steps), and
 T(s) = alpha * s + beta the step time of size s, fitted from a calibration run on the device and
 batch size (`rule_inputs["latency"]`): the loop runs on device, so times are measured between host calls.
 Size 1 is the root alone, a plain step: when no request of the batch plans a tree for its next step, the
@@ -130,17 +130,19 @@ class MedusaRules(SequentialRules):
     return dataclasses.replace(state, rule_state=dataclasses.replace(d, inputs={**d.inputs, "latency": latency}))
 
   # --- before the model: lay out the tree -----------------------------------------------------------
-  def tree_size(self, d: TreeState) -> jax.Array:
+  def tree_size(self, d: TreeState, live: jax.Array) -> jax.Array:
     """[B] nodes each request feeds: the whole tree, or ProPD's choice; the root alone before candidates."""
-    size = self.planned_size(d) if self.dynamic else jnp.full(d.root_token.shape, self.tree.size, jnp.int32)
+    size = self.planned_size(d, live) if self.dynamic else jnp.full(live.shape, self.tree.size, jnp.int32)
     return jnp.where(d.have_candidates, size, 1).astype(jnp.int32)
 
-  def planned_size(self, d: TreeState) -> jax.Array:
-    """[B] ProPD's choice: the size s maximising E(s) / T(s), were the heads' candidates at hand."""
+  def planned_size(self, d: TreeState, live: jax.Array) -> jax.Array:
+    """[B] ProPD's choice, one for the batch: the size s maximising the `live` requests' expected tokens over
+    the step's time, sum_b E_b(s) / T(s), were the heads' candidates at hand. One size, since every row of a
+    step computes the largest tree of the batch and T(s) is timed for the whole batch."""
     expected = jnp.cumsum(self.node_probabilities(d), axis=1)  # [B, N] E(prefix of i + 1 nodes)
     sizes = jnp.asarray(self.sizes)
-    gain = expected[:, sizes - 1] / d.inputs["latency"][None, :]  # [B, n_sizes]
-    return sizes[jnp.argmax(gain, axis=1)]
+    tokens = jnp.sum(jnp.where(live[:, None], expected[:, sizes - 1], 0.0), axis=0)  # [n_sizes]
+    return jnp.full(live.shape, sizes[jnp.argmax(tokens / d.inputs["latency"])], jnp.int32)
 
   def hit_rates(self, d: TreeState) -> jax.Array:
     """[B, H, k] each head's rank hit rates: the calibrated prior, moved by the request's own steps."""
@@ -170,7 +172,7 @@ class MedusaRules(SequentialRules):
     running = state.live & (state.status[:, 0] == RUNNING)
     at_end = running & jnp.isin(d.root_token, jnp.asarray(cfg.vocab.eos_ids))
     free = usable_slots(state).sum(axis=1)
-    size = jnp.minimum(self.tree_size(d), free)
+    size = jnp.minimum(self.tree_size(d, running & ~at_end), free)
     out_of_room = running & ~at_end & (free == 0)
     lanes = jnp.arange(cfg.lanes)
     feed = (running & ~at_end)[:, None] & (lanes[None, :] < size[:, None])
@@ -214,7 +216,7 @@ class MedusaRules(SequentialRules):
     new = self.count_hits(new, d, node_token, on_path, depth, chosen[b[:, 0], last], depth[last], fed)
     fresh = fed
     if self.dynamic:  # no request will feed a tree next step: the heads do not run (the step costs a plain one)
-      fresh = fed & jnp.any(fed & (self.planned_size(new) > 1))
+      fresh = fed & jnp.any(self.planned_size(new, fed) > 1)
     candidates = jax.lax.cond(jnp.any(fresh), lambda: self.last_node_candidates(d, aux, last),
                               lambda: d.candidates)
     new = dataclasses.replace(new, candidates=jnp.where(fresh[:, None, None], candidates, d.candidates),
