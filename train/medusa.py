@@ -8,7 +8,10 @@ Stages, each resumable (a finished stage is skipped; `distill` appends and resum
   train    the heads on a frozen base: loss sum_k 0.8^k CE(head_k) (`pasta_jax.model.medusa`), the base's
            hidden states computed once and cached; heads.safetensors + heads.json at the end;
   calibrate  per-head top-k hit rates on held-out distilled answers (calibration.json): the tree builder's
-           and ProPD's prior.
+           and ProPD's prior;
+  early    ProPD's early prediction head (`decode/rules/pruning.py`): the residual stream after --early-layer
+           layers -> the next token, over the heads' draft vocabulary, from the logit lens as its start;
+           heads/early.safetensors + early.json with the held-out top-K hit rates before and after.
 """
 
 from __future__ import annotations
@@ -224,6 +227,97 @@ def calibrate(model, rows: list[dict], out: Path, top_k: int) -> dict:
   return info
 
 
+# --- early head (ProPD) ----------------------------------------------------------------------------------
+def early_states(model, rows: list[dict], layer: int, batch: int = 4) -> tuple[np.ndarray, np.ndarray]:
+  """The residual stream after `layer` layers at every answer position t - 1 ([M, D]) and the next token [M]."""
+  import jax
+  import jax.numpy as jnp
+
+  from pasta_jax.decode.loop import bucket
+  from pasta_jax.model.gemma import Gemma, causal_mask
+  module = Gemma(model.config)
+  stream = jax.jit(lambda tokens, lengths: module.apply(
+      model.params, tokens, jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape),
+      causal_mask(*tokens.shape, lengths), hidden_after=layer))
+  states, targets = [], []
+  for start in tqdm(range(0, len(rows), batch), desc=f"residual stream after layer {layer}"):
+    chunk = rows[start:start + batch]
+    seqs = [np.asarray(r["prompt_ids"] + r["answer_ids"]) for r in chunk]
+    tokens = np.zeros((len(seqs), bucket(max(map(len, seqs)))), np.int32)
+    for i, seq in enumerate(seqs):
+      tokens[i, :len(seq)] = seq
+    x = np.asarray(stream(jnp.asarray(tokens), jnp.asarray([len(q) for q in seqs])))
+    for i, (seq, r) in enumerate(zip(seqs, chunk)):
+      pos = np.arange(len(r["prompt_ids"]) - 1, len(seq) - 1)
+      states.append(x[i, pos])
+      targets.append(seq[pos + 1])
+  return np.concatenate(states).astype(np.float32), np.concatenate(targets)
+
+
+def early_hit_rate(head, states, targets, drafted, vocab, top_k: int) -> float:
+  """Share of positions whose next token is in the early head's top-K (what pruning keeps)."""
+  import jax
+  import jax.numpy as jnp
+
+  from pasta_jax.decode.rules import pruning
+  top = jax.jit(lambda x: pruning.early_top_tokens(head, x, drafted, vocab, top_k))
+  hits = sum(int(np.sum(np.any(np.asarray(top(jnp.asarray(states[i:i + 512]))) == targets[i:i + 512, None], -1)))
+             for i in range(0, len(states), 512))
+  return hits / max(len(states), 1)
+
+
+def train_early_head(model, train_rows, held_rows, out: Path, layer: int, top_k: int, epochs: int, batch: int,
+                     lr: float) -> dict:
+  """ProPD's early head on a frozen base: CE of the next token over the draft vocabulary, from the logit lens."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from pasta_jax.decode.rules import pruning
+  heads, _, _ = medusa.load_heads(out / "heads")
+  unembed = model.params["params"]["embedder"]
+  drafted, vocab = medusa.draft_unembed(heads, unembed), heads.get("vocab")
+  states, targets = early_states(model, train_rows, layer)
+  held_states, held_targets = early_states(model, held_rows, layer)
+  remap = np.full(unembed.shape[0], -1, np.int64)
+  remap[np.asarray(vocab) if vocab is not None else np.arange(unembed.shape[0])] = np.arange(drafted.shape[0])
+  rows = remap[targets]
+  states, rows = states[rows >= 0], rows[rows >= 0]  # a target outside the draft vocabulary is never a candidate
+  head = pruning.logit_lens_head(model.params["params"]["final_norm"]["scale"])
+  before = early_hit_rate(head, held_states, held_targets, drafted, vocab, top_k)
+  steps = epochs * (len(states) // batch)
+  optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), steps), weight_decay=0.0)
+  opt_state = optimizer.init(head)
+
+  def loss_fn(head, x, t):
+    log_p = jax.nn.log_softmax(pruning.early_head_logits(head, x, drafted), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(log_p, t[:, None], axis=-1))
+
+  @jax.jit
+  def update(head, opt_state, x, t):
+    loss, grads = jax.value_and_grad(loss_fn)(head, x, t)
+    updates, opt_state = optimizer.update(grads, opt_state, head)
+    return optax.apply_updates(head, updates), opt_state, loss
+
+  rng, history = np.random.default_rng(0), []
+  with tqdm(total=steps, desc=f"train early head (layer {layer})") as bar:
+    for _ in range(epochs):
+      order = rng.permutation(len(states))
+      for i in range(len(states) // batch):
+        pick = order[i * batch:(i + 1) * batch]
+        head, opt_state, loss = update(head, opt_state, jnp.asarray(states[pick]), jnp.asarray(rows[pick]))
+        history.append(float(loss))
+        bar.set_postfix(loss=f"{float(loss):.3f}")
+        bar.update()
+  after = early_hit_rate(head, held_states, held_targets, drafted, vocab, top_k)
+  meta = {"layer": layer, "top_k": top_k, "positions": int(len(states)), "steps": steps, "epochs": epochs,
+          "lr": lr, "first_loss": history[0] if history else None, "last_loss": history[-1] if history else None,
+          "held_out_top_k_hit_rate": {"logit_lens": before, "trained": after}}
+  pruning.save_early_head(out / "heads", head, meta)
+  (out / "early_loss.json").write_text(json.dumps(history))
+  return meta
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", required=True, help="run directory")
@@ -240,6 +334,8 @@ def main(argv=None) -> int:
                       help="tokens the heads rank: the most frequent of the training text (0: all 262k)")
   parser.add_argument("--top-k", type=int, default=10, help="candidates per head kept at calibration")
   parser.add_argument("--held-out", type=float, default=0.1, help="share of distilled answers kept for calibration")
+  parser.add_argument("--early-layer", type=int, default=4, help="stage early: the layer ProPD's early head reads")
+  parser.add_argument("--early-top-k", type=int, default=50, help="stage early: the list pruning keeps per node")
   args = parser.parse_args(argv)
   from pasta_jax.model.load import load_model
   out = Path(args.out)
@@ -257,6 +353,12 @@ def main(argv=None) -> int:
     if "calibrate" in stages:
       info = calibrate(model, held_rows, out, args.top_k)
       print("top-1 hit rate per head:", " ".join(f"{x:.3f}" for x in info["top1"]))
+    if "early" in stages:
+      meta = train_early_head(model, train_rows, held_rows, out, args.early_layer, args.early_top_k, args.epochs,
+                              args.train_batch, args.lr)
+      rates = meta["held_out_top_k_hit_rate"]
+      print(f"early head, layer {args.early_layer}: next token in the top {args.early_top_k} "
+            f"{rates['logit_lens']:.3f} (logit lens) -> {rates['trained']:.3f} (trained)")
   except PastaError as err:
     print(f"error: {err}", file=sys.stderr)
     return 2

@@ -356,15 +356,16 @@ def prepare_method(model, ids: Sequence[Sequence[int]], *, method: str = "pasta"
 
 def prepare_tree(model, ids, method: str, *, forced: bool, return_logits: bool, ignore_eos: bool, heads=None,
                  tree_size: int | None = None, choices=None, acceptance: str = "greedy", latency=None,
-                 **kw) -> Prepared:
-  """Medusa (fixed tree) or ProPD (dynamic tree size) on the model's Medusa heads (`speculation`)."""
-  from pasta_jax.decode.speculation import default_tree_size, load_drafter, rules_and_inputs
+                 prune=None, **kw) -> Prepared:
+  """Medusa (fixed tree) or ProPD (dynamic tree size, early pruning) on the model's Medusa heads."""
+  from pasta_jax.decode.speculation import default_tree_size, early_prune, load_drafter, rules_and_inputs
   if forced:
     raise PastaError(f"method={method!r} speculates on the model's own tokens: it replays no forced answers")
   drafter = load_drafter(model, heads)
   size = tree_size or default_tree_size(method)
+  pruning = early_prune(method, prune, model.config.num_layers)
   rules, inputs = rules_and_inputs(drafter, tree_size=size, dynamic=method == "propd", acceptance=acceptance,
-                                   latency=latency, choices=choices)
+                                   latency=latency, choices=choices, prune=pruning)
   rules = dataclasses.replace(rules, ignore_eos=ignore_eos, softcap=model.config.final_logit_softcap)
   return prepare(model, ids, rules=rules, lanes=rules.tree.size, max_threads=rules.tree.size,
                  record_logits=return_logits, rule_inputs=inputs, **kw)
@@ -402,7 +403,7 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
              position_mode: PositionMode = "pred", dtype=jnp.float32, forced_answers: Sequence[str] | None = None,
              max_depth: int = 3, return_logits: bool = False, params=None, drafts: int | None = None,
              ngram="default", mesh=None, attention: str = "xla", heads=None, tree_size: int | None = None,
-             acceptance: str = "greedy", latency=None) -> list[Result]:
+             acceptance: str = "greedy", latency=None, prune=None) -> list[Result]:
   """Decodes each prompt (a batch; requests never interact) with `method` through the one interpreter.
 
   method: "pasta", "apar", "sequential" ("sot" needs point prompts: `generate_ids(..., scripts=...)`, or
@@ -421,6 +422,8 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
   and "propd" (its dynamic tree size): the Medusa heads (a folder, a `speculation.Drafter`, or None for the
   model's shipped ones), the tree's nodes (16 / 64), "greedy" or "typical", and ProPD's step-time model
   ((alpha, beta) seconds, or a {size: seconds} table; `decode.latency.calibrate_latency` measures both).
+  prune: early pruning of the tree (`decode.rules.pruning.EarlyPrune`; None: ProPD's default layer 4 / top 50
+  for "propd", none for "medusa"; False: off).
   `Result.speculation` has the accepted length per step, per-head hit rates and the tree sizes chosen.
   """
   if model.tokenizer is None:
@@ -430,16 +433,17 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
                       lanes=lanes, max_threads=max_threads, sampling=sampling, position_mode=position_mode,
                       dtype=dtype, max_depth=max_depth, return_logits=return_logits, params=params,
                       drafts=drafts, ngram=ngram, mesh=mesh, attention=attention,
-                      **tree_options(method, heads, tree_size, acceptance, latency))
+                      **tree_options(method, heads, tree_size, acceptance, latency, prune))
 
 
-def tree_options(method: str, heads, tree_size, acceptance: str, latency) -> dict:
+def tree_options(method: str, heads, tree_size, acceptance: str, latency, prune=None) -> dict:
   """The Medusa / ProPD options of `generate`, refused for the other methods."""
-  options = {"heads": heads, "tree_size": tree_size, "latency": latency}
+  options = {"heads": heads, "tree_size": tree_size, "latency": latency, "prune": prune}
   if method in TREE_METHODS:
     return {**options, "acceptance": acceptance}
   if any(v is not None for v in options.values()) or acceptance != "greedy":
-    raise PastaError(f"heads, tree_size, acceptance and latency are for methods medusa and propd, not {method!r}")
+    raise PastaError(f"heads, tree_size, acceptance, latency and prune are for methods medusa and propd, "
+                     f"not {method!r}")
   return {}
 
 

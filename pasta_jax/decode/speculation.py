@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.decode.rules.medusa import MedusaRules
+from pasta_jax.decode.rules.pruning import EarlyPrune, load_early_head
 from pasta_jax.decode.tree import TokenTree, build_tree, default_hit_rates
 from pasta_jax.errors import PastaError
 from pasta_jax.model import medusa
@@ -23,6 +24,7 @@ CALIBRATION_FILE = "calibration.json"
 MEDUSA_DIR = "medusa"  # the shipped heads of an adapter live in <adapter>/medusa/
 DEFAULT_TREE = 64  # Medusa's default tree size (its 63 candidates + the root)
 FIXED_TREE = 16  # method "medusa"'s default: on a CPU a fixed 64-node tree costs more than it saves
+PROPD_PRUNE = EarlyPrune()  # ProPD's early pruning as the paper runs it: layer 4, top 50
 
 
 def default_tree_size(method: str) -> int:
@@ -36,6 +38,7 @@ class Drafter:
   config: medusa.MedusaConfig
   hit_rates: np.ndarray  # [H, k] calibrated: P(head h's rank-r token is right | its depth was reached)
   source: str = ""
+  early_head: dict | None = None  # ProPD's trained early head (`train.medusa --stages early`); None: logit lens
 
   @property
   def top_k(self) -> int:
@@ -61,17 +64,33 @@ def load_drafter(model, heads=None) -> Drafter:
     rates = np.asarray(json.loads(calibration.read_text())["hit_rates"], np.float32)
   else:
     rates = default_hit_rates(config.num_heads, 8).astype(np.float32)
-  return Drafter(params, config, rates, str(folder))
+  return Drafter(params, config, rates, str(folder), load_early_head(folder))
+
+
+def early_prune(method: str, prune, num_layers: int) -> EarlyPrune | None:
+  """The early pruning a tree method runs: None -> ProPD's default (`PROPD_PRUNE`: layer 4, or a quarter of the
+  way down a model of fewer than 16 layers), none for Medusa (the paper adds it in ProPD); False -> none; an
+  `EarlyPrune` -> as given."""
+  if prune is None:
+    layer = max(1, min(PROPD_PRUNE.layer, num_layers // 4))
+    return dataclasses.replace(PROPD_PRUNE, layer=layer) if method == "propd" else None
+  if prune is False or isinstance(prune, EarlyPrune):
+    return prune or None
+  raise PastaError(f"prune must be None (the method's default), False or an EarlyPrune, got {prune!r}")
 
 
 def rules_and_inputs(drafter: Drafter, *, tree_size: int = DEFAULT_TREE, dynamic: bool = False,
-                     acceptance: str = "greedy", latency=None, choices=None) -> tuple[MedusaRules, dict]:
+                     acceptance: str = "greedy", latency=None, choices=None,
+                     prune: EarlyPrune | None = None) -> tuple[MedusaRules, dict]:
   """(MedusaRules, rule_inputs) for a tree of `tree_size` nodes (or an explicit Medusa `choices` list);
-  dynamic=True (ProPD) takes `latency`: (alpha, beta) of T(s) = alpha s + beta, or {size: seconds per step}."""
+  dynamic=True (ProPD) takes `latency`: (alpha, beta) of T(s) = alpha s + beta, or {size: seconds per step};
+  prune: ProPD's early pruning (with the drafter's trained early head, else the logit lens)."""
   tree = TokenTree.from_choices(choices) if choices is not None else drafter.tree(tree_size)
   rules = MedusaRules(tree=tree, num_heads=drafter.config.num_heads, top_k=drafter.top_k, acceptance=acceptance,
-                      dynamic=dynamic)
+                      dynamic=dynamic, prune=prune)
   inputs = {"heads": drafter.heads, "rates": jnp.asarray(drafter.hit_rates, jnp.float32)}
+  if prune is not None and drafter.early_head is not None:
+    inputs["early"] = {k: jnp.asarray(v, jnp.float32) for k, v in drafter.early_head.items()}
   if dynamic:
     if latency is None:
       raise PastaError("method='propd' needs a latency model: latency=(alpha, beta) seconds, or per-size times "

@@ -84,7 +84,8 @@ def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: In
   logits, pool, *aux = model_fn(params, tokens, state.position[b, rows_lane], mask, state.pool,
                                 jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos, **mixed,
                                 **extras)
-  state, chosen, refused = choose_tokens(logits, rows_lane, row_ok, state, cfg, forced, aux[0] if aux else None)
+  aux = None if not aux else aux[0] if len(aux) == 1 else tuple(aux)  # what model_extras asked for
+  state, chosen, refused = choose_tokens(logits, rows_lane, row_ok, state, cfg, forced, aux)
   scatter_lane = jnp.where(row_ok, rows_lane, cfg.lanes)  # padding rows are dropped
   sampled = jnp.full((batch, cfg.lanes), -1, jnp.int32).at[b, scatter_lane].set(chosen, mode="drop")
   refused = jnp.zeros((batch, cfg.lanes), bool).at[b, scatter_lane].set(refused, mode="drop")

@@ -27,6 +27,7 @@ loudly), and multiplied weight-major. Same function, other float summation order
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -59,6 +60,35 @@ class KVPool:
 
   def nbytes(self) -> int:
     return self.k.nbytes + self.v.nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSelect:
+  """Query rows that go on past an early layer (ProPD's early pruning): after `layer` layers, `choose(x, tokens)`
+  (x [B, Q, D] the residual stream, tokens [B, Q]) returns (rows [B, M] int32, ok [B, M] bool), and only those M
+  rows (a static count) run the deeper layers and the output head; a row with ok False writes no K/V there.
+  The model then returns logits and hidden states scattered back to [B, Q] (zeros at rows cut) and `kept` [B, Q]."""
+
+  layer: int
+  keep: int  # M
+  choose: Callable
+
+
+def select_rows(select: RowSelect, x, tokens, positions, mask, slots, num_slots: int):
+  """Gathers the rows `select` keeps: (x, positions, mask, slots) of M rows, and (rows, ok) [B, M]."""
+  rows, ok = select.choose(x, tokens)
+  take = lambda a: jnp.take_along_axis(a, rows.reshape(rows.shape + (1,) * (a.ndim - 2)), axis=1)
+  if isinstance(mask, ThreadMask):
+    mask = dataclasses.replace(mask, horizon=take(mask.horizon))
+  else:
+    mask = take(mask)
+  return take(x), take(positions), mask, jnp.where(ok, take(slots), num_slots), rows, ok
+
+
+def scatter_rows(values, rows, ok, num_q: int):
+  """values [B, M, X] of the kept rows -> [B, Q, X], zeros elsewhere."""
+  out = jnp.zeros((values.shape[0], num_q) + values.shape[2:], values.dtype)
+  return out.at[jnp.arange(values.shape[0])[:, None], jnp.where(ok, rows, num_q)].set(values, mode="drop")
 
 
 class RMSNorm(nn.Module):
@@ -285,12 +315,14 @@ class Gemma(nn.Module):
   @nn.compact
   def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None,
                kv_positions=None, return_hidden: bool = False, token_weights=None, logit_rows=None,
-               hidden_only: bool = False):
+               hidden_only: bool = False, row_select: RowSelect | None = None, hidden_after: int | None = None):
     """tokens: [B, Q] ids; or [B, Q, K] ids with token_weights [B, Q, K], when each input row is the
     weighted sum of K tokens' embeddings (a superposed input, as Superposed Decoding feeds).
     logit_rows: [B, R] query rows whose logits (and hidden states) are returned, [B, R, V]; None: all Q.
     A prefill needs only the last prompt row's: the output head is most of a small model's work.
-    hidden_only: return the final-normed hidden states [B, Q, D] alone (Medusa-1 training reads only these)."""
+    hidden_only: return the final-normed hidden states [B, Q, D] alone (Medusa-1 training reads only these).
+    row_select: ProPD's early pruning (`RowSelect`): the outputs gain `kept` [B, Q] bool last.
+    hidden_after: return the residual stream [B, Q, D] after that many layers alone (an early head's input)."""
     cfg = self.config
     embedding = self.param("embedder", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.embed_dim))
     row_delta, x = self._embed(embedding, tokens, token_weights)
@@ -308,7 +340,17 @@ class Gemma(nn.Module):
       raise ValueError(f"attention={self.attention!r} reads the thread metadata: pass a visibility.ThreadMask, "
                        "not a dense mask")
     block = nn.remat(Block) if self.remat else Block
+    num_q, kept_rows = x.shape[1], None
+    if row_select is not None and (logit_rows is not None or pool is None or tokens.ndim != 2):
+      raise ValueError("row_select prunes decode rows over a pool: not with logit_rows, a full sequence or mixes")
+    if row_select is not None and not 0 < row_select.layer < cfg.num_layers:
+      raise ValueError(f"row_select.layer must be in [1, {cfg.num_layers}), got {row_select.layer}")
     for i, kind in enumerate(cfg.layer_kinds):
+      if row_select is not None and i == row_select.layer:
+        x, positions, mask, slots, *kept_rows = select_rows(row_select, x, tokens, positions, mask, slots,
+                                                            pk.shape[2])
+      if i == hidden_after:
+        return x
       layer = block(cfg, kind, i, self.decode_layout, self.adapter, self.attention, name=f"layer_{i}")
       x, pk, pv = layer(x, positions, mask, kv_positions, pk, pv, slots)
       x = self._constrain(x)
@@ -327,9 +369,12 @@ class Gemma(nn.Module):
       logits = logits.at[..., jnp.asarray(self.adapter.row_ids)].add(extra)
     logits = self._constrain(softcap(logits, cfg.final_logit_softcap), last="tensor")
     new_pool = None if pool is None else KVPool(pk, pv)
-    if return_hidden:
-      return logits, new_pool, x
-    return logits, new_pool
+    outputs = (logits, new_pool) + ((x,) if return_hidden else ())
+    if row_select is None:
+      return outputs
+    rows, ok = kept_rows
+    kept = scatter_rows(ok[..., None], rows, ok, num_q)[..., 0]
+    return tuple(o if o is new_pool else scatter_rows(o, rows, ok, num_q) for o in outputs) + (kept,)
 
   def _embed(self, embedding, tokens, token_weights):
     """(row_delta or None, input rows [B, Q, D] before the sqrt(D) scale)."""

@@ -354,12 +354,14 @@ class Engine:
     rows, step = batch.rows_to_run(), int(batch.state.step)
     if entry.latency is not None:
       batch.state = entry.prep.cfg.rules.with_latency(batch.state, entry.latency.table(rows))
+    steps = min(self.cfg.first_chunk_steps, self.cfg.chunk_steps) if entry.fresh else self.cfg.chunk_steps
     begin = time.perf_counter()
-    batch.run(min(self.cfg.first_chunk_steps, self.cfg.chunk_steps) if entry.fresh else self.cfg.chunk_steps)
+    batch.run(steps)
     entry.fresh = False
     view = self._visit(entry, list(entry.holders))
     self.metrics.chunk_seconds.observe(time.perf_counter() - begin)
-    if entry.latency is not None:
+    whole = steps == self.cfg.chunk_steps  # ProPD times whole chunks: a short one's host visit weighs on few steps
+    if entry.latency is not None and whole:
       entry.latency.observe(rows, time.perf_counter() - begin, view.step - step)
       for fitted_rows, (alpha, beta) in entry.latency.fits().items():
         self.metrics.propd_latency.labels(str(fitted_rows), "alpha").set(alpha)

@@ -23,6 +23,11 @@ batch size (`rule_inputs["latency"]`): the loop runs on device, so times are mea
 Size 1 is the root alone, a plain step: when no request of the batch plans a tree for its next step, the
 heads do not run either (`lax.cond`), so T(1) is a plain step's time and ProPD falls back to plain decoding
 where no tree pays for itself (its hit rates then stay as they are, and so does the choice).
+
+ProPD's early pruning (`prune=EarlyPrune(...)`, `rules/pruning.py`): after a few layers an early head lists
+each node's likely successors; nodes not on their parent's list, and their subtrees, leave the model call, so
+only M of a bucket's Q rows run the deep layers and the output head (`model.gemma.RowSelect`). A pruned node is
+never accepted, so greedy acceptance stays lossless.
 """
 
 from __future__ import annotations
@@ -35,11 +40,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.decode.pool import lowest_free_slots, usable_slots, write_slots
+from pasta_jax.decode.rules import pruning
 from pasta_jax.decode.rules.base import InterpreterConfig, Rules, StepFeed
 from pasta_jax.decode.rules.sequential import SequentialRules
 from pasta_jax.decode.state import DONE, FREE, RUNNING, InterpState
 from pasta_jax.decode.tree import TokenTree
 from pasta_jax.model import medusa
+from pasta_jax.model.gemma import RowSelect
 from pasta_jax.visibility import HIDDEN, UNBOUNDED
 
 ACCEPTANCE = ("greedy", "typical")
@@ -60,6 +67,8 @@ class TreeState:
   tree_steps: jax.Array  # [B] int32 steps that fed a tree
   written: jax.Array  # [B] int32 tokens those steps wrote (accept length summed)
   size_counts: jax.Array  # [B, n_sizes] int32 how often each tree size was chosen
+  tree_nodes: jax.Array  # [B] int32 nodes fed past the root (candidates)
+  pruned: jax.Array  # [B] int32 of those, nodes early pruning cut before the deep layers
   inputs: dict  # read-only: heads, prior hit rates [H, k], latency [n_sizes] (ProPD)
 
 
@@ -78,6 +87,7 @@ class MedusaRules(SequentialRules):
   dynamic: bool = False  # ProPD: pick the tree prefix each step (needs rule_inputs["latency"])
   prior_weight: float = 20.0  # pseudo-steps behind the calibrated hit rates (ProPD's online estimate)
   softcap: float | None = None  # the model's final logit soft cap, which the heads' logits take too
+  prune: pruning.EarlyPrune | None = None  # ProPD's early pruning (None: every node runs every layer)
 
   def validate(self, cfg: InterpreterConfig) -> None:
     Rules.validate(self, cfg)
@@ -96,10 +106,19 @@ class MedusaRules(SequentialRules):
 
   # --- state ---------------------------------------------------------------------------------------
   def bind_inputs(self, rule_inputs, params):
-    """The heads rank the draft vocabulary's rows of the model's tied output head, gathered here once."""
-    if rule_inputs is None or "drafted" in rule_inputs:
+    """The heads rank the draft vocabulary's rows of the model's tied output head, gathered here once; early
+    pruning without a trained early head reads the model's final norm (the logit lens)."""
+    if rule_inputs is None:
       return rule_inputs
-    return {**rule_inputs, "drafted": medusa.draft_unembed(rule_inputs["heads"], params["params"]["embedder"])}
+    bound = dict(rule_inputs)
+    if "drafted" not in bound:
+      bound["drafted"] = medusa.draft_unembed(bound["heads"], params["params"]["embedder"])
+    if self.prune is not None and "early" not in bound:
+      bound["early"] = pruning.logit_lens_head(params["params"]["final_norm"]["scale"])
+    if self.prune is not None and self.prune.top_k > bound["drafted"].shape[0]:
+      raise ValueError(f"early pruning keeps the top {self.prune.top_k} of a draft vocabulary of "
+                       f"{bound['drafted'].shape[0]} tokens")
+    return bound
 
   def init_rule_state(self, prompt_tokens, lengths, rule_inputs, cfg: InterpreterConfig) -> TreeState:
     if rule_inputs is None or "heads" not in rule_inputs:
@@ -114,12 +133,25 @@ class MedusaRules(SequentialRules):
                      trials=jnp.zeros((batch, h), jnp.float32), tree_steps=jnp.zeros((batch,), jnp.int32),
                      written=jnp.zeros((batch,), jnp.int32),
                      size_counts=jnp.zeros((batch, len(self.sizes)), jnp.int32),
+                     tree_nodes=jnp.zeros((batch,), jnp.int32), pruned=jnp.zeros((batch,), jnp.int32),
                      inputs={**rule_inputs, "rates": jnp.asarray(rates, jnp.float32)})
 
   def model_extras(self, state: InterpState, cfg: InterpreterConfig, num_q: int) -> dict:
-    """The model returns its hidden states too: the heads run on the path's last node only, after acceptance."""
-    del state, cfg, num_q
-    return {"return_hidden": True}
+    """The model returns its hidden states too: the heads run on the path's last node only, after acceptance.
+    With early pruning, a bucket of num_q rows sends only `prune.rows_kept(num_q)` past the early layer."""
+    del cfg
+    keep = num_q if self.prune is None else self.prune.rows_kept(num_q)
+    if keep == num_q:
+      return {"return_hidden": True}
+    inputs, prune = state.rule_state.inputs, self.prune
+    parent, depth = self.tree.parent[:num_q], self.tree.depth[:num_q]
+
+    def choose(x, tokens):
+      top = pruning.early_top_tokens(inputs["early"], x, inputs["drafted"], inputs["heads"].get("vocab"),
+                                     prune.top_k, prune.eps)
+      return pruning.first_rows(pruning.surviving_nodes(top, tokens, parent, depth), keep)
+
+    return {"return_hidden": True, "row_select": RowSelect(prune.layer, keep, choose)}
 
   @staticmethod
   def with_latency(state: InterpState, table) -> InterpState:
@@ -199,11 +231,12 @@ class MedusaRules(SequentialRules):
     d: TreeState = state.rule_state
     if aux is None:  # after prefill: main's first token is the first root
       return dataclasses.replace(state, rule_state=dataclasses.replace(d, root_token=chosen[:, 0])), chosen, refused
+    hidden, kept = aux if isinstance(aux, tuple) else (aux, row_ok)  # kept: the rows early pruning let through
     b = jnp.arange(logits.shape[0])[:, None]
     num_q = logits.shape[1]  # feeders are lanes 0..size-1, so row q is lane q
     depth, parent = jnp.asarray(self.tree.depth[:num_q]), jnp.asarray(np.maximum(self.tree.parent[:num_q], 0))
     node_token = state.token[b, rows_lane]
-    accepted = self.accepted_nodes(state, node_token, chosen, logits, row_ok, depth, parent, cfg)
+    accepted = self.accepted_nodes(state, node_token, chosen, logits, row_ok & kept, depth, parent, cfg)
     score = jnp.where(accepted, depth[None, :] * (num_q + 1) + (num_q - jnp.arange(num_q))[None, :], -1)
     last = jnp.argmax(score, axis=1)  # deepest accepted node; among equals the likelier (earlier) one
     on_path = jnp.asarray(self.tree.ancestors[:num_q, :num_q])[last] & row_ok  # [B, Q]
@@ -212,12 +245,13 @@ class MedusaRules(SequentialRules):
     new = dataclasses.replace(
         d, root_token=jnp.where(fed, chosen[b[:, 0], last], d.root_token),
         root_pos=jnp.where(fed, d.root_pos + depth[last] + 1, d.root_pos), path=path,
-        tree_steps=d.tree_steps + fed, written=d.written + jnp.where(fed, depth[last] + 1, 0))
+        tree_steps=d.tree_steps + fed, written=d.written + jnp.where(fed, depth[last] + 1, 0),
+        tree_nodes=d.tree_nodes + jnp.sum(row_ok[:, 1:], axis=1), pruned=d.pruned + jnp.sum(row_ok & ~kept, axis=1))
     new = self.count_hits(new, d, node_token, on_path, depth, chosen[b[:, 0], last], depth[last], fed)
     fresh = fed
     if self.dynamic:  # no request will feed a tree next step: the heads do not run (the step costs a plain one)
       fresh = fed & jnp.any(self.planned_size(new, fed) > 1)
-    candidates = jax.lax.cond(jnp.any(fresh), lambda: self.last_node_candidates(d, aux, last),
+    candidates = jax.lax.cond(jnp.any(fresh), lambda: self.last_node_candidates(d, hidden, last),
                               lambda: d.candidates)
     new = dataclasses.replace(new, candidates=jnp.where(fresh[:, None, None], candidates, d.candidates),
                               have_candidates=jnp.where(fed, fresh, d.have_candidates))
@@ -295,4 +329,5 @@ class MedusaRules(SequentialRules):
             "head_top1": [float(h) for h in hits[:, 0] / np.maximum(trials, 1)],
             "head_topk": [float(h) for h in hits.sum(axis=1) / np.maximum(trials, 1)],
             "head_trials": [int(t) for t in trials],
-            "tree_sizes": dict(zip(self.sizes, (int(c) for c in np.asarray(d.size_counts[request]))))}
+            "tree_sizes": dict(zip(self.sizes, (int(c) for c in np.asarray(d.size_counts[request])))),
+            "prune_rate": int(d.pruned[request]) / max(int(d.tree_nodes[request]), 1)}
