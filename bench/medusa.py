@@ -6,14 +6,17 @@ answer tokens) decoded by
   - medusa  Medusa's fixed tree of --tree nodes (64: the size of Medusa's default tree), built by Medusa's
             recipe from the heads' calibrated hit rates, and every smaller fixed tree in --small-trees;
   - propd   ProPD's dynamic tree size (prefixes of the --tree-node tree), its latency model T(s) = alpha s + beta
-            calibrated first on this device and batch size (`speculation.calibrate_latency`).
+            calibrated first on this device and batch size (`speculation.calibrate_latency`), and its early
+            pruning (the heads folder's trained early head, else the logit lens; `decode/rules/pruning.py`);
+  - propd-unpruned  the same without early pruning (its own calibration), to show what pruning gives.
 Every program is compiled and run once before timing; figures are medians of --runs runs. Tree decoding is
 lossless, so every method writes the same tokens (checked: mismatches are printed and counted) and the
 tokens/s ratios are time ratios. Accepted length = tokens per step; per-head acceptance = how often head h's
 top-1 (and its top-k list) held the right token when its depth was reached.
 
   python -m bench.medusa [--batches 1,8] [--limit 8] [--limit-b1 4] [--runs 3] [--heads DIR]
-Last line: RESULT propd_b1=... propd_b8=... medusa_b1=... accept_len_b1=... (tokens/s over plain's).
+Last line: RESULT propd_b1=... propd_b8=... medusa_b1=... accept_len_b1=... unpruned_b1=... unpruned_b8=...
+(tokens/s over plain's).
 """
 
 from __future__ import annotations
@@ -84,29 +87,33 @@ def bench_batch(model, drafter, ids, batch: int, args) -> dict:
   big = [args.tree] if str(batch) in args.big_tree_batches.split(",") else []
   for size in big + [int(s) for s in args.small_trees.split(",") if s]:
     rows[f"medusa-{size}"] = timed(model, groups, args.runs, method="medusa", heads=drafter, tree_size=size, **common)
-  calibration = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16)
-  rows["propd"] = timed(model, groups, args.runs, method="propd", heads=drafter, tree_size=args.tree,
-                        latency=calibration["table"], **common)
-  rows["propd"]["calibration"] = calibration
+  for name, prune in (("propd", None), ("propd-unpruned", False)):
+    calibration = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16, prune=prune)
+    rows[name] = timed(model, groups, args.runs, method="propd", heads=drafter, tree_size=args.tree,
+                       latency=calibration["table"], prune=prune, **common)
+    rows[name]["calibration"] = calibration
   return rows
 
 
 def report(batch: int, rows: dict) -> None:
   plain = rows["plain"]["tok_s"]
   print(f"\nbatch {batch}: {rows['plain']['tokens']} tokens per method")
-  print(f"{'method':>12} {'tokens/s':>9} {'x plain':>8} {'accept':>7} {'mismatch':>8}  tree sizes chosen")
+  print(f"{'method':>14} {'tokens/s':>9} {'x plain':>8} {'accept':>7} {'mismatch':>8} {'pruned':>7}  "
+        "tree sizes chosen")
   for name, r in rows.items():
+    pruned = np.mean([s["prune_rate"] for s in r["stats"]]) if r["stats"] else 0.0
     sizes = {}
     for s in r["stats"]:
       for k, v in s["tree_sizes"].items():
         sizes[k] = sizes.get(k, 0) + v
-    chosen = " ".join(f"{k}:{v}" for k, v in sorted(sizes.items()) if v) if name == "propd" else ""
-    print(f"{name:>12} {r['tok_s']:9.2f} {r['tok_s'] / plain:8.3f} {r['accept']:7.2f} "
-          f"{mismatches(rows['plain'], r):8d}  {chosen}")
-  cal = rows["propd"]["calibration"]
-  times = " ".join(f"T({s})={t * 1e3:.1f}ms" for s, t in zip(cal["sizes"], cal["seconds"]))
-  print(f"ProPD latency calibration: {times}; fit alpha={cal['alpha'] * 1e3:.2f} ms/node "
-        f"beta={cal['beta'] * 1e3:.1f} ms")
+    chosen = " ".join(f"{k}:{v}" for k, v in sorted(sizes.items()) if v) if name.startswith("propd") else ""
+    print(f"{name:>14} {r['tok_s']:9.2f} {r['tok_s'] / plain:8.3f} {r['accept']:7.2f} "
+          f"{mismatches(rows['plain'], r):8d} {pruned:7.1%}  {chosen}")
+  for name in ("propd", "propd-unpruned"):
+    cal = rows[name]["calibration"]
+    times = " ".join(f"T({s})={t * 1e3:.1f}ms" for s, t in zip(cal["sizes"], cal["seconds"]))
+    print(f"{name} latency calibration: {times}; fit alpha={cal['alpha'] * 1e3:.2f} ms/node "
+          f"beta={cal['beta'] * 1e3:.1f} ms")
   medusa_key = max((k for k in rows if k.startswith("medusa-")), key=lambda k: rows[k]["accept"])
   top1, topk = head_rates(rows[medusa_key]["stats"])
   print(f"per-head acceptance ({medusa_key}): top-1 " + " ".join(f"{x:.3f}" for x in top1)
@@ -119,7 +126,9 @@ def main(argv=None) -> None:
   drafter = load_drafter(model, args.heads)
   instructions = [r["instruction"] for r in sources.read_records("alpaca_eval_805")][: args.limit]
   ids = prompt_ids(model.tokenizer, instructions, chat=True)
-  print(f"model {model.source}; heads {drafter.source} ({drafter.config.num_heads} heads, top-{drafter.top_k}); "
+  early = "trained" if drafter.early_head is not None else "logit lens"
+  print(f"model {model.source}; heads {drafter.source} ({drafter.config.num_heads} heads, top-{drafter.top_k}, "
+        f"early head: {early}); "
         f"{len(ids)} prompts, {args.new_tokens} new tokens, greedy; medians of {args.runs} runs")
   results = {}
   for batch in tqdm([int(b) for b in args.batches.split(",")], desc="batch sizes"):
@@ -137,7 +146,8 @@ def main(argv=None) -> None:
       print(f"best fixed small tree at batch {b}: {k} ({ratio(b, k):.3f}x plain)")
   accept = results[1]["propd"]["accept"] if 1 in results else float("nan")
   print(f"RESULT propd_b1={ratio(1, 'propd'):.3f} propd_b8={ratio(8, 'propd'):.3f} "
-        f"medusa_b1={ratio(1, f'medusa-{args.tree}'):.3f} accept_len_b1={accept:.2f}")
+        f"medusa_b1={ratio(1, f'medusa-{args.tree}'):.3f} accept_len_b1={accept:.2f} "
+        f"unpruned_b1={ratio(1, 'propd-unpruned'):.3f} unpruned_b8={ratio(8, 'propd-unpruned'):.3f}")
 
 
 if __name__ == "__main__":

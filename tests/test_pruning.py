@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pasta_jax.decode import api
 from pasta_jax.decode.rules import pruning
 from pasta_jax.decode.rules.pruning import EarlyPrune
-from pasta_jax.decode.speculation import rules_and_inputs
+from pasta_jax.decode.speculation import PROPD_PRUNE, early_prune, rules_and_inputs
 from pasta_jax.decode.tree import TokenTree
 from pasta_jax.errors import PastaError
 from pasta_jax.model.gemma import RowSelect
@@ -110,7 +110,8 @@ def test_logit_lens_head_is_the_final_norm_and_output_head():
 def test_early_head_save_and_load(tmp_path):
   head = {k: np.asarray(v) + 0.5 for k, v in pruning.logit_lens_head(jnp.ones(8)).items()}
   pruning.save_early_head(tmp_path, head, {"layer": 4})
-  loaded = pruning.load_early_head(tmp_path)
+  loaded, layer = pruning.load_early_head(tmp_path)
+  assert layer == 4
   for k in head:
     np.testing.assert_array_equal(loaded[k], head[k])
   assert pruning.load_early_head(tmp_path / "none") is None
@@ -141,14 +142,24 @@ def test_pruning_cuts_nodes_and_keeps_accepting_paths():
   assert [tokens_of(r) for r in pruned] == [tokens_of(r) for r in whole]
 
 
-def test_propd_prunes_by_default_and_options_are_checked():
-  rules, _ = rules_and_inputs(drafter(), tree_size=8, dynamic=True, latency=(1.0, 1.0), prune=PRUNE)
-  assert rules.prune == PRUNE
-  runs = api.generate_ids(MODEL, PROMPTS[:1], method="propd", heads=drafter(), tree_size=8, latency=(1e-6, 1.0),
+def test_propd_prunes_by_default_only_with_a_trained_early_head_and_options_are_checked():
+  plain, trained = drafter(), dataclasses.replace(drafter(), early_head=logit_lens_numpy(), early_layer=LAYER)
+  assert early_prune("propd", None, plain) is None  # the logit lens alone is no default
+  assert early_prune("propd", None, trained) == dataclasses.replace(PROPD_PRUNE, layer=LAYER)
+  assert early_prune("medusa", None, trained) is None and early_prune("propd", False, trained) is None
+  with pytest.raises(PastaError, match="reads layer 1, not 2"):
+    early_prune("propd", dataclasses.replace(PRUNE, layer=2), trained)
+  rules, inputs = rules_and_inputs(trained, tree_size=8, dynamic=True, latency=(1.0, 1.0), prune=PRUNE)
+  assert rules.prune == PRUNE and set(inputs["early"]) == set(pruning.EARLY_HEAD_KEYS)
+  runs = api.generate_ids(MODEL, PROMPTS[:1], method="propd", heads=plain, tree_size=8, latency=(1e-6, 1.0),
                           max_new_tokens=16, prune=dataclasses.replace(PRUNE, top_k=4))
   assert_same_greedy(PLAIN[:1], runs)
   assert runs[0].speculation["prune_rate"] > 0
   with pytest.raises(PastaError, match="prune must be"):
-    api.generate_ids(MODEL, PROMPTS[:1], method="propd", heads=drafter(), latency=(1.0, 1.0), prune="yes")
+    api.generate_ids(MODEL, PROMPTS[:1], method="propd", heads=plain, latency=(1.0, 1.0), prune="yes")
   with pytest.raises(PastaError, match="prune are for methods medusa and propd"):
     api.generate(MODEL, ["hi"], method="sequential", prune=PRUNE)
+
+
+def logit_lens_numpy():
+  return {k: np.asarray(v) for k, v in pruning.logit_lens_head(jnp.zeros(MODEL.config.embed_dim)).items()}

@@ -363,7 +363,7 @@ def prepare_tree(model, ids, method: str, *, forced: bool, return_logits: bool, 
     raise PastaError(f"method={method!r} speculates on the model's own tokens: it replays no forced answers")
   drafter = load_drafter(model, heads)
   size = tree_size or default_tree_size(method)
-  pruning = early_prune(method, prune, model.config.num_layers)
+  pruning = early_prune(method, prune, drafter)
   rules, inputs = rules_and_inputs(drafter, tree_size=size, dynamic=method == "propd", acceptance=acceptance,
                                    latency=latency, choices=choices, prune=pruning)
   rules = dataclasses.replace(rules, ignore_eos=ignore_eos, softcap=model.config.final_logit_softcap)
@@ -422,8 +422,8 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
   and "propd" (its dynamic tree size): the Medusa heads (a folder, a `speculation.Drafter`, or None for the
   model's shipped ones), the tree's nodes (16 / 64), "greedy" or "typical", and ProPD's step-time model
   ((alpha, beta) seconds, or a {size: seconds} table; `decode.latency.calibrate_latency` measures both).
-  prune: early pruning of the tree (`decode.rules.pruning.EarlyPrune`; None: ProPD's default layer 4 / top 50
-  for "propd", none for "medusa"; False: off).
+  prune: early pruning of the tree (`decode.rules.pruning.EarlyPrune`; None: for "propd", top 50 at the layer
+  of the heads' trained early head when they have one, else none; none for "medusa"; False: off).
   `Result.speculation` has the accepted length per step, per-head hit rates and the tree sizes chosen.
   """
   if model.tokenizer is None:

@@ -24,7 +24,7 @@ CALIBRATION_FILE = "calibration.json"
 MEDUSA_DIR = "medusa"  # the shipped heads of an adapter live in <adapter>/medusa/
 DEFAULT_TREE = 64  # Medusa's default tree size (its 63 candidates + the root)
 FIXED_TREE = 16  # method "medusa"'s default: on a CPU a fixed 64-node tree costs more than it saves
-PROPD_PRUNE = EarlyPrune()  # ProPD's early pruning as the paper runs it: layer 4, top 50
+PROPD_PRUNE = EarlyPrune()  # ProPD's early pruning as the paper runs it: top 50 (layer: the trained head's)
 
 
 def default_tree_size(method: str) -> int:
@@ -39,6 +39,7 @@ class Drafter:
   hit_rates: np.ndarray  # [H, k] calibrated: P(head h's rank-r token is right | its depth was reached)
   source: str = ""
   early_head: dict | None = None  # ProPD's trained early head (`train.medusa --stages early`); None: logit lens
+  early_layer: int | None = None  # the layer the trained early head reads
 
   @property
   def top_k(self) -> int:
@@ -64,19 +65,26 @@ def load_drafter(model, heads=None) -> Drafter:
     rates = np.asarray(json.loads(calibration.read_text())["hit_rates"], np.float32)
   else:
     rates = default_hit_rates(config.num_heads, 8).astype(np.float32)
-  return Drafter(params, config, rates, str(folder), load_early_head(folder))
+  early_head, early_layer = load_early_head(folder) or (None, None)
+  return Drafter(params, config, rates, str(folder), early_head, early_layer)
 
 
-def early_prune(method: str, prune, num_layers: int) -> EarlyPrune | None:
-  """The early pruning a tree method runs: None -> ProPD's default (`PROPD_PRUNE`: layer 4, or a quarter of the
-  way down a model of fewer than 16 layers), none for Medusa (the paper adds it in ProPD); False -> none; an
-  `EarlyPrune` -> as given."""
+def early_prune(method: str, prune, drafter: Drafter) -> EarlyPrune | None:
+  """The early pruning a tree method runs. None -> the method's default: ProPD prunes at its trained early head's
+  layer (top 50, as the paper) when the heads have one, else not (the untrained logit lens is useless on a shallow
+  layer); Medusa does not prune (the paper adds it in ProPD). False -> none. An `EarlyPrune` -> as given, at the
+  trained head's layer if there is one."""
   if prune is None:
-    layer = max(1, min(PROPD_PRUNE.layer, num_layers // 4))
-    return dataclasses.replace(PROPD_PRUNE, layer=layer) if method == "propd" else None
-  if prune is False or isinstance(prune, EarlyPrune):
-    return prune or None
-  raise PastaError(f"prune must be None (the method's default), False or an EarlyPrune, got {prune!r}")
+    if method != "propd" or drafter.early_head is None:
+      return None
+    return dataclasses.replace(PROPD_PRUNE, layer=drafter.early_layer)
+  if prune is False:
+    return None
+  if not isinstance(prune, EarlyPrune):
+    raise PastaError(f"prune must be None (the method's default), False or an EarlyPrune, got {prune!r}")
+  if drafter.early_head is not None and prune.layer != drafter.early_layer:
+    raise PastaError(f"the early head in {drafter.source} reads layer {drafter.early_layer}, not {prune.layer}")
+  return prune
 
 
 def rules_and_inputs(drafter: Drafter, *, tree_size: int = DEFAULT_TREE, dynamic: bool = False,
