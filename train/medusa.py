@@ -11,7 +11,8 @@ Stages, each resumable (a finished stage is skipped; `distill` appends and resum
            and ProPD's prior;
   early    ProPD's early prediction head (`decode/rules/pruning.py`): the residual stream after --early-layer
            layers -> the next token, over the heads' draft vocabulary, from the logit lens as its start;
-           heads/early.safetensors + early.json with the held-out top-K hit rates before and after.
+           heads/early.safetensors + early.json with the held-out top-K hit rates before and after (over
+           this run's heads, or a copy of the model's shipped ones).
 """
 
 from __future__ import annotations
@@ -266,6 +267,23 @@ def early_hit_rate(head, states, targets, drafted, vocab, top_k: int) -> float:
   return hits / max(len(states), 1)
 
 
+def heads_folder(model, out: Path) -> Path:
+  """out/heads: the heads this run trained, else a copy of the model's shipped heads (the early head is saved
+  beside them, never into the package)."""
+  import shutil
+
+  from pasta_jax.decode.speculation import load_drafter
+  folder = out / "heads"
+  if not (folder / medusa.WEIGHTS_FILE).exists():
+    shipped = Path(load_drafter(model).source)
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in shipped.iterdir():
+      if path.is_file():
+        shutil.copy(path, folder / path.name)
+    print(f"early head: training over the heads shipped in {shipped} (copied to {folder})")
+  return folder
+
+
 def train_early_head(model, train_rows, held_rows, out: Path, layer: int, top_k: int, epochs: int, batch: int,
                      lr: float) -> dict:
   """ProPD's early head on a frozen base: CE of the next token over the draft vocabulary, from the logit lens."""
@@ -354,6 +372,7 @@ def main(argv=None) -> int:
       info = calibrate(model, held_rows, out, args.top_k)
       print("top-1 hit rate per head:", " ".join(f"{x:.3f}" for x in info["top1"]))
     if "early" in stages:
+      heads_folder(model, out)
       meta = train_early_head(model, train_rows, held_rows, out, args.early_layer, args.early_top_k, args.epochs,
                               args.train_batch, args.lr)
       rates = meta["held_out_top_k_hit_rate"]
