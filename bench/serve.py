@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -159,14 +160,16 @@ def reference_text(model, prompt: str, method: str, max_tokens: int, lanes: int)
   return api.generate(model, [prompt], method=method, max_new_tokens=max_tokens, lanes=lanes)[0].text
 
 
-def check_answers(model, answers: list[dict], max_tokens: int, lanes: int) -> int:
-  """Every answer against its greedy reference alone (`reference_text`); returns how many differ (mixed up)."""
-  refs, mixed = {}, 0
+def check_answers(model, answers: list[dict], max_tokens: int, lanes: int) -> list[dict]:
+  """Every answer against its greedy reference alone (`reference_text`); returns those that differ (mixed up),
+  each with its method, prompt, text and reference."""
+  refs, mixed = {}, []
   for a in tqdm([a for a in answers if not a["lost"]], desc="greedy references", unit="answer"):
     key = (a["prompt"], a["method"])
     if key not in refs:
       refs[key] = reference_text(model, a["prompt"], a["method"], max_tokens, lanes)
-    mixed += a["text"] != refs[key]
+    if a["text"] != refs[key]:
+      mixed.append({"method": a["method"], "prompt": a["prompt"], "text": a["text"], "reference": refs[key]})
   return mixed
 
 
@@ -246,7 +249,7 @@ def main(argv=None) -> None:
   alone = alone_by_chunk[args.chunk]
   from pasta_jax.model.load import load_model
   model = load_model(None)
-  mixed = check_answers(model, answers_all + [a for k in chunks for a in alone_by_chunk[k]], args.max_tokens,
+  differing = check_answers(model, answers_all + [a for k in chunks for a in alone_by_chunk[k]], args.max_tokens,
                         args.lanes)
   batched_tps, one_by_one_tps = batching_ceiling(model, prompts[:args.ceiling], args.max_tokens) if args.ceiling \
       else (float("nan"), float("nan"))
@@ -254,6 +257,7 @@ def main(argv=None) -> None:
   by_chunk = {k: statistics.median((a["tokens"] / a["seconds"]) / rate
                                    for a, rate in zip(alone_by_chunk[k], rates, strict=True)) for k in chunks}
   ratio = by_chunk[args.chunk]
+  mixed = len(differing)
   generate_tps = sum(a["tokens"] for a in alone) / sum(a["tokens"] / r for a, r in zip(alone, rates, strict=True))
   print(f"\nserver: batch {args.batch}, chunk {args.chunk}, pool {args.pool}, max_tokens {args.max_tokens}; "
         f"peak memory {peak:.0f} MiB; throughput_16_over_1 divides by the better of one client and generate alone")
@@ -267,14 +271,17 @@ def main(argv=None) -> None:
   top = by.get(16, reports[-1])
   base = max(by.get(1, reports[0])["throughput"], generate_tps)
   lost = sum(r["lost"] for r in reports)
-  (out / "report.json").write_text(json.dumps({"levels": reports, "mixed_up": mixed, "peak_mib": peak,
+  (out / "report.json").write_text(json.dumps({"levels": reports, "mixed_up": mixed, "differing": differing,
+                                               "peak_mib": peak,
                                                "batch1_over_generate": ratio, "generate_tps": generate_tps,
                                                "batch1_over_generate_by_chunk": by_chunk,
                                                "ceiling": {"batched_tps": batched_tps,
                                                            "one_by_one_tps": one_by_one_tps},
                                                "args": vars(args)}, indent=1))
   checked = len(answers_all) + len(chunks) * len(alone) - lost
-  print(f"answers checked against generate alone: {checked}, mixed up: {mixed}")
+  per_method = collections.Counter(d["method"] for d in differing)
+  print(f"answers checked against generate alone: {checked}, mixed up: {mixed}"
+        + (f" ({', '.join(f'{m}: {n}' for m, n in per_method.items())}; texts in report.json)" if mixed else ""))
   print("batch-1 server tokens/s over generate alone by chunk K: "
         + ", ".join(f"K={k}: {r:.2f}" for k, r in by_chunk.items()))
   print(f"one request at a time: generate alone {generate_tps:.1f} tok/s; a --batch 1 server {ratio:.2f}x that "
