@@ -211,8 +211,10 @@ def test_real_270m_training_forward_equals_decode_replay(real_model):
     key = (int(layout.thread[j]), int(layout.positions[j]))
     if key in by_input:
       # Logits here reach |40|; float32 sums in another order (one [L] forward vs [1]-row steps)
-      # differ by up to ~2e-4 absolute, 6e-6 relative. The tiny configs hold 1e-4 absolute.
-      np.testing.assert_allclose(train[0, j], by_input[key], atol=1e-4, rtol=1e-5, err_msg=f"index {j}")
+      # differ by up to ~2e-4 absolute, 6e-6 relative, depending on the CPU's kernels (1.3e-4 on small
+      # logits on this project's 2026-11 machines). The tiny configs hold 1e-4 absolute; a wrong mask moves
+      # logits by more than 0.1.
+      np.testing.assert_allclose(train[0, j], by_input[key], atol=3e-4, rtol=1e-5, err_msg=f"index {j}")
       matched += 1
   assert matched == len(by_input) > 20
 
