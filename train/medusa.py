@@ -107,11 +107,22 @@ def hidden_and_targets(model, rows: list[dict], num_heads: int, cache: Path | No
   return states, targets
 
 
+def padded_batches(rows: list[dict], batch: int, desc: str):
+  """Yields (rows, their prompt + answer ids, tokens [b, bucketed L] zero-padded, lengths) per `batch` rows."""
+  from pasta_jax.decode.loop import bucket
+  for start in tqdm(range(0, len(rows), batch), desc=desc):
+    chunk = rows[start:start + batch]
+    seqs = [np.asarray(r["prompt_ids"] + r["answer_ids"]) for r in chunk]
+    tokens = np.zeros((len(seqs), bucket(max(map(len, seqs)))), np.int32)
+    for i, seq in enumerate(seqs):
+      tokens[i, :len(seq)] = seq
+    yield chunk, seqs, tokens, [len(q) for q in seqs]
+
+
 def compute_hidden(model, rows: list[dict], num_heads: int, batch: int = 4) -> tuple[np.ndarray, np.ndarray]:
   import jax
   import jax.numpy as jnp
 
-  from pasta_jax.decode.loop import bucket
   from pasta_jax.model.gemma import Gemma, causal_mask
   module = Gemma(model.config)
 
@@ -121,13 +132,8 @@ def compute_hidden(model, rows: list[dict], num_heads: int, batch: int = 4) -> t
     return module.apply(model.params, tokens, positions, causal_mask(*tokens.shape, lengths), hidden_only=True)
 
   states, targets = [], []
-  for start in tqdm(range(0, len(rows), batch), desc="hidden states (frozen base)"):
-    chunk = rows[start:start + batch]
-    seqs = [np.asarray(r["prompt_ids"] + r["answer_ids"]) for r in chunk]
-    tokens = np.zeros((len(seqs), bucket(max(map(len, seqs)))), np.int32)
-    for i, seq in enumerate(seqs):
-      tokens[i, :len(seq)] = seq
-    h = np.asarray(hidden(jnp.asarray(tokens), jnp.asarray([len(x) for x in seqs])))
+  for chunk, seqs, tokens, lengths in padded_batches(rows, batch, "hidden states (frozen base)"):
+    h = np.asarray(hidden(jnp.asarray(tokens), jnp.asarray(lengths)))
     for i, (seq, r) in enumerate(zip(seqs, chunk)):
       pos, tgt = medusa.position_targets(seq, len(r["prompt_ids"]), num_heads)
       states.append(h[i, pos])
@@ -234,20 +240,14 @@ def early_states(model, rows: list[dict], layer: int, batch: int = 4) -> tuple[n
   import jax
   import jax.numpy as jnp
 
-  from pasta_jax.decode.loop import bucket
   from pasta_jax.model.gemma import Gemma, causal_mask
   module = Gemma(model.config)
   stream = jax.jit(lambda tokens, lengths: module.apply(
       model.params, tokens, jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape),
       causal_mask(*tokens.shape, lengths), hidden_after=layer))
   states, targets = [], []
-  for start in tqdm(range(0, len(rows), batch), desc=f"residual stream after layer {layer}"):
-    chunk = rows[start:start + batch]
-    seqs = [np.asarray(r["prompt_ids"] + r["answer_ids"]) for r in chunk]
-    tokens = np.zeros((len(seqs), bucket(max(map(len, seqs)))), np.int32)
-    for i, seq in enumerate(seqs):
-      tokens[i, :len(seq)] = seq
-    x = np.asarray(stream(jnp.asarray(tokens), jnp.asarray([len(q) for q in seqs])))
+  for chunk, seqs, tokens, lengths in padded_batches(rows, batch, f"residual stream after layer {layer}"):
+    x = np.asarray(stream(jnp.asarray(tokens), jnp.asarray(lengths)))
     for i, (seq, r) in enumerate(zip(seqs, chunk)):
       pos = np.arange(len(r["prompt_ids"]) - 1, len(seq) - 1)
       states.append(x[i, pos])
