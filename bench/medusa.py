@@ -7,7 +7,8 @@ answer tokens) decoded by
             recipe from the heads' calibrated hit rates, and every smaller fixed tree in --small-trees;
   - propd   ProPD's dynamic tree size (prefixes of the --tree-node tree), its latency model T(s) = alpha s + beta
             calibrated first on this device and batch size (`speculation.calibrate_latency`), and its early
-            pruning (the heads folder's trained early head, else the logit lens; `decode/rules/pruning.py`);
+            pruning when the heads folder has a trained early head (`decode/rules/pruning.py`; without one, ProPD
+            does not prune and this row equals the next);
   - propd-unpruned  the same without early pruning (its own calibration), to show what pruning gives.
 Every program is compiled and run once before timing; figures are medians of --runs runs. Tree decoding is
 lossless, so every method writes the same tokens (checked: mismatches are printed and counted) and the
@@ -129,7 +130,7 @@ def main(argv=None) -> None:
   drafter = load_drafter(model, args.heads)
   instructions = [r["instruction"] for r in sources.read_records("alpaca_eval_805")][: args.limit]
   ids = prompt_ids(model.tokenizer, instructions, chat=True)
-  early = "trained" if drafter.early_head is not None else "logit lens"
+  early = f"trained, layer {drafter.early_layer}" if drafter.early_head is not None else "none: ProPD does not prune"
   print(f"model {model.source}; heads {drafter.source} ({drafter.config.num_heads} heads, top-{drafter.top_k}, "
         f"early head: {early}); "
         f"{len(ids)} prompts, {args.new_tokens} new tokens, greedy; medians of {args.runs} runs")
