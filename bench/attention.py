@@ -8,6 +8,7 @@ the kernel can skip the other tiles. The kernel is the device's own ("pallas": M
 GPU); on a CPU it runs in interpret mode, so there only correctness counts and no speedup is reported.
 
   python -m bench.attention [--slots 512,1024,...,32768] [--visible 0.1,0.5,1.0] [--heads 4,1] [--head-dim 256]
+                            [--block-k 64] [--splits N]
 Last line: RESULT max_abs_diff=... speedup_4k=... speedup_32k=... (speedups at 10% visible; nan on a CPU)
 """
 
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import median_time, table
+from bench.common import device_time, table
 from pasta_jax.model.thread_attention import AttentionSpec, attention, resolve
 from pasta_jax.visibility import HIDDEN, UNBOUNDED, ThreadMask
 
@@ -51,8 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--heads", default="4,1", help="query heads, KV heads (Gemma 3 270M: 4,1; Gemma 7B: 16,16)")
   parser.add_argument("--head-dim", type=int, default=256)
   parser.add_argument("--lanes", type=int, default=8)
-  parser.add_argument("--runs", type=int, default=5)
+  parser.add_argument("--runs", type=int, default=5, help="timed programs (each chains 50 calls)")
   parser.add_argument("--kernel", default="pallas", help="pallas (the device's), pallas-tpu or pallas-gpu")
+  parser.add_argument("--block-k", type=int, default=None, help="keys per tile (default: 512 TPU, 64 GPU)")
+  parser.add_argument("--splits", type=int, default=None, help="GPU kernel: pool ranges (default: fill the GPU)")
   return parser.parse_args(argv)
 
 
@@ -61,15 +64,17 @@ def main(argv=None):
   heads, kv_heads = (int(x) for x in args.heads.split(","))
   implementation, interpret = resolve(args.kernel)
   xla_spec = AttentionSpec(scale=args.head_dim**-0.5)
+  block_k = args.block_k or (64 if implementation == "pallas-gpu" else 512)
   kernel_spec = AttentionSpec(scale=args.head_dim**-0.5, implementation=implementation, interpret=interpret,
-                              block_q=args.lanes, block_k=512)
-  xla = jax.jit(lambda *a: attention(*a, xla_spec))
-  kernel = jax.jit(lambda *a: attention(*a, kernel_spec))
+                              block_q=args.lanes, block_k=block_k, splits=args.splits)
+  xla_call = lambda *a: attention(*a, xla_spec)  # noqa: E731
+  kernel_call = lambda *a: attention(*a, kernel_spec)  # noqa: E731
+  xla, kernel = jax.jit(xla_call), jax.jit(kernel_call)
   rows, worst = [], 0.0
   for slots in (int(s) for s in args.slots.split(",")):
     for share in (float(x) for x in args.visible.split(",")):
       call = decode_call(slots, share, heads, kv_heads, args.head_dim, args.lanes)
-      t_xla, _ = median_time(lambda c=call: xla(*c).block_until_ready(), args.runs)
+      t_xla = device_time(xla_call, call, args.runs)
       row = dict(device=jax.default_backend(), slots=slots, visible=share, xla_ms=1e3 * t_xla, kernel_ms=math.nan,
                  speedup=math.nan, max_abs_diff=math.nan)
       if not interpret or slots <= CHECK_UP_TO:
@@ -77,9 +82,12 @@ def main(argv=None):
         row["max_abs_diff"] = float(diff)
         worst = max(worst, row["max_abs_diff"])
       if not interpret:
-        t_kernel, _ = median_time(lambda c=call: kernel(*c).block_until_ready(), args.runs)
+        t_kernel = device_time(kernel_call, call, args.runs)
         row.update(kernel_ms=1e3 * t_kernel, speedup=t_xla / t_kernel)
       rows.append(row)
+  print(f"{jax.devices()[0].device_kind}: {heads} query heads, {kv_heads} KV heads, head_dim {args.head_dim}, "
+        f"{args.lanes} lanes, bfloat16; {implementation} with {block_k}-key tiles; device time per call: 50 calls "
+        f"chained in one program, median of {args.runs} programs")
   print(table(rows, ("device", "slots", "visible", "xla_ms", "kernel_ms", "speedup", "max_abs_diff")))
   if interpret:
     print(f"{implementation} ran in interpret mode on {jax.default_backend()}: only correctness counts here")

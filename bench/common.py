@@ -30,11 +30,31 @@ def copy_bandwidth(num_bytes: int = 512 << 20, runs: int = 5) -> float:
     src = np.ones(num_bytes // 4, np.float32)
     dst = np.empty_like(src)
     seconds, _ = median_time(lambda: np.copyto(dst, src), runs)
-  else:
-    src = jnp.ones(num_bytes // 4, jnp.float32)
-    copy = jax.jit(lambda x: x + 1)  # one read and one write of every element
-    seconds, _ = median_time(lambda: copy(src).block_until_ready(), runs)
-  return 2 * num_bytes / seconds
+    return 2 * num_bytes / seconds
+  src = jnp.ones(num_bytes // 4, jnp.float32)
+  repeats = 10  # copies inside one program, so the call's dispatch does not count
+  copy = jax.jit(lambda x: jax.lax.fori_loop(0, repeats, lambda _, y: y + 1, x))  # each: one read, one write
+  seconds, _ = median_time(lambda: copy(src).block_until_ready(), runs)
+  return 2 * num_bytes * repeats / seconds
+
+
+def device_time(fn: Callable, args: tuple, runs: int, inner: int = 50) -> float:
+  """Seconds per call of jax function `fn(*args)` (its result shaped like args[0]) on the device alone: `inner`
+  calls chained inside one program, median of `runs` programs, divided by `inner`. Nothing is hoisted out of the
+  loop: each call's first argument moves by its result, and every integer argument (metadata, positions) gets a
+  zero the compiler cannot prove zero (the loop index minus a carried counter), so per-call work such as
+  building a mask from metadata is paid on every call, as in a decode step."""
+  def chained(*a):
+    def body(i, carry):
+      first, counter = carry
+      zero = i - counter
+      rest = jax.tree.map(lambda x: x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.integer) else x, a[1:])
+      return first + (1e-3 * fn(first, *rest)).astype(first.dtype), counter + 1
+    return jax.lax.fori_loop(0, inner, body, (a[0], jnp.int32(0)))[0]
+
+  program = jax.jit(chained)
+  seconds, _ = median_time(lambda: program(*args).block_until_ready(), runs)
+  return seconds / inner
 
 
 def add_replay_flags(parser, limit: int, data: str = "lima") -> None:

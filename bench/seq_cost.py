@@ -9,7 +9,10 @@ rows that lanes feed) and off (always all lanes). Its step time is taken net of 
 prefill; the plain step is the slope between two lengths. Medians of --repeats runs, each the second
 of two.
 
-  python -m bench.seq_cost [--config gemma3-270m] [--tokens 256] [--lanes 8] [--repeats 3]
+  python -m bench.seq_cost [--config gemma3-270m] [--tokens 256] [--lanes 8] [--repeats 3] [--dtype bfloat16]
+                           [--blocks 1,4] [--buckets on,off]
+The plain step is also set against the weight-read floor (every weight read once per token at the measured copy
+bandwidth): at batch 1 a decoder cannot run faster.
 """
 
 from __future__ import annotations
@@ -20,19 +23,9 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from bench.common import plain_step, second_of_two
-from bench.synthetic import TEXT, SyntheticTokenizer, answers
+from bench.common import copy_bandwidth, plain_step, second_of_two
+from bench.synthetic import TEXT, answers, random_model
 from pasta_jax.decode import api
-from pasta_jax.model.config import get_config
-from pasta_jax.model.gemma import Gemma
-from pasta_jax.model.load import LoadedModel
-
-
-def random_model(name: str) -> LoadedModel:
-  config = get_config(name)
-  dummy = jnp.zeros((1, 4), jnp.int32)
-  params = jax.jit(Gemma(config).init)(jax.random.key(0), dummy, dummy, jnp.ones((1, 4, 4), bool))
-  return LoadedModel(config, params, SyntheticTokenizer(), f"random:{name}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,23 +35,35 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--lanes", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--blocks", default="1,4", help="answers of this many blocks (8 blocks: 8 live lanes)")
+  parser.add_argument("--buckets", default="on,off", help="lane buckets: on, off or both")
   return parser.parse_args(argv)
+
+
+def weight_roofline(model) -> tuple[float, float]:
+  """(seconds a step must take to read every weight once at the measured copy bandwidth, that bandwidth)."""
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+  bandwidth = copy_bandwidth()
+  return weight_bytes / bandwidth, bandwidth
 
 
 def main(argv=None):
   args = parse_args(argv)
   dtype = jnp.dtype(args.dtype)
-  model = random_model(args.config)
+  model = random_model(args.config, dtype)
   prompt = [model.tokenizer.encode("question: " + TEXT)]
   step, prefill = plain_step(model, prompt[0], answers(args.tokens, 1)[0], args.repeats,
                              max_new_tokens=args.tokens + 64, dtype=dtype)
+  floor, bandwidth = weight_roofline(model)
   print(f"device: {jax.devices()[0].device_kind}; {args.config} random weights, {args.dtype}")
-  print(f"plain decoding (sequential rules): {1e3 * step:.3f} ms/step, prefill {1e3 * prefill:.2f} ms")
+  print(f"plain decoding (sequential rules): {1e3 * step:.3f} ms/step ({1 / step:.1f} tokens/s at batch 1), "
+        f"prefill {1e3 * prefill:.2f} ms; weight-read floor {1e3 * floor:.3f} ms at {bandwidth / 1e9:.0f} GB/s "
+        f"copy bandwidth: {100 * floor / step:.0f}% of the roofline")
   print(f"{'blocks':>6} {'lane_buckets':>12} {'steps':>6} {'ms/step':>8} {'vs plain':>9}")
   ratios = {}
-  for blocks in (1, 4):
+  for blocks in (int(b) for b in args.blocks.split(",")):
     sequential, pasta, _ = answers(args.tokens, blocks)
-    for buckets in (True, False):
+    for buckets in (b == "on" for b in args.buckets.split(",")):
       kw = dict(max_new_tokens=args.tokens + 64, lanes=args.lanes, dtype=dtype, lane_buckets=buckets)
       text = sequential if blocks == 1 else pasta
       runs = [second_of_two(lambda kw=kw, text=text: api.generate_ids(model, prompt, forced_answers=[text], **kw)[0])
@@ -66,9 +71,10 @@ def main(argv=None):
       per_step = statistics.median((r.seconds - prefill) / r.steps for r in runs)
       ratios[blocks, buckets] = per_step / step
       print(f"{blocks:>6} {buckets!s:>12} {runs[0].steps:>6} {1e3 * per_step:>8.3f} {per_step / step:>9.3f}")
-  print(f"RESULT seq_over_plain={ratios[1, True]:.3f} seq_over_plain_no_buckets={ratios[1, False]:.3f} "
-        f"four_blocks_over_plain={ratios[4, True]:.3f}")
-
+  many = max(b for b, _ in ratios)
+  print(f"RESULT seq_over_plain={ratios.get((1, True), float('nan')):.3f} "
+        f"seq_over_plain_no_buckets={ratios.get((1, False), float('nan')):.3f} "
+        f"blocks{many}_over_plain={ratios.get((many, True), float('nan')):.3f} roofline_share={floor / step:.3f}")
 
 if __name__ == "__main__":
   main()

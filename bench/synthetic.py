@@ -40,6 +40,19 @@ class SyntheticTokenizer:
   def tag_vocab(self) -> TagVocab:
     return TagVocab.from_base(10, self.eos_ids)
 
+def random_model(name: str, dtype=jnp.float32):
+  """A LoadedModel of preset `name` in its real shapes with random weights in `dtype` (each tensor drawn and cast
+  inside one program, so a 7B model never holds a float32 copy), and bench.synthetic's tokenizer."""
+  config = get_config(name)
+  dummy = jnp.zeros((1, 4), jnp.int32)
+
+  def init(key):
+    params = Gemma(config).init(key, dummy, dummy, jnp.ones((1, 4, 4), bool))
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+
+  return LoadedModel(config, jax.jit(init)(jax.random.key(0)), SyntheticTokenizer(), f"random:{name}")
+
+
 
 def answers(tokens: int, blocks: int) -> tuple[str, str, str]:
   """(plain, PASTA, APAR) answers with the same content: an intro, then `blocks` equal parts."""
@@ -65,11 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None):
   args = parse_args(argv)
-  config = get_config(args.config)
   dtype = jnp.dtype(args.dtype)
-  dummy = jnp.zeros((1, 4), jnp.int32)
-  params = jax.jit(Gemma(config).init)(jax.random.key(0), dummy, dummy, jnp.ones((1, 4, 4), bool))
-  model = LoadedModel(config, params, SyntheticTokenizer(), f"random:{args.config}")
+  model = random_model(args.config)
   prompt = [model.tokenizer.encode("question: " + TEXT)]
   kw = dict(max_new_tokens=args.tokens + 64, lanes=args.lanes, dtype=dtype)
   print(f"device: {jax.devices()[0].device_kind}; {args.config} random weights, {args.dtype}, "

@@ -6,21 +6,31 @@ median over steps after one warm-up (compile) step; MFU = model FLOPs per token 
 peak of all devices (`training.plan`'s hardware table; `--hardware` picks the entry).
 
   python -m bench.train [--model PATH|embedded] [--batch-size 4] [--seq-len 256] [--steps 5]
+  python -m bench.train --config tpu_configs/gemma7b_sft_h100x1.json [--steps 2] [--set lora_rank=16]
+
+With --config, the run is that file's (model, batch, accumulation, dtypes, remat, hardware); a preset model name
+(gemma1-7b) trains random weights in the real shapes, and the device's peak memory is set against `pasta plan`'s
+prediction.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from bench.synthetic import random_model
 from pasta_jax.lang.layout import layout_example, stack_layouts
+from pasta_jax.model.config import PRESETS
 from pasta_jax.model.load import load_model
-from pasta_jax.training.config import MeshConfig, TrainConfig
+from pasta_jax.training.config import MeshConfig, TrainConfig, load_train_config
 from pasta_jax.training.metrics_log import read_metrics
+from pasta_jax.training.plan import plan_for
 from pasta_jax.training.trainer import Trainer
 
 
@@ -51,19 +61,54 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--compute-dtype", default="float32")
   parser.add_argument("--remat", action="store_true")
   parser.add_argument("--hardware", default=None, help="key of training.plan.HARDWARE (default: by platform)")
+  parser.add_argument("--config", default=None, help="a TrainConfig JSON (tpu_configs/*.json): overrides the flags")
+  parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                      help="change one field of --config's TrainConfig (e.g. --set lora_rank=16); repeatable")
   return parser.parse_args(argv)
+
+
+def flag_config(args, model_name: str) -> TrainConfig:
+  devices = jax.devices()
+  hardware = args.hardware or ("cpu" if devices[0].platform == "cpu" else "h100x1")
+  return TrainConfig(model=model_name, mesh=MeshConfig(data=len(devices)), hardware=hardware,
+                     batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len, num_threads=3,
+                     compute_dtype=args.compute_dtype, remat=args.remat, save_every=10**9)
+
+
+def field_changes(pairs: list[str]) -> dict:
+  """["lora_rank=16", 'attention="pallas"'] -> {"lora_rank": 16, "attention": "pallas"} (values as JSON, else text)."""
+  changes = {}
+  for pair in pairs:
+    field, sep, value = pair.partition("=")
+    if not sep:
+      raise SystemExit(f"--set wants FIELD=VALUE, got {pair!r}")
+    try:
+      changes[field] = json.loads(value)
+    except json.JSONDecodeError:
+      changes[field] = value
+  return changes
+
+
+def peak_memory_line(config: TrainConfig) -> str:
+  """The device's peak bytes against the plan's prediction (empty where the device keeps no statistics)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" not in stats:
+    return ""
+  peak, predicted = stats["peak_bytes_in_use"], plan_for(config).peak
+  return (f"peak device memory {peak / 2**30:.1f} GiB; `pasta plan` predicted {predicted / 2**30:.1f} GiB "
+          f"(measured / predicted {peak / predicted:.2f})")
 
 
 def main(argv=None):
   args = parse_args(argv)
-  model = load_model(args.model or "base")
-  vocab = model.tokenizer.tag_vocab()
-  devices = jax.devices()
-  hardware = args.hardware or ("cpu" if devices[0].platform == "cpu" else "h100x1")
-  config = TrainConfig(model=args.model or "embedded", mesh=MeshConfig(data=len(devices)), hardware=hardware,
-                       batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len, num_threads=3,
-                       compute_dtype=args.compute_dtype, remat=args.remat, save_every=10**9)
-  data = [synthetic_batch(vocab, model.config.vocab_size, args.batch_size, args.seq_len, k)
+  if args.config:
+    config = load_train_config(args.config, **field_changes(args.set)).replace(save_every=10**9)
+    model = (random_model(config.model, jnp.dtype(config.param_dtype)) if config.model in PRESETS
+             else load_model(config.model))
+  else:
+    model = load_model(args.model or "base")
+    config = flag_config(args, args.model or "embedded")
+  data = [synthetic_batch(model.tokenizer.tag_vocab(), model.config.vocab_size, config.batch_size, config.seq_len, k)
           for k in range(args.steps + 1)]
   with tempfile.TemporaryDirectory() as out:
     trainer = Trainer(config, model, data, out, check_memory=False)
@@ -72,10 +117,14 @@ def main(argv=None):
   tokens_per_s = statistics.median(r["tokens_per_s"] for r in rows)
   mfu = statistics.median(r["mfu"] for r in rows)
   step_s = statistics.median(r["step_seconds"] for r in rows)
-  print(f"{devices[0].platform} x{len(devices)} ({hardware}): batch {args.batch_size} x {args.seq_len} tokens, "
-        f"median step {step_s:.2f} s over {len(rows)} steps, loss {rows[-1]['loss']:.3f}")
-  print(f"RESULT tokens_per_s={tokens_per_s:.1f} mfu={mfu:.4f}")
-
+  devices = jax.devices()
+  print(f"{devices[0].platform} x{len(devices)} ({config.hardware}): {config.model}, batch {config.batch_size} x "
+        f"{config.seq_len} tokens in {config.grad_accum} micro-batches, median step {step_s:.2f} s over {len(rows)} "
+        f"steps, loss {rows[-1]['loss']:.3f}")
+  memory = peak_memory_line(config) if config.model in PRESETS else ""
+  if memory:
+    print(memory)
+  print(f"RESULT tokens_per_s={tokens_per_s:.1f} mfu={mfu:.4f} step_s={step_s:.3f}")
 
 if __name__ == "__main__":
   main()

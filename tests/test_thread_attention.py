@@ -13,11 +13,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pasta_jax.model.thread_attention import AttentionSpec, attention, block_summaries
+from pasta_jax.model.thread_attention import AttentionSpec, attention, block_summaries, resolve
 from pasta_jax.visibility import HIDDEN, UNBOUNDED, ThreadMask
 from tests.marks import HEAVY
 
 KERNELS = ("pallas-tpu", "pallas-gpu")
+
+
+def kernel_spec(spec: AttentionSpec, kernel: str) -> AttentionSpec:
+  """The kernel compiled for real on its own device (the GPU kernel on a GPU), interpreted anywhere else."""
+  return dataclasses.replace(spec, implementation=kernel, interpret=resolve(kernel)[1])
 
 
 def random_case(seed: int, *, batch=2, queries=8, slots=256, threads=6, heads=4, kv_heads=2, head_dim=16,
@@ -50,7 +55,7 @@ def test_kernel_equals_xla(kernel, seed, slots, heads, softcap, window):
   q, k, v, mask, q_pos, kv_pos = random_case(seed, slots=slots, heads=heads[0], kv_heads=heads[1])
   spec = AttentionSpec(scale=0.25, softcap=softcap, window=window, block_q=4, block_k=128)
   want = attention(q, k, v, mask, q_pos, kv_pos, spec)
-  got = attention(q, k, v, mask, q_pos, kv_pos, dataclasses.replace(spec, implementation=kernel, interpret=True))
+  got = attention(q, k, v, mask, q_pos, kv_pos, kernel_spec(spec, kernel))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
   assert not np.asarray(want[0, 0]).any()  # the row that sees nothing
 
@@ -60,7 +65,7 @@ def test_kernel_equals_xla_on_a_4096_slot_pool(kernel):
   q, k, v, mask, q_pos, kv_pos = random_case(7, batch=1, queries=4, slots=4096, heads=8, kv_heads=1, head_dim=32)
   spec = AttentionSpec(scale=0.2, window=512, block_q=4, block_k=512)
   want = attention(q, k, v, mask, q_pos, kv_pos, spec)
-  got = attention(q, k, v, mask, q_pos, kv_pos, dataclasses.replace(spec, implementation=kernel, interpret=True))
+  got = attention(q, k, v, mask, q_pos, kv_pos, kernel_spec(spec, kernel))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
 
 
@@ -73,7 +78,7 @@ def test_kernel_gradients_equal_xla(kernel):
     return lambda q_, k_, v_: jnp.sum(jnp.sin(attention(q_, k_, v_, mask, q_pos, kv_pos, spec_)))
 
   want = jax.grad(loss(spec), argnums=(0, 1, 2))(q, k, v)
-  got = jax.grad(loss(dataclasses.replace(spec, implementation=kernel, interpret=True)), argnums=(0, 1, 2))(q, k, v)
+  got = jax.grad(loss(kernel_spec(spec, kernel)), argnums=(0, 1, 2))(q, k, v)
   for g, w in zip(got, want, strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-5)
 
@@ -160,3 +165,25 @@ def test_unknown_attention_is_refused_by_name():
     api.generate(tiny_model(), ["hi"], attention="flash")
   with pytest.raises(Exception, match="attention='flash'"):
     TrainConfig(attention="flash")
+
+
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_gpu_kernel_splits_merge_to_xla(splits):
+  """Flash decoding's pool ranges: one range, ranges that do not divide the key blocks (the last one runs short),
+  and the default (one block each) all merge to XLA's answer; an MQA layout whose rows need padding to 16."""
+  q, k, v, mask, q_pos, kv_pos = random_case(5, batch=1, queries=3, slots=512, heads=4, kv_heads=1)
+  spec = AttentionSpec(scale=0.25, softcap=20.0, block_q=4, block_k=64, splits=splits)
+  want = attention(q, k, v, mask, q_pos, kv_pos, spec)
+  got = attention(q, k, v, mask, q_pos, kv_pos, kernel_spec(spec, "pallas-gpu"))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
+def test_gpu_tiling_pads_rows_and_threads_to_powers_of_two_and_refuses_bad_tiles():
+  from pasta_jax.model.thread_attention_gpu import Tiling
+  decode = Tiling.plan(rows=8 * 4, group=4, threads=6, slots=4096, programs=1, block_q=8, block_k=64, splits=None)
+  assert (decode.rows, decode.block_rows, decode.threads, decode.k_blocks, decode.splits) == (32, 32, 8, 64, 64)
+  train = Tiling.plan(rows=300, group=1, threads=3, slots=512, programs=2, block_q=8, block_k=128, splits=None)
+  assert (train.rows, train.block_rows, train.threads) == (512, 16, 4)
+  assert train.splits * train.per_split >= train.k_blocks
+  with pytest.raises(ValueError, match="power-of-two block_k"):
+    Tiling.plan(rows=8, group=1, threads=2, slots=500, programs=1, block_q=8, block_k=128, splits=None)

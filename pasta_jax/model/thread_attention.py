@@ -7,8 +7,9 @@ bit). `attention` takes it, never a [Q, S] mask:
   - "xla": the mask from `visibility.visible`, then `gemma.attend`'s math: the reference and the CPU default;
   - "pallas-tpu": a Pallas kernel in the TPU (Mosaic) style: grid (batch, KV head, query block, key block),
     online softmax in VMEM scratch over the key blocks;
-  - "pallas-gpu": a Pallas kernel in the GPU (Triton) style: grid (batch, KV head, query block), a loop over
-    the key blocks inside.
+  - "pallas-gpu": a Pallas kernel in the GPU (Triton) style, flash decoding: grid (batch, KV head, row block,
+    split of the pool), a loop over the split's key blocks inside, the splits merged in XLA
+    (`thread_attention_gpu.py`).
 Both kernels compute each tile's mask from the metadata in the kernel, skip a tile in which no key is visible
 to any query row of the tile (from per-block summaries: the smallest write order per thread among a key
 block's valid keys, the largest horizon per thread among a query block's rows), and handle grouped-query
@@ -30,12 +31,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pasta_jax.model import thread_attention_gpu
+from pasta_jax.model.thread_tiles import NEG, block_summaries
 from pasta_jax.visibility import ThreadMask
+
+__all__ = ["AttentionSpec", "attention", "block_summaries", "resolve", "xla_attention"]
 
 IMPLEMENTATIONS = ("xla", "pallas-tpu", "pallas-gpu")
 CHOICES = ("xla", "pallas", "pallas-tpu", "pallas-gpu")  # what a model's `attention` switch takes
-NEG = -1e30  # a finite "minus infinity": a fully masked tile must not turn the running max into NaN
-NO_KEY = 2**31 - 1  # a key block's smallest order for a thread with no valid key there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,7 @@ class AttentionSpec:
   implementation: str = "xla"
   block_q: int = 8  # query rows per tile (each brings its G grouped heads)
   block_k: int = 128  # keys per tile
+  splits: int | None = None  # GPU kernel: ranges of the pool run by separate programs (None: fill the device)
   interpret: bool = False
 
   def __post_init__(self):
@@ -114,18 +118,6 @@ def _bwd(spec, residuals, grad):
 _kernel_attention.defvjp(_fwd, _bwd)
 
 
-def block_summaries(mask: ThreadMask, q_blocks: int, k_blocks: int):
-  """([B, nq, U] largest horizon per thread over each query block's rows, [B, nk, U] smallest write order per
-  thread over each key block's valid keys): a tile (i, j) can see something iff some thread u has
-  kv_min[j, u] <= q_max[i, u]. Both are O((Q + S) U): the small metadata, never the [Q, S] mask."""
-  b, nq_rows, u = mask.horizon.shape
-  q_max = mask.horizon.reshape(b, q_blocks, nq_rows // q_blocks, u).max(axis=2)
-  s = mask.owner.shape[1]
-  owned = (mask.owner[..., None] == jnp.arange(u)) & mask.valid[..., None]  # [B, S, U]
-  orders = jnp.where(owned, mask.order[..., None], NO_KEY).reshape(b, k_blocks, s // k_blocks, u)
-  return q_max, orders.min(axis=2)
-
-
 def tile_mask(horizon, owner, order, valid, q_pos, kv_pos, window):
   """[bq, bk] bool for one tile: horizon [bq, U], owner/order/valid/kv_pos [bk], q_pos [bq]. The horizon of
   each key's owner is picked thread by thread (no gather: a select per thread, as a TPU vector unit wants)."""
@@ -181,29 +173,15 @@ def _tpu_kernel(q_ref, k_ref, v_ref, hor_ref, owner_ref, order_ref, valid_ref, q
     o_ref[...] = finish(l_sc[...], acc_sc[...], o_ref.shape, o_ref.dtype)
 
 
-def _gpu_kernel(q_ref, k_ref, v_ref, hor_ref, owner_ref, order_ref, valid_ref, qpos_ref, kpos_ref, qmax_ref,
-                kmin_ref, o_ref, *, spec: AttentionSpec, k_blocks: int):
-  q = q_ref[...]
-  bq, g, hd = q.shape
-  bk = spec.block_k
-
-  def body(j, carry):
-    def update(carry):
-      keys = pl.ds(j * bk, bk)
-      seen = tile_mask(hor_ref[...], owner_ref[0, keys], order_ref[0, keys], valid_ref[0, keys] > 0,
-                       qpos_ref[:, 0], kpos_ref[0, keys], spec.window)
-      return online_update(q, k_ref[keys, :], v_ref[keys, :], seen, *carry, spec)
-
-    live = jnp.any(kmin_ref[pl.ds(j, 1), :] <= qmax_ref[...])
-    return jax.lax.cond(live, update, lambda c: c, carry)
-
-  init = (jnp.full((bq * g, 1), NEG, jnp.float32), jnp.zeros((bq * g, 1), jnp.float32),
-          jnp.zeros((bq * g, hd), jnp.float32))
-  _, denom, acc = jax.lax.fori_loop(0, k_blocks, body, init)
-  o_ref[...] = finish(denom, acc, o_ref.shape, o_ref.dtype)
-
-
 def _kernel_forward(q, k, v, mask: ThreadMask, q_pos, kv_pos, spec: AttentionSpec):
+  if spec.implementation == "pallas-gpu":
+    return thread_attention_gpu.flash_decode(q, k, v, mask, q_pos, kv_pos, scale=spec.scale, softcap=spec.softcap,
+                                             window=spec.window, block_q=spec.block_q, block_k=spec.block_k,
+                                             splits=spec.splits, interpret=spec.interpret)
+  return _tpu_forward(q, k, v, mask, q_pos, kv_pos, spec)
+
+
+def _tpu_forward(q, k, v, mask: ThreadMask, q_pos, kv_pos, spec: AttentionSpec):
   b, nq, h, hd = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
   g = h // kv_heads
@@ -215,37 +193,20 @@ def _kernel_forward(q, k, v, mask: ThreadMask, q_pos, kv_pos, spec: AttentionSpe
   args = (q, k, v, mask.horizon, keys(mask.owner), keys(mask.order), keys(mask.valid),
           q_pos.astype(jnp.int32)[..., None], keys(kv_pos), q_max, k_min)
   out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-  if spec.implementation == "pallas-tpu":
-    specs = [
-        pl.BlockSpec((None, bq, g, hd), lambda bi, hi, i, j: (bi, i, hi, 0)),
-        pl.BlockSpec((None, bk, None, hd), lambda bi, hi, i, j: (bi, j, hi, 0)),
-        pl.BlockSpec((None, bk, None, hd), lambda bi, hi, i, j: (bi, j, hi, 0)),
-        pl.BlockSpec((None, bq, u), lambda bi, hi, i, j: (bi, i, 0)),
-        *[pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, j))] * 3,
-        pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j: (bi, i, 0)),
-        pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, j)),
-        pl.BlockSpec((None, 1, u), lambda bi, hi, i, j: (bi, i, 0)),
-        pl.BlockSpec((None, 1, u), lambda bi, hi, i, j: (bi, j, 0)),
-    ]
-    return pl.pallas_call(
-        functools.partial(_tpu_kernel, spec=spec), out_shape=out_shape, grid=(b, kv_heads, q_blocks, k_blocks),
-        in_specs=specs, out_specs=pl.BlockSpec((None, bq, g, hd), lambda bi, hi, i, j: (bi, i, hi, 0)),
-        scratch_shapes=[pltpu.VMEM((bq * g, 1), jnp.float32), pltpu.VMEM((bq * g, 1), jnp.float32),
-                        pltpu.VMEM((bq * g, hd), jnp.float32)],
-        interpret=pltpu.InterpretParams() if spec.interpret else False)(*args)
   specs = [
-      pl.BlockSpec((None, bq, g, hd), lambda bi, hi, i: (bi, i, hi, 0)),
-      pl.BlockSpec((None, s, None, hd), lambda bi, hi, i: (bi, 0, hi, 0)),
-      pl.BlockSpec((None, s, None, hd), lambda bi, hi, i: (bi, 0, hi, 0)),
-      pl.BlockSpec((None, bq, u), lambda bi, hi, i: (bi, i, 0)),
-      *[pl.BlockSpec((None, 1, s), lambda bi, hi, i: (bi, 0, 0))] * 3,
-      pl.BlockSpec((None, bq, 1), lambda bi, hi, i: (bi, i, 0)),
-      pl.BlockSpec((None, 1, s), lambda bi, hi, i: (bi, 0, 0)),
-      pl.BlockSpec((None, 1, u), lambda bi, hi, i: (bi, i, 0)),
-      pl.BlockSpec((None, k_blocks, u), lambda bi, hi, i: (bi, 0, 0)),
+      pl.BlockSpec((None, bq, g, hd), lambda bi, hi, i, j: (bi, i, hi, 0)),
+      pl.BlockSpec((None, bk, None, hd), lambda bi, hi, i, j: (bi, j, hi, 0)),
+      pl.BlockSpec((None, bk, None, hd), lambda bi, hi, i, j: (bi, j, hi, 0)),
+      pl.BlockSpec((None, bq, u), lambda bi, hi, i, j: (bi, i, 0)),
+      *[pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, j))] * 3,
+      pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j: (bi, i, 0)),
+      pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, j)),
+      pl.BlockSpec((None, 1, u), lambda bi, hi, i, j: (bi, i, 0)),
+      pl.BlockSpec((None, 1, u), lambda bi, hi, i, j: (bi, j, 0)),
   ]
   return pl.pallas_call(
-      functools.partial(_gpu_kernel, spec=spec, k_blocks=k_blocks), out_shape=out_shape,
-      grid=(b, kv_heads, q_blocks), in_specs=specs,
-      out_specs=pl.BlockSpec((None, bq, g, hd), lambda bi, hi, i: (bi, i, hi, 0)),
-      interpret=spec.interpret)(*args)
+      functools.partial(_tpu_kernel, spec=spec), out_shape=out_shape, grid=(b, kv_heads, q_blocks, k_blocks),
+      in_specs=specs, out_specs=pl.BlockSpec((None, bq, g, hd), lambda bi, hi, i, j: (bi, i, hi, 0)),
+      scratch_shapes=[pltpu.VMEM((bq * g, 1), jnp.float32), pltpu.VMEM((bq * g, 1), jnp.float32),
+                      pltpu.VMEM((bq * g, hd), jnp.float32)],
+      interpret=pltpu.InterpretParams() if spec.interpret else False)(*args)
