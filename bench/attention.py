@@ -45,6 +45,23 @@ def decode_call(slots: int, visible: float, heads: int, kv_heads: int, head_dim:
   return q, k, v, mask, jnp.full((1, lanes), slots, jnp.int32), positions
 
 
+def plot(rows: list[dict], path: str, title: str) -> None:
+  """Attention time against pool size, XLA dashed and the kernel solid, one colour per visible share."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6.4, 4.2))
+  for n, share in enumerate(sorted({r["visible"] for r in rows})):
+    mine = sorted((r for r in rows if r["visible"] == share), key=lambda r: r["slots"])
+    slots = [r["slots"] for r in mine]
+    ax.plot(slots, [1e3 * r["xla_ms"] for r in mine], "--o", color=f"C{n}", label=f"XLA, {share:.0%} visible")
+    ax.plot(slots, [1e3 * r["kernel_ms"] for r in mine], "-s", color=f"C{n}", label=f"kernel, {share:.0%} visible")
+  ax.set(xscale="log", xlabel="pool slots", ylabel="microseconds per call", title=title)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="bench.attention", description=__doc__.split("\n\n")[0])
   parser.add_argument("--slots", default="512,1024,2048,4096,8192,16384,32768")
@@ -56,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--kernel", default="pallas", help="pallas (the device's), pallas-tpu or pallas-gpu")
   parser.add_argument("--block-k", type=int, default=None, help="keys per tile (default: 512 TPU, 64 GPU)")
   parser.add_argument("--splits", type=int, default=None, help="GPU kernel: pool ranges (default: fill the GPU)")
+  parser.add_argument("--plot", default=None, help="also draw time against pool size into this PNG")
   return parser.parse_args(argv)
 
 
@@ -91,6 +109,8 @@ def main(argv=None):
   print(table(rows, ("device", "slots", "visible", "xla_ms", "kernel_ms", "speedup", "max_abs_diff")))
   if interpret:
     print(f"{implementation} ran in interpret mode on {jax.default_backend()}: only correctness counts here")
+  if args.plot and not interpret:
+    plot(rows, args.plot, f"{jax.devices()[0].device_kind}: {heads} query / {kv_heads} KV heads, hd {args.head_dim}")
   at = {(r["slots"], r["visible"]): r["speedup"] for r in rows}
   low = min(float(x) for x in args.visible.split(","))
   print(f"RESULT max_abs_diff={worst:.2e} speedup_4k={at.get((4096, low), math.nan):.2f} "

@@ -87,10 +87,11 @@ def test_unsharded_parameter_bytes_equal_real_count(dtype):
 
 
 def test_optimizer_holds_two_moments():
+  update = 2 * 4 * max(int(np.prod(x.shape)) for x in real_leaves())  # the update's working set
   f32 = memory_plan(tiny_config(), TINY)
-  assert 2 * f32.params <= f32.optimizer <= 2 * f32.params + 64  # mu, nu (+ scalar counts)
+  assert 2 * f32.params + update <= f32.optimizer <= 2 * f32.params + update + 64  # mu, nu (+ scalar counts)
   mu16 = memory_plan(tiny_config(mu_dtype="bfloat16"), TINY)
-  assert 1.5 * mu16.params <= mu16.optimizer <= 1.5 * mu16.params + 64
+  assert 1.5 * mu16.params + update <= mu16.optimizer <= 1.5 * mu16.params + update + 64
 
 
 def _split(leaves_with_names, predicate) -> int:
@@ -139,7 +140,8 @@ def test_plan_checks_the_hardware():
 
 
 def test_check_fits_refuses_with_the_plan():
-  config = load_train_config(CONFIG_DIR / "gemma7b_sft_h100x1.json", param_dtype="float32", mu_dtype="float32")
+  config = load_train_config(CONFIG_DIR / "gemma7b_sft_h100x1.json", param_dtype="float32", mu_dtype="float32",
+                             lora_rank=0)
   with pytest.raises(ConfigError) as refused:
     check_fits(config, PRESETS["gemma1-7b"])
   first, *table = str(refused.value).splitlines()
@@ -149,7 +151,7 @@ def test_check_fits_refuses_with_the_plan():
 
 def test_format_plan_lists_every_line():
   text = format_plan(plan_for(tiny_config(objective="bonbon")))
-  for label in ("parameters", "gradients", "optimizer state (mu float32, nu float32)", "activations", "batch",
+  for label in ("parameters", "gradients", "optimizer (mu float32, nu float32) + update", "activations", "batch",
                 "total", "reference total", "usable", "headroom"):
     assert label in text
 
@@ -177,7 +179,7 @@ def test_cli_exit_codes(tmp_path, capsys):
   assert main(["plan", fits]) == 0
   assert "fits" in capsys.readouterr().out
 
-  assert main(["plan", str(CONFIG_DIR / "gemma7b_sft_h100x1.json"), "--seq-len", "4096"]) == 1
+  assert main(["plan", str(CONFIG_DIR / "gemma7b_sft_v5e-16.json"), "--seq-len", "16384"]) == 1
   out, err = capsys.readouterr()
   assert "DOES NOT FIT" in out
   assert err.strip().count("\n") == 0 and "does not fit" in err
@@ -193,3 +195,20 @@ def test_unknown_field_is_refused_naming_it(tmp_path, capsys):
   assert main(["plan", path]) == 2
   err = capsys.readouterr().err
   assert err.startswith("pasta: error:") and "batchsize" in err
+
+
+def test_an_adapter_run_trains_only_the_adapter():
+  """With lora_rank > 0 the frozen base is parameters only; gradients and moments are the adapter's (LoRA factors
+  on the targets, the nominal embedding rows), whose elements the plan counts exactly."""
+  from pasta_jax.model import lora
+  from pasta_jax.training.plan import ADAPTER_ROWS
+  full = memory_plan(tiny_config(), TINY)
+  adapted = memory_plan(tiny_config(lora_rank=4, lora_targets=("q", "v")), TINY)
+  base = jax.eval_shape(Gemma(TINY).init, jax.random.key(1), jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32),
+                        causal_mask(1, 4))
+  adapter = jax.eval_shape(lambda p: lora.init_adapter(p, lora.AdapterConfig(4, 16.0, ("q", "v"), tuple(
+      range(ADAPTER_ROWS))), jax.random.key(0)), base)
+  assert adapted.adapter_params == elements(jax.tree.leaves(adapter)) and full.adapter_params == 0
+  assert adapted.grads == 4 * adapted.adapter_params  # float32
+  assert adapted.params == full.params + adapted.grads
+  assert adapted.optimizer < full.optimizer / 4

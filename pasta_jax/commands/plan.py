@@ -15,7 +15,7 @@ OVERRIDES = {
   "--model": ("model", str), "--objective": ("objective", str), "--hardware": ("hardware", str),
   "--batch-size": ("batch_size", int), "--grad-accum": ("grad_accum", int), "--seq-len": ("seq_len", int),
   "--num-threads": ("num_threads", int), "--compute-dtype": ("compute_dtype", str),
-  "--param-dtype": ("param_dtype", str), "--mu-dtype": ("mu_dtype", str),
+  "--param-dtype": ("param_dtype", str), "--mu-dtype": ("mu_dtype", str), "--lora-rank": ("lora_rank", int),
 }
 
 

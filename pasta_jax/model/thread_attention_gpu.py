@@ -1,8 +1,10 @@
 """The GPU (Triton-style) kernel of thread-metadata attention: flash decoding over the interleaved pool.
 
 A decode call has few query rows (lanes x grouped heads) and a long pool, so one program per query block would
-leave all but one of an H100's 132 multiprocessors idle. The pool's key blocks are cut into `splits` ranges;
-program (batch, KV head, row block, split) runs the online softmax over its range, skips every key block that no
+leave all but one of an H100's 132 multiprocessors idle. The pool's key blocks are dealt to `splits` programs
+round-robin (split p takes blocks p, p + P, p + 2P, ...: the visible blocks, often the pool's front where the
+prompt and main's prefix live, spread over every program instead of piling into the first few);
+program (batch, KV head, row block, split) runs the online softmax over its blocks, skips every key block that no
 row of its block can see (`thread_tiles.block_summaries`: the same test as the TPU kernel), and writes its partial
 (running max, sum of exponentials, weighted values); XLA then merges the splits. A training call (many rows) gets
 one split and many row blocks instead.
@@ -149,7 +151,7 @@ def _kernel(q_ref, k_ref, v_ref, hor_ref, qpos_ref, owner_ref, order_ref, valid_
   q_pos = qpos_ref[...]
   q_max = qmax_ref[...]  # [1, U]
   precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-  first = pl.program_id(3) * tiling.per_split
+  split = pl.program_id(3)
 
   def update(j, carry):
     m, denom, acc = carry
@@ -174,7 +176,7 @@ def _kernel(q_ref, k_ref, v_ref, hor_ref, qpos_ref, owner_ref, order_ref, valid_
     return m_new, alpha * denom + probs.sum(axis=1), alpha[:, None] * acc + values
 
   def body(step, carry):
-    j = first + step
+    j = split + step * tiling.splits
     block = jnp.minimum(j, tiling.k_blocks - 1)
     live = (j < tiling.k_blocks) & (jnp.max(jnp.where(kmin_ref[pl.ds(block, 1), :] <= q_max, 1, 0)) > 0)
     return jax.lax.cond(live, functools.partial(update, block), lambda c: c, carry)

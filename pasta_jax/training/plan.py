@@ -5,9 +5,15 @@ What is counted, per device:
 
   parameters   master weights in param_dtype, sharded by `partitioning.param_specs` (a replicated
                dimension counts fully, so norm scales and unsplittable KV heads cost every device).
-  gradients    the accumulated gradient tree of the step, param_dtype, sharded like the parameters.
+  gradients    the gradient tree of what trains, param_dtype, sharded like the parameters.
   optimizer    the real optax state of `optimizer.make_optimizer` (eval_shape of its init), moments
-               sharded like their parameters, scalars replicated.
+               sharded like their parameters, scalars replicated; plus the update's working set: the
+               largest trainable leaf's new moments in float32 (two copies of this device's shard). On an
+               H100, Gemma 7B full fine-tuning in bfloat16 (tpu_configs/gemma7b_sft_h100x1.json as it was)
+               needed 27.65 GiB of XLA temporaries beside 47.7 GiB of parameters and moments: 5.4 GiB more
+               than gradients + activations, about two float32 copies of the 256k x 3072 embedding (5.9).
+  adapters     with lora_rank > 0 only the adapter trains (LoRA factors, ADAPTER_ROWS nominal embedding
+               rows): the frozen base counts as parameters, gradients and moments are the adapter's.
   activations  an estimate for one micro-batch (batch_size / grad_accum examples; BoNBoN forwards the
                chosen and the rejected answer of each pair, so two sequences per example), see
                `_activation_parts`: the layer inputs kept for the backward pass (remat) or every
@@ -53,6 +59,7 @@ from pasta_jax.training.partitioning import param_specs
 
 GIB = 1024**3
 USABLE_FRACTION = 0.90  # of a chip's memory; see the module docstring
+ADAPTER_ROWS = 64  # embedding rows an adapter trains, nominal (tag and chat-turn tokens: the tokenizer decides)
 BATCH_INT32_FIELDS = 5  # tokens, positions, thread, order, targets [B, L]; plus valid, loss_mask (bool)
 
 
@@ -155,6 +162,7 @@ class MemoryPlan:
   remat: bool
   params: int
   grads: int
+  adapter_params: int  # elements that train with lora_rank > 0 (0: full fine-tuning)
   optimizer: int
   activations: int
   batch: int
@@ -200,6 +208,25 @@ def abstract_params(model_config: GemmaConfig) -> dict:
   tokens = jnp.zeros((1, 1), jnp.int32)
   mask = jnp.ones((1, 1, 1), bool)
   return jax.eval_shape(lambda: Gemma(model_config).init(jax.random.key(0), tokens, tokens, mask))
+
+
+def _adapter(train_config: TrainConfig, params) -> dict:
+  """The abstract adapter tree an adapter run trains (in param_dtype), for the base `params`."""
+  from pasta_jax.model import lora
+  config = lora.AdapterConfig(train_config.lora_rank, train_config.lora_alpha, tuple(train_config.lora_targets),
+                              tuple(range(ADAPTER_ROWS)))
+  return _with_dtype(jax.eval_shape(lambda p: lora.init_adapter(p, config, jax.random.key(0)), params),
+                     train_config.param_dtype)
+
+
+def _update_working_set(trainable, factors) -> int:
+  """Two float32 copies of the largest trainable leaf's shard: what the moment update holds at once."""
+  shards = jax.tree.leaves(jax.tree.map(lambda leaf, f: _elements(leaf) // f, trainable, factors))
+  return 2 * 4 * max(shards)
+
+
+def _elements(tree) -> int:
+  return sum(int(np.prod(leaf.shape, dtype=np.int64)) for leaf in jax.tree.leaves(tree))
 
 
 def _with_dtype(tree, dtype) -> dict:
@@ -435,7 +462,13 @@ def memory_plan(train_config: TrainConfig, model_config: GemmaConfig) -> MemoryP
   params = _with_dtype(abstract_params(model_config), train_config.param_dtype)
   factors = _shard_factors(params, train_config.mesh.shape)
   param_bytes = sharded_bytes(params, factors)
-  optimizer_bytes, moments = _optimizer_bytes(train_config, params, factors)
+  trainable, trainable_factors = params, factors
+  if train_config.lora_rank > 0:
+    trainable = _adapter(train_config, params)
+    trainable_factors = _shard_factors(trainable, train_config.mesh.shape)
+    param_bytes += sharded_bytes(trainable, trainable_factors)
+  optimizer_bytes, moments = _optimizer_bytes(train_config, trainable, trainable_factors)
+  optimizer_bytes += _update_working_set(trainable, trainable_factors)
   parts = _activation_parts(train_config, model_config, params)
   reference_parts = _reference_parts(train_config, model_config, params, factors)
   capacity = _capacity(hardware, train_config)
@@ -447,7 +480,8 @@ def memory_plan(train_config: TrainConfig, model_config: GemmaConfig) -> MemoryP
       micro_batch=train_config.micro_batch, seq_len=train_config.seq_len, grad_accum=train_config.grad_accum,
       sequences_per_device=train_config.micro_batch // (mesh.data * mesh.fsdp)
       * sequences_per_example(train_config.objective),
-      remat=train_config.remat, params=param_bytes, grads=param_bytes, optimizer=optimizer_bytes,
+      remat=train_config.remat, params=param_bytes, grads=sharded_bytes(trainable, trainable_factors),
+      adapter_params=_elements(trainable) if trainable is not params else 0, optimizer=optimizer_bytes,
       activations=sum(n for _, n in parts), batch=_batch_bytes(train_config), parts=tuple(parts),
       reference=sum(n for _, n in reference_parts), reference_parts=tuple(reference_parts),
       capacity=capacity, usable=int(capacity * USABLE_FRACTION))
@@ -481,6 +515,10 @@ def _row(label: str, n: int, indent: int = 2) -> str:
   return f"{' ' * indent}{label:<44}{_gib(n):>9}"
 
 
+def _gradient_note(plan: MemoryPlan) -> str:
+  return f", adapter {_count(plan.adapter_params)}" if plan.adapter_params else ""
+
+
 def format_plan(plan: MemoryPlan) -> str:
   """A readable per-device table in GiB."""
   mesh = plan.mesh
@@ -494,9 +532,9 @@ def format_plan(plan: MemoryPlan) -> str:
       f"per device {plan.sequences_per_device} {seqs} x {plan.seq_len} tokens; remat {'on' if plan.remat else 'off'}",
       "",
       f"  {'per device':<44}{'GiB':>9}",
-      _row(f"parameters ({plan.dtypes['param']})", plan.params),
-      _row(f"gradients ({plan.dtypes['param']})", plan.grads),
-      _row(f"optimizer state ({plan.dtypes['optimizer']})", plan.optimizer),
+      _row(f"parameters ({plan.dtypes['param']}{', base + adapter' if plan.adapter_params else ''})", plan.params),
+      _row(f"gradients ({plan.dtypes['param']}{_gradient_note(plan)})", plan.grads),
+      _row(f"optimizer ({plan.dtypes['optimizer']}) + update", plan.optimizer),
       _row(f"activations (compute {plan.dtypes['compute']})", plan.activations),
       *(_row(label, n, indent=4) for label, n in plan.parts),
       _row("batch", plan.batch),
