@@ -76,5 +76,6 @@ def main(argv=None):
         f"seq_over_plain_no_buckets={ratios.get((1, False), float('nan')):.3f} "
         f"blocks{many}_over_plain={ratios.get((many, True), float('nan')):.3f} roofline_share={floor / step:.3f}")
 
+
 if __name__ == "__main__":
   main()

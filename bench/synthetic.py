@@ -40,6 +40,7 @@ class SyntheticTokenizer:
   def tag_vocab(self) -> TagVocab:
     return TagVocab.from_base(10, self.eos_ids)
 
+
 def random_model(name: str, dtype=jnp.float32):
   """A LoadedModel of preset `name` in its real shapes with random weights in `dtype` (each tensor drawn and cast
   inside one program, so a 7B model never holds a float32 copy), and bench.synthetic's tokenizer."""
@@ -51,7 +52,6 @@ def random_model(name: str, dtype=jnp.float32):
     return jax.tree.map(lambda x: x.astype(dtype), params)
 
   return LoadedModel(config, jax.jit(init)(jax.random.key(0)), SyntheticTokenizer(), f"random:{name}")
-
 
 
 def answers(tokens: int, blocks: int) -> tuple[str, str, str]:

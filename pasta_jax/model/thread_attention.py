@@ -51,7 +51,7 @@ class AttentionSpec:
   implementation: str = "xla"
   block_q: int = 8  # query rows per tile (each brings its G grouped heads)
   block_k: int = 128  # keys per tile
-  splits: int | None = None  # GPU kernel: ranges of the pool run by separate programs (None: fill the device)
+  splits: int | None = None  # GPU kernel: programs the pool's key blocks are dealt to (None: fill the device)
   interpret: bool = False
 
   def __post_init__(self):
