@@ -28,7 +28,7 @@ from pasta_jax.decode.result import Result
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.tokenizing import LangTokenizer
 from pasta_jax.errors import PastaError
-from pasta_jax.serve import sot, streaming
+from pasta_jax.serve import programs, sot, streaming
 from pasta_jax.serve.metrics import ServeMetrics
 from pasta_jax.serve.propd import OnlineLatency
 
@@ -155,6 +155,7 @@ class Engine:
     self.error: BaseException | None = None
     self.compile_ahead: set[str] = set()  # methods whose batches compile every shape when created (`warm_up`)
     self.prompt_buckets: tuple[int, ...] = ()  # the prompt buckets their admissions compile for
+    self.programs = programs.ProgramGuard(on_drop=self._dropped_programs)  # CPU: compiled code fills memory maps
 
   # --- the client side ---------------------------------------------------------------------------------
   def check(self, ids: list[int], max_tokens: int) -> None:
@@ -248,6 +249,7 @@ class Engine:
         idle = not self.running and not self.waiting
         if self.stopping and (idle or time.perf_counter() > self.drain_deadline):
           break
+      self.programs.check()
       self._admit_waiting()
       for i, key in enumerate(list(self.batches)):
         if i:  # between batches too: a newcomer waits for one batch's chunk, not for a whole turn of them
@@ -255,6 +257,10 @@ class Engine:
         if key in self.batches:  # (an admission may evict an idle batch)
           self._run_chunk(key)
     self._cut_everyone()
+
+  def _dropped_programs(self, used: int, limit: int) -> None:
+    self.metrics.program_drops.inc()
+    programs.log_drop(used, limit)
 
   def _cut_everyone(self) -> None:
     for request in self._everyone():

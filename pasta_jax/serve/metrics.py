@@ -34,6 +34,8 @@ class ServeMetrics:
                                     "per rows bucket, measured online", ["rows", "coefficient"], registry=r)
     self.stream_seams = prom.Counter("pasta_stream_seams", "answers whose final text did not extend the "
                                      "streamed text (the rest was not streamed)", registry=r)
+    self.program_drops = prom.Counter("pasta_compiled_program_drops", "times the server dropped every compiled "
+                                      "program to stay under the memory-map limit (serve/programs.py)", registry=r)
     prom.Gauge("pasta_tokens_per_second", f"content tokens per second over the last {window_s:g} s",
                registry=r).set_function(self._rate)
     self.window_s, self._marks, self._lock = window_s, collections.deque(), threading.Lock()
