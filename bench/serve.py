@@ -145,7 +145,9 @@ def level_report(clients: int, answers: list[dict], seconds: float) -> dict:
           "tokens": sum(a["tokens"] for a in ok), "seconds": seconds,
           "throughput": sum(a["tokens"] for a in ok) / seconds, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
           "gap_p50": pct(gaps, 50), "gap_p99": pct(gaps, 99),
-          "events_per_answer": statistics.mean(len(a["events"]) for a in ok) if ok else 0.0}
+          "events_per_answer": statistics.mean(len(a["events"]) for a in ok) if ok else 0.0,
+          "ttft_p99_by_method": {m: pct([a["events"][0] for a in ok if a["method"] == m and a["events"]], 99)
+                                 for m in sorted({a["method"] for a in ok})}}
 
 
 def reference_text(model, prompt: str, method: str, max_tokens: int, lanes: int) -> str:
@@ -267,6 +269,9 @@ def main(argv=None) -> None:
     print(f"{r['clients']:>7} {r['requests']:>5} {r['lost']:>4} {r['tokens']:>7} {r['throughput']:>7.1f} "
           f"{r['ttft_p50']:>8.2f}s {r['ttft_p99']:>8.2f}s {r['gap_p50']:>7.2f}s {r['gap_p99']:>7.2f}s "
           f"{r['events_per_answer']:>6.1f}")
+  for r in reports:
+    print(f"time to first text p99 by method at {r['clients']} clients: "
+          + ", ".join(f"{m} {t:.2f}s" for m, t in r["ttft_p99_by_method"].items()))
   by = {r["clients"]: r for r in reports}
   top = by.get(16, reports[-1])
   base = max(by.get(1, reports[0])["throughput"], generate_tps)

@@ -37,7 +37,8 @@ def test_a_server_that_drops_its_programs_answers_as_generate():
   from pasta_jax.serve.engine import Engine, Request, ServeConfig
   from tests.test_serve import MODEL, reference
   engine = Engine(MODEL, ServeConfig(batch=2, pool_slots=256, chunk_steps=4, max_tokens=16))
-  engine.programs = ProgramGuard(high_water=0.0, every_s=0.0, on_drop=engine._dropped_programs)  # drop every turn
+  counts = iter([(10, 10)] * 2)  # over the limit on the first two turns (before and after the admission), then not
+  engine.programs = ProgramGuard(every_s=0.0, read=lambda: next(counts, (0, 10)), on_drop=engine._dropped_programs)
   engine.start()
   try:
     updates: queue.Queue = queue.Queue()
@@ -47,6 +48,6 @@ def test_a_server_that_drops_its_programs_answers_as_generate():
     while not seen[-1].done:
       seen.append(updates.get(timeout=300))
     assert "".join(u.delta for u in seen) == reference("Tea?", "sequential", 12, chat=False)
-    assert engine.programs.drops >= 2 and "pasta_compiled_program_drops_total" in engine.metrics.text().decode()
+    assert engine.programs.drops == 2 and "pasta_compiled_program_drops_total" in engine.metrics.text().decode()
   finally:
     engine.stop(grace_s=0)
