@@ -343,7 +343,8 @@ class Engine:
       script_len, max_tokens = self.cfg.sot_script_tokens, max_tokens + self.cfg.sot_script_tokens
     prep = api.prepare_method(self.model, [bos], method=method, max_new_tokens=max_tokens, lanes=self.cfg.lanes,
                               sampling=sampling, dtype=jnp.dtype(self.cfg.dtype), **extra)
-    cfg = batching.batch_config(dataclasses.replace(prep.cfg, pool_slots=self.cfg.pool_slots), max_tokens)
+    pool = self.cfg.pool_slots * (sot.EXPAND_POOL_FACTOR if method == sot.EXPAND else 1)
+    cfg = batching.batch_config(dataclasses.replace(prep.cfg, pool_slots=pool), max_tokens)
     rows = batching.RowBatch(prep.model_fn, prep.params, cfg, batch=self.cfg.batch, vocab_size=prep.vocab_size,
                              pool_spec=prep.pool_spec, rule_inputs=prep.rule_inputs, script_len=script_len)
     if method in self.compile_ahead:
@@ -469,6 +470,10 @@ class Engine:
         self.check(ids, 1)
       except PastaError as err:
         ids, expansion = None, f"the points' prompt does not fit: {err}"
+    room = self.cfg.pool_slots * sot.EXPAND_POOL_FACTOR
+    if ids is not None and sot.expansion_slots(ids, scripts, config, self.cfg.lanes) > room:
+      ids, expansion = None, (f"the expansion needs {sot.expansion_slots(ids, scripts, config, self.cfg.lanes)} "
+                              f"pool slots, the server's SoT rows hold {room}")
     if ids is None:  # no usable skeleton: answer plainly, and say why
       plain = api.prompt_ids(self.model.tokenizer, [parent.question], config.chat)[0]
       stage = self._stage(parent, sot.PLAN, plain, config.answer_tokens, _noting(parent.sink, expansion))

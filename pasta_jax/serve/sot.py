@@ -18,7 +18,11 @@ import dataclasses
 import numpy as np
 
 from pasta_jax.baselines import sot
+from pasta_jax.decode import loop
+from pasta_jax.decode.batching import bucket
 from pasta_jax.lang.schema import THREAD, TOKEN
+
+EXPAND_POOL_FACTOR = 2  # the expansion batch's rows hold this many times the server's --pool (SoT's fan-out)
 
 PLAN = "sequential"  # the batch that decodes skeletons and the answers without one
 EXPAND = "sot"  # the batch that expands points
@@ -67,3 +71,10 @@ def stage_two(tokenizer, question: str, skeleton: str, config: sot.SotConfig, fa
 def expansion_budget(config: sot.SotConfig, scripts) -> int:
   """Stage 2's new tokens, as `SkeletonOfThought` gives its expansion run."""
   return config.point_tokens + max(map(len, scripts))
+
+
+def expansion_slots(ids, scripts, config: sot.SotConfig, lanes: int) -> int:
+  """The pool `SkeletonOfThought` alone gives stage 2 (as `api.prepare` sizes a run with scripts): its room, not a
+  per-point budget, is what ends the expansions, so a served row with less room would cut them shorter."""
+  new = max(expansion_budget(config, scripts), sum(map(len, scripts)) + 2 * len(scripts))
+  return loop.pool_size(bucket(len(ids)), new, lanes)
