@@ -71,36 +71,30 @@ def test_served_sot_equals_skeleton_of_thought(monkeypatch):
 FOUR = "1. Leaves\n2. Hot water\n3. Wait\n4. Drink"
 
 
-def served_expansion(monkeypatch, factor: int):
-  """("Hi?" with the FOUR outline served by a 512-slot server whose SoT rows hold `factor` pools, the slots
-  SkeletonOfThought alone gives that expansion)."""
-  small = ServeConfig(batch=1, pool_slots=512, lanes=8, chunk_steps=8, max_tokens=24)
-  needs = []
-
-  def fixed_outline(tokenizer, question, decoded_skeleton, *args):
-    ids, scripts, expansion = stage_two(tokenizer, question, FOUR, *args)
-    needs.append(served_sot.expansion_slots(ids, scripts, args[0], small.lanes))
-    return ids, scripts, expansion
-  stage_two = served_sot.stage_two
-  monkeypatch.setattr(served_sot, "stage_two", fixed_outline)
-  monkeypatch.setattr(served_sot, "EXPAND_POOL_FACTOR", factor)
-  engine = Engine(MODEL, small).start()
-  try:
-    return collect(ask(engine, "Hi?", 24))[-1], needs[0]
-  finally:
-    engine.stop(grace_s=0)
-
 
 def test_expansions_get_the_room_skeleton_of_thought_gives_them_or_a_plain_answer_with_a_note(monkeypatch):
   """The expansions end when their pool is full, so a served row must hold the pool `SkeletonOfThought` alone
-  sizes (a row capped at the server's pool cut the mixed-load bench's SoT answers short): rows of twice the pool
-  hold this expansion and the answer equals SoT's own; rows of one pool cannot, and it is answered plainly,
-  saying why."""
+  sizes (rows capped at the server's pool cut the mixed-load bench's SoT answers short): on a 512-slot server
+  the expansion rows hold 1,024 slots, this expansion needs them, and the answer equals SoT's own; one that needs
+  more than the rows hold is answered plainly, and the note says why."""
+  small = ServeConfig(batch=1, pool_slots=512, lanes=8, chunk_steps=8, max_tokens=24)
   config = SotConfig(point_tokens=24, answer_tokens=24, lanes=8)
-  last, need = served_expansion(monkeypatch, 2)
-  assert 512 < need <= 1024
+  stage_two = served_sot.stage_two
+  seen = []
+
+  def fixed_outline(tokenizer, question, decoded_skeleton, *args):
+    seen.append(stage_two(tokenizer, question, FOUR, *args))
+    return seen[-1]
+  monkeypatch.setattr(served_sot, "stage_two", fixed_outline)
+  engine = Engine(MODEL, small).start()
+  try:
+    last = collect(ask(engine, "Hi?", 24))[-1]
+  finally:
+    engine.stop(grace_s=0)
+  ids, scripts, _ = seen[0]
+  assert 512 < served_sot.expansion_slots(ids, scripts, config, 8) <= 1024
   assert last.result.text == SkeletonOfThought(MODEL, config).run("Hi?", FOUR).text
-  last, _ = served_expansion(monkeypatch, 1)
-  plain = SkeletonOfThought(MODEL, config).run("Hi?", "no outline")
-  assert not plain.used_sot and last.result.text == plain.text
-  assert f"the expansion needs {need} pool slots, the server's SoT rows hold 512" in last.note
+  assert engine._expansion_too_big(ids, scripts, config) == ""
+  monkeypatch.setattr(served_sot, "EXPAND_POOL_FACTOR", 1)  # rows of one pool: this expansion no longer fits
+  assert engine._expansion_too_big(ids, scripts, config) == ("the expansion needs 1024 pool slots, the server's SoT "
+                                                             "rows hold 512")

@@ -456,6 +456,12 @@ class Engine:
     return self._stage(parent, sot.PLAN, ids, config.skeleton_tokens, hidden=True,
                        sink=lambda update: self._after_skeleton(parent, config, update))
 
+  def _expansion_too_big(self, ids: list[int], scripts, config: SotConfig) -> str:
+    """Why an expansion cannot be served as SoT alone runs it (its rows hold less than the pool SoT gives it:
+    the expansions would end sooner), or ""."""
+    need, room = sot.expansion_slots(ids, scripts, config, self.cfg.lanes), self.cfg.pool_slots * sot.EXPAND_POOL_FACTOR
+    return f"the expansion needs {need} pool slots, the server's SoT rows hold {room}" if need > room else ""
+
   def _after_skeleton(self, parent: Request, config: SotConfig, update: Update) -> None:
     if not update.done:
       return
@@ -470,10 +476,8 @@ class Engine:
         self.check(ids, 1)
       except PastaError as err:
         ids, expansion = None, f"the points' prompt does not fit: {err}"
-    room = self.cfg.pool_slots * sot.EXPAND_POOL_FACTOR
-    if ids is not None and sot.expansion_slots(ids, scripts, config, self.cfg.lanes) > room:
-      ids, expansion = None, (f"the expansion needs {sot.expansion_slots(ids, scripts, config, self.cfg.lanes)} "
-                              f"pool slots, the server's SoT rows hold {room}")
+    if ids is not None and self._expansion_too_big(ids, scripts, config):
+      ids, expansion = None, self._expansion_too_big(ids, scripts, config)
     if ids is None:  # no usable skeleton: answer plainly, and say why
       plain = api.prompt_ids(self.model.tokenizer, [parent.question], config.chat)[0]
       stage = self._stage(parent, sot.PLAN, plain, config.answer_tokens, _noting(parent.sink, expansion))
