@@ -476,8 +476,9 @@ class Engine:
         self.check(ids, 1)
       except PastaError as err:
         ids, expansion = None, f"the points' prompt does not fit: {err}"
-    if ids is not None and self._expansion_too_big(ids, scripts, config):
-      ids, expansion = None, self._expansion_too_big(ids, scripts, config)
+    too_big = self._expansion_too_big(ids, scripts, config) if ids is not None else ""
+    if too_big:
+      ids, expansion = None, too_big
     if ids is None:  # no usable skeleton: answer plainly, and say why
       plain = api.prompt_ids(self.model.tokenizer, [parent.question], config.chat)[0]
       stage = self._stage(parent, sot.PLAN, plain, config.answer_tokens, _noting(parent.sink, expansion))
