@@ -48,6 +48,7 @@ from pasta_jax.decode.rules import (
     AparRules,
     MedusaRules,
     PastaRules,
+    PastaTreeRules,
     Rules,
     ScopedRules,
     SequentialRules,
@@ -71,8 +72,8 @@ __all__ = ["GREEDY", "METHODS", "LangTokenizer", "PastaResult", "Result", "Threa
            "stream_ids"]
 
 GREEDY = SamplingConfig()  # frozen: safe as a default argument
-METHODS = ("pasta", "pasta-v0", "apar", "sot", "sequential", "superposed", "medusa", "propd")
-TREE_METHODS = ("medusa", "propd")
+METHODS = ("pasta", "pasta-v0", "apar", "sot", "sequential", "superposed", "medusa", "propd", "pasta+medusa")
+TREE_METHODS = ("medusa", "propd", "pasta+medusa")
 PASTA = PastaRules()
 
 
@@ -302,7 +303,7 @@ def to_result(run: RunOutput, seconds: float, tokenizer: LangTokenizer, prep: Pr
   build = tree_result if isinstance(rules, AparRules) else drafts_result if isinstance(rules, SuperposedRules) \
       else scoped_result if isinstance(rules, ScopedRules) else pasta_result
   result = build(run, seconds, tokenizer, prep.vocab, prep.cfg.rules.name)
-  if isinstance(rules, MedusaRules):
+  if isinstance(rules, (MedusaRules, PastaTreeRules)):
     result = dataclasses.replace(result, speculation=run.rule_outputs)
   return result
 
@@ -319,7 +320,8 @@ def prepare_method(model, ids: Sequence[Sequence[int]], *, method: str = "pasta"
     raise PastaError(f"drafts is for method='superposed', not {method!r}")
   if method in TREE_METHODS:
     return prepare_tree(model, ids, method, forced=forced_answers is not None or scripts is not None,
-                        return_logits=return_logits, ignore_eos=ignore_eos, **kw)
+                        return_logits=return_logits, ignore_eos=ignore_eos, lanes=lanes, max_threads=max_threads,
+                        **kw)
   if method in ("sequential", "superposed"):
     lanes = max_threads = 1
   index = superposed_index(ngram) if method == "superposed" else None
@@ -354,15 +356,30 @@ def prepare_method(model, ids: Sequence[Sequence[int]], *, method: str = "pasta"
                  record_logits=return_logits, rule_inputs=None if index is None else index.device_arrays(), **kw)
 
 
-def prepare_tree(model, ids, method: str, *, forced: bool, return_logits: bool, ignore_eos: bool, heads=None,
-                 tree_size: int | None = None, choices=None, acceptance: str = "greedy", latency=None,
-                 prune=None, **kw) -> Prepared:
-  """Medusa (fixed tree) or ProPD (dynamic tree size, early pruning) on the model's Medusa heads."""
-  from pasta_jax.decode.speculation import default_tree_size, early_prune, load_drafter, rules_and_inputs
+def prepare_tree(model, ids, method: str, *, forced: bool, return_logits: bool, ignore_eos: bool, lanes: int,
+                 max_threads: int, heads=None, tree_size: int | None = None, choices=None, acceptance: str = "greedy",
+                 latency=None, prune=None, **kw) -> Prepared:
+  """Medusa (fixed tree) or ProPD (dynamic tree size, early pruning) on the model's Medusa heads; "pasta+medusa":
+  PASTA with a tree on each of its `lanes` thread lanes."""
+  from pasta_jax.decode.speculation import (
+      default_tree_size,
+      early_prune,
+      load_drafter,
+      pasta_tree_rules,
+      rules_and_inputs,
+  )
   if forced:
     raise PastaError(f"method={method!r} speculates on the model's own tokens: it replays no forced answers")
   drafter = load_drafter(model, heads)
   size = tree_size or default_tree_size(method)
+  if method == "pasta+medusa":
+    if acceptance != "greedy" or latency is not None or prune not in (None, False) or ignore_eos:
+      raise PastaError("method='pasta+medusa' accepts greedily, on a fixed tree: acceptance, latency, prune and "
+                       "ignore_eos are for medusa / propd")
+    rules, inputs = pasta_tree_rules(drafter, tree_size=size, thread_lanes=lanes, threads=max_threads,
+                                     choices=choices, softcap=model.config.final_logit_softcap)
+    return prepare(model, ids, rules=rules, lanes=rules.thread_lanes * rules.tree.size,
+                   max_threads=max_threads + rules.node_lanes, record_logits=return_logits, rule_inputs=inputs, **kw)
   pruning = early_prune(method, prune, drafter)
   rules, inputs = rules_and_inputs(drafter, tree_size=size, dynamic=method == "propd", acceptance=acceptance,
                                    latency=latency, choices=choices, prune=pruning)

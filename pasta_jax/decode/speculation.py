@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.decode.rules.medusa import MedusaRules
+from pasta_jax.decode.rules.pasta_tree import PastaTreeRules
 from pasta_jax.decode.rules.pruning import EarlyPrune, load_early_head
 from pasta_jax.decode.tree import TokenTree, build_tree, default_hit_rates
 from pasta_jax.errors import PastaError
@@ -24,12 +25,13 @@ CALIBRATION_FILE = "calibration.json"
 MEDUSA_DIR = "medusa"  # the shipped heads of an adapter live in <adapter>/medusa/
 DEFAULT_TREE = 64  # Medusa's default tree size (its 63 candidates + the root)
 FIXED_TREE = 16  # method "medusa"'s default: on a CPU a fixed 64-node tree costs more than it saves
+THREAD_TREE = 4  # method "pasta+medusa"'s default: a tree on every live thread multiplies the rows of a step
 PROPD_PRUNE = EarlyPrune()  # ProPD's early pruning as the paper runs it: top 50 (layer: the trained head's)
 
 
 def default_tree_size(method: str) -> int:
-  """ProPD's largest tree (it picks a prefix each step), or Medusa's fixed tree."""
-  return DEFAULT_TREE if method == "propd" else FIXED_TREE
+  """ProPD's largest tree (it picks a prefix each step), Medusa's fixed tree, or each PASTA thread's tree."""
+  return {"propd": DEFAULT_TREE, "pasta+medusa": THREAD_TREE}.get(method, FIXED_TREE)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -105,6 +107,15 @@ def rules_and_inputs(drafter: Drafter, *, tree_size: int = DEFAULT_TREE, dynamic
                        "(`calibrate_latency`)")
     inputs["latency"] = jnp.asarray(latency_table(latency, rules.sizes), jnp.float32)
   return rules, inputs
+
+
+def pasta_tree_rules(drafter: Drafter, *, tree_size: int = THREAD_TREE, thread_lanes: int = 8, threads: int = 64,
+                     choices=None, softcap: float | None = None) -> tuple[PastaTreeRules, dict]:
+  """(PastaTreeRules, rule_inputs): PASTA on `thread_lanes` lanes, each live thread with a `tree_size`-node tree."""
+  tree = TokenTree.from_choices(choices) if choices is not None else drafter.tree(tree_size)
+  rules = PastaTreeRules(tree=tree, thread_lanes=thread_lanes, threads=threads, num_heads=drafter.config.num_heads,
+                         top_k=drafter.top_k, softcap=softcap)
+  return rules, {"heads": drafter.heads}
 
 
 def latency_table(latency, sizes) -> np.ndarray:

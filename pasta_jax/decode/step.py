@@ -144,7 +144,7 @@ def is_content(tokens: jax.Array, in_topic: jax.Array, vocab) -> jax.Array:
 def spend_budget(state: InterpState, recorded: jax.Array, cfg: InterpreterConfig) -> InterpState:
   """Counts the content tokens the lanes recorded this step; a request that reaches the content budget
   (`cfg.max_content`, when set) is cut there. recorded: [B, T] bool, the lanes' new pending tokens."""
-  topic = (jnp.arange(cfg.lanes) == 0)[None, :] & state.in_promise[:, None]  # main between PROMISE and LENGTH
+  topic = (state.thread == 0) & state.in_promise[:, None]  # main's lanes between PROMISE and LENGTH
   content = state.content + (recorded & is_content(state.token, topic, cfg.vocab)).sum(axis=1).astype(jnp.int32)
   return cut_at_budget(dataclasses.replace(state, content=content), cfg)
 

@@ -39,8 +39,9 @@ def toy_params(cfg: ToyConfig, tag_bias: dict[int, float], seed: int = 0) -> dic
 
 
 def toy_apply(params, tokens, positions, mask, pool: KVPool | None = None, slots=None,
-              kv_positions=None, token_weights=None, logit_rows=None):
-  """Same contract as `Gemma.apply(params, ...)`: returns (logits [B, Q, V], pool). With token_weights
+              kv_positions=None, token_weights=None, logit_rows=None, return_hidden=False):
+  """Same contract as `Gemma.apply(params, ...)`: returns (logits [B, Q, V], pool), and with return_hidden the
+  rows' hidden states [B, Q, hd] (input row + attended context: what Medusa heads read). With token_weights
   [B, Q, K], tokens are [B, Q, K] and each input row is their weighted mix."""
   del kv_positions
   if isinstance(mask, ThreadMask):
@@ -59,4 +60,4 @@ def toy_apply(params, tokens, positions, mask, pool: KVPool | None = None, slots
   logits = mix(params["table"][tokens]) + context @ params["readout"] + params["bias"]
   if logit_rows is not None:
     logits = jnp.take_along_axis(logits, logit_rows[..., None], axis=1)
-  return logits, pool
+  return (logits, pool, rows + context) if return_hidden else (logits, pool)

@@ -34,8 +34,10 @@ class FeedPlan:
   out_of_room: jax.Array  # [B] bool: the pool cannot take this step's writes
 
 
-def plan_feeds(state: InterpState, cfg: InterpreterConfig, length_table: jax.Array) -> FeedPlan:
-  """Who feeds this step, under `cfg.rules` (PastaRules, or the naive interpreter's variant)."""
+def plan_feeds(state: InterpState, cfg: InterpreterConfig, length_table: jax.Array,
+               free_slots: jax.Array | None = None) -> FeedPlan:
+  """Who feeds this step, under `cfg.rules` (PastaRules, or the naive interpreter's variant). free_slots: [B]
+  slots a pool that frees them has left (None: the append-only pool's room, up to each request's slot limit)."""
   rules, vocab = cfg.rules, cfg.vocab
   lane_idx = jnp.arange(cfg.lanes)
   live = state.live
@@ -57,7 +59,8 @@ def plan_feeds(state: InterpState, cfg: InterpreterConfig, length_table: jax.Arr
   feed = (live[:, None] & busy) | ((lane_idx == 0) & main_feeds[:, None])
   if rules.fork_feeds_at_spawn:
     feed = feed | (spawn[:, None] & (lane_idx == spawn_lane[:, None]))
-  room = state.next_slot + feed.sum(axis=1) <= state.slot_limit
+  writes = feed.sum(axis=1)
+  room = state.next_slot + writes <= state.slot_limit if free_slots is None else writes <= free_slots
   out_of_room = live & jnp.any(feed, axis=1) & ~room
   # A step without room changes nothing but `truncated`: no feed, spawn, stall or implicit sync.
   return FeedPlan(feed & room[:, None], spawn & room, spawn_lane, main_feeds & room & (main_token == vocab.sync),

@@ -1,0 +1,146 @@
+"""PASTA x token trees (decode/rules/pasta_tree.py): every live thread speculates with a Medusa tree in one step.
+
+Oracle: the PASTA interpreter's own greedy decoding. Greedy acceptance is lossless, so each thread writes exactly
+the tokens it writes without trees (up to where a full pool cut either run), whatever the tree and the heads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pasta_jax.decode import api
+from pasta_jax.decode.config import InterpreterConfig
+from pasta_jax.decode.loop import run_interpreter
+from pasta_jax.decode.rules.pasta_tree import PastaTreeRules
+from pasta_jax.decode.state import STEP, THREAD, TOKEN
+from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
+from pasta_jax.decode.tree import TokenTree
+from pasta_jax.errors import PastaError
+from pasta_jax.model import medusa
+from tests.programs import VOCAB, VOCAB_SIZE
+from tests.test_medusa import MODEL, PROMPTS, drafter
+from tests.test_tree import choices_lists
+
+TOY = ToyConfig(vocab_size=VOCAB_SIZE)
+POOL_SPEC = (1, 1, TOY.head_dim, jnp.float32)
+# Biases that make the greedy toy model write real programs (promises, forks, syncs, ends).
+TAG_BIAS = {VOCAB.promise: 2.5, VOCAB.sync: 2.5, VOCAB.async_close: 3.0, 1: 3.0,
+            **{t: 2.0 for t in VOCAB.lengths[:4]}}
+TOY_PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [20, 21, 22, 23, 24]]
+THREADS = 16
+
+
+def toy(seed: int) -> dict:
+  """The greedy toy model, its attention's weight raised so that what a row sees decides what it writes (a node
+  with a fork's view where it should have main's, or the reverse, changes the answer)."""
+  params = toy_params(TOY, TAG_BIAS, seed=seed)
+  return {**params, "readout": 3.0 * params["readout"]}
+
+
+def toy_heads(params, num_heads: int, scale: float, seed: int) -> dict:
+  """Heads over the toy's readout rows; scale 0: each head starts as the base readout (guesses loops well)."""
+  heads = medusa.init_heads(medusa.MedusaConfig(num_heads=num_heads), params["readout"].T)
+  noise = jax.random.normal(jax.random.key(seed), heads["w"].shape)
+  return {**heads, "w": heads["w"] + scale * noise}
+
+
+def run(params, prompts, lanes: int, pool: int, tree: TokenTree | None = None, heads=None, num_heads: int = 3):
+  """The toy model's greedy runs: plain PASTA on `lanes` lanes, or with a tree on each of them."""
+  if tree is None:
+    cfg = InterpreterConfig(vocab=VOCAB, lanes=lanes, max_threads=THREADS, pool_slots=pool, max_steps=256)
+    return run_interpreter(toy_apply, params, prompts, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)
+  rules = PastaTreeRules(tree=tree, thread_lanes=lanes, threads=THREADS, num_heads=num_heads, top_k=4)
+  cfg = InterpreterConfig(vocab=VOCAB, lanes=lanes * tree.size, max_threads=THREADS + rules.node_lanes,
+                          pool_slots=pool, max_steps=256, rules=rules)
+  return run_interpreter(toy_apply, params, prompts, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC,
+                         rule_inputs={"heads": heads, "drafted": params["readout"].T})
+
+
+def per_thread(out) -> dict[int, list[int]]:
+  threads: dict[int, list[int]] = {}
+  for row in out.records:
+    threads.setdefault(int(row[THREAD]), []).append(int(row[TOKEN]))
+  return threads
+
+
+def assert_same_threads(plain, trees):
+  """Each thread's tokens equal, up to where a full pool cut either run; whole answers equal when both end."""
+  for p, t in zip(plain, trees, strict=True):
+    a, b = per_thread(p), per_thread(t)
+    if p.finished and t.finished:
+      assert a == b
+      continue
+    for u in set(a) & set(b):
+      n = min(len(a[u]), len(b[u]))
+      assert a[u][:n] == b[u][:n], f"thread {u}"
+    assert p.finished or p.pool_full or p.truncated
+    assert t.finished or t.pool_full or t.truncated
+
+
+@settings(max_examples=5, deadline=None)
+@given(choices_lists(max_depth=3, max_rank=3, max_nodes=6), st.sampled_from([0, 1]), st.sampled_from([2, 4]),
+       st.sampled_from([96, 256]), st.sampled_from([0.0, 0.5]))
+def test_greedy_trees_on_every_thread_write_pastas_greedy_answer(choices, seed, lanes, pool, scale):
+  params = toy(seed)
+  tree = TokenTree.from_choices(choices)
+  trees = run(params, TOY_PROMPTS, lanes, pool, tree, toy_heads(params, 3, scale, seed))
+  assert_same_threads(run(params, TOY_PROMPTS, lanes, pool), trees)
+
+
+def test_forks_speculate_alongside_main():
+  """Not vacuous: in one step several threads each write a multi-token path, forks included; answers still equal."""
+  params = toy(0)
+  tree = TokenTree.from_choices([(0,), (1,), (0, 0), (0, 0, 0)])
+  trees = run(params, TOY_PROMPTS, 4, 256, tree, toy_heads(params, 3, 0.0, 0))
+  assert_same_threads(run(params, TOY_PROMPTS, 4, 256), trees)
+  assert max(out.rule_outputs["accept_length"] for out in trees) > 2.0
+  grown_forks, together = set(), 0
+  for out in trees:
+    written = out.records[out.records[:, TOKEN] != VOCAB.async_open]  # a spawn's `<async>` is recorded beside it
+    pairs, counts = np.unique(written[:, [STEP, THREAD]], axis=0, return_counts=True)
+    grown = pairs[counts > 1]  # (step, thread): the thread wrote a path of several tokens in that step
+    grown_forks |= set(grown[grown[:, 1] > 0, 1].tolist())
+    together += int(np.sum(np.unique(grown[:, 0], return_counts=True)[1] > 1))
+  assert grown_forks and together > 0
+
+
+def test_a_full_pool_cuts_tree_runs_cleanly():
+  """Rejected nodes free their slots; a pool too small for the answer still cuts it as the plain run's prefix."""
+  params = toy(0)
+  tree = TokenTree.from_choices([(0,), (1,), (2,), (0, 0)])
+  trees = run(params, TOY_PROMPTS, 2, 48, tree, toy_heads(params, 3, 0.5, 1))
+  assert any(t.pool_full for t in trees)
+  assert_same_threads(run(params, TOY_PROMPTS, 2, 48), trees)
+
+
+def test_lanes_must_fit_the_trees():
+  rules = PastaTreeRules(tree=TokenTree.from_choices([(0,), (1,)]), thread_lanes=2, threads=THREADS, num_heads=2,
+                         top_k=2)
+  with pytest.raises(ValueError, match="need lanes = 6 and max_threads = 20"):
+    InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=THREADS, rules=rules)
+
+
+# --- the API on a real (tiny) Gemma: its hidden states feed the heads --------------------------------------
+PASTA_PLAIN = api.generate_ids(MODEL, PROMPTS, method="pasta", lanes=2, max_new_tokens=40)
+
+
+def test_generate_pasta_medusa_equals_pasta_on_a_tiny_gemma():
+  d = drafter(seed=0, scale=0.05)
+  results = api.generate_ids(MODEL, PROMPTS, method="pasta+medusa", heads=d, tree_size=4, lanes=2,
+                             max_new_tokens=40)
+  for plain, tree in zip(PASTA_PLAIN, results, strict=True):
+    assert tree.text == plain.text and tree.annotated == plain.annotated
+    assert tree.method == "pasta+medusa"
+  # (prompt 0 loops on a tag id, which no tree speculates on; the others are answer text)
+  assert [r.speculation["tree_tokens"] > 0 for r in results] == [False, True, True]
+  assert max(r.speculation["accept_length"] for r in results) > 1.5
+
+
+def test_tree_options_are_refused_where_they_do_not_apply():
+  with pytest.raises(PastaError, match="forced"):
+    api.generate_ids(MODEL, PROMPTS, method="pasta+medusa", heads=drafter(), scripts=[[[5]]] * 3)
