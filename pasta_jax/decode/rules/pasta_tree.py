@@ -22,7 +22,7 @@ first, so rejected nodes do not fill the pool). Each path lane records its next 
 root lane records the path's first token, so the thread's real pending token (the path's last next token) waits
 in the rule state until the next step (`pending`, `stashed`).
 
-The heads run once per step on the hidden state at each fed thread's last path node (at most min(P, Q) rows);
+The heads run once per step on the hidden state at each fed thread's last path node (rows bucketed like the lanes);
 near the content budget or a full pool no thread grows a tree, so the step is a plain PASTA step.
 """
 
@@ -265,14 +265,21 @@ class PastaTreeRules(PastaRules):
 
   def thread_candidates(self, d: ThreadTrees, hidden, rows, fed, num_q: int) -> jax.Array:
     """[B, P, H, k] the heads' top tokens at each fed thread's last path node (hidden [B, Q, D]; rows [B, P] its
-    row). The heads run on the first min(P, Q) fed threads' rows: no more threads than rows can feed."""
-    batch = fed.shape[0]
-    b = jnp.arange(batch)[:, None]
-    count = min(self.thread_lanes, num_q)
-    order = jnp.argsort(~fed, axis=1, stable=True)[:, :count]  # fed threads first
-    top = medusa.head_top_tokens(d.inputs["heads"], hidden[b, rows[b, order]], d.inputs["drafted"], self.top_k,
-                                 self.softcap)  # [B, count, H, k]
-    return d.candidates.at[b, order].set(top)
+    row). The heads run on as many rows as the most threads any request fed (a power of two up to min(P, Q): no
+    more threads than rows can feed), fed threads first."""
+    b = jnp.arange(fed.shape[0])[:, None]
+    order = jnp.argsort(~fed, axis=1, stable=True)  # fed threads first
+
+    def heads_on(count: int):  # the heads cost most of a row each (a draft-vocabulary head apiece): run few
+      top = medusa.head_top_tokens(d.inputs["heads"], hidden[b, rows[b, order[:, :count]]], d.inputs["drafted"],
+                                   self.top_k, self.softcap)  # [B, count, H, k]
+      return d.candidates.at[b, order[:, :count]].set(top)
+
+    most = min(self.thread_lanes, num_q)
+    sizes = sorted({1 << i for i in range(most.bit_length()) if 1 << i < most} | {most})
+    need = jnp.max(fed.sum(axis=1))
+    index = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), need), len(sizes) - 1)
+    return jax.lax.switch(index, [functools.partial(heads_on, s) for s in sizes])
 
   # --- after: PASTA's transitions on the bonus tokens, records of the paths ---------------------------
   def after_model(self, state: InterpState, step: StepFeed, sampled, cfg: InterpreterConfig, length_table):
