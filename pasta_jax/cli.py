@@ -36,14 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "trained on chat turns; off for a base model, which continues plain text)")
   gen.add_argument("--pasta", action="store_true", help="decode with the PASTA interpreter and show threads "
                                                         "(= --method pasta)")
-  gen.add_argument("--method", choices=["sequential", "pasta", "pasta-v0", "superposed", "medusa", "propd"],
+  gen.add_argument("--method", choices=["sequential", "pasta", "pasta-v0", "superposed", "medusa", "propd",
+                                        "pasta+medusa"],
                    default=None,
                    help="sequential (default; streams), pasta (threads), pasta-v0 (the earlier paper's scoped "
                         "tags, threads), superposed (k drafts from one decode), medusa (token-tree speculation "
-                        "with the model's Medusa heads; streams), propd (medusa with ProPD's dynamic tree size)")
-  gen.add_argument("--heads", default=None, help="--method medusa/propd: Medusa heads folder (default: shipped)")
+                        "with the model's Medusa heads; streams), propd (medusa with ProPD's dynamic tree size), "
+                        "pasta+medusa (pasta, every live thread with a Medusa tree)")
+  gen.add_argument("--heads", default=None,
+                   help="--method medusa/propd/pasta+medusa: Medusa heads folder (default: shipped)")
   gen.add_argument("--tree-size", type=int, default=None,
-                   help="--method medusa: tree nodes (default 16); propd: the largest tree (default 64)")
+                   help="--method medusa: tree nodes (default 16); propd: the largest tree (default 64); "
+                        "pasta+medusa: each thread's tree (default 4)")
   gen.add_argument("--drafts", type=int, default=3, help="--method superposed: how many drafts (k)")
   gen.add_argument("--ngram", default="default",
                    help="--method superposed: n-gram index folder (`pasta ngram build`), 'default' (the training "

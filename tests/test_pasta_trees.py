@@ -144,3 +144,10 @@ def test_generate_pasta_medusa_equals_pasta_on_a_tiny_gemma():
 def test_tree_options_are_refused_where_they_do_not_apply():
   with pytest.raises(PastaError, match="forced"):
     api.generate_ids(MODEL, PROMPTS, method="pasta+medusa", heads=drafter(), scripts=[[[5]]] * 3)
+
+
+def test_eval_method_uses_the_models_heads():
+  from pasta_jax.eval.methods import DecodeSettings, MethodSpec
+  from pasta_jax.eval.registry import METHODS
+  with pytest.raises(PastaError, match="no Medusa heads for random:tiny-gemma3"):
+    METHODS["pasta+medusa"](MethodSpec("pasta+medusa"), MODEL, DecodeSettings())

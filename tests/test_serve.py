@@ -74,12 +74,15 @@ def reference(prompt: str, method: str, max_tokens: int, chat: bool) -> str:
     return SkeletonOfThought(MODEL, config).run(prompt).text
   if method == "propd":  # greedy tree decoding is lossless: plain greedy's tokens, whatever sizes it picks
     method = "sequential"
+  if method == "pasta+medusa":  # and PASTA's, with a tree on every thread
+    method = "pasta"
   tree = {"heads": HEADS, "tree_size": CFG.tree_size} if method == "medusa" else {}
   return api.generate(MODEL, [prompt], method=method, max_new_tokens=max_tokens, lanes=CFG.lanes, chat=chat,
                       **tree)[0].text
 
 
-@pytest.mark.parametrize("method", ["sequential", "pasta", "apar", "pasta-v0", "medusa", "propd", "sot"])
+@pytest.mark.parametrize("method",
+                         ["sequential", "pasta", "apar", "pasta-v0", "medusa", "propd", "sot", "pasta+medusa"])
 def test_completions_equal_generate_streamed_or_not(client, method):
   """Four prompts at once (they share the batch), each streamed and whole, against generate alone."""
   max_tokens = 20

@@ -8,6 +8,7 @@ import time
 
 import jax.numpy as jnp
 
+from pasta_jax.commands.pasta_view import speculation_line
 from pasta_jax.decode import api
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.errors import PastaError
@@ -73,13 +74,13 @@ def run_generate(args) -> int:
     return run_superposed(model, prompt_ids, args, dtype)
   if args.drafts != 3:
     raise PastaError("--drafts is for --method superposed")
-  if method in ("pasta", "pasta-v0"):
+  if (args.heads or args.tree_size) and method not in api.TREE_METHODS:
+    raise PastaError("--heads and --tree-size are for --method medusa, propd or pasta+medusa")
+  extra = tree_options(model, prompt_ids, args, method) if method in api.TREE_METHODS else {}
+  if method in ("pasta", "pasta-v0", "pasta+medusa"):
     from pasta_jax.commands.pasta_view import run_pasta
 
-    return run_pasta(model, prompt_ids, args, sampling, dtype, method)
-  if (args.heads or args.tree_size) and method not in api.TREE_METHODS:
-    raise PastaError("--heads and --tree-size are for --method medusa or propd")
-  extra = tree_options(model, prompt_ids, args, method) if method in api.TREE_METHODS else {}
+    return run_pasta(model, prompt_ids, args, sampling, dtype, method, extra)
   start = time.perf_counter()
   first_token_at = None
   shown, tokens = "", 0
@@ -97,16 +98,12 @@ def run_generate(args) -> int:
   print(f"\n\n[{tokens} tokens; time to first token {first_token_at:.2f}s (includes compile on the first run); "
         f"{rate:.1f} tok/s after it]", file=sys.stderr)
   if result.speculation:
-    spec = result.speculation
-    sizes = " ".join(f"{k}:{v}" for k, v in spec["tree_sizes"].items() if v)
-    print(f"[{method}: {spec['accept_length']:.2f} tokens per tree step over {spec['tree_steps']} steps; "
-          f"head top-1 hit rates {' '.join(f'{x:.2f}' for x in spec['head_top1'])}; tree sizes {sizes}]",
-          file=sys.stderr)
+    print(speculation_line(method, result.speculation), file=sys.stderr)
   return 0
 
 
 def tree_options(model, prompt_ids: list[int], args, method: str) -> dict:
-  """--method medusa / propd: the heads, the tree size, and for ProPD a latency model measured here."""
+  """--method medusa / propd / pasta+medusa: the heads, the tree size, and for ProPD a latency model measured here."""
   from pasta_jax.decode.latency import calibrate_latency
   from pasta_jax.decode.speculation import default_tree_size, load_drafter
   drafter = load_drafter(model, args.heads)

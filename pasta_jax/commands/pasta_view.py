@@ -72,10 +72,11 @@ def summary(result: PastaResult, compile_seconds: float) -> str:
           f"(+{compile_seconds:.1f}s compile/setup)]")
 
 
-def run_pasta(model, prompt_ids, args, sampling, dtype, method: str = "pasta") -> int:
+def run_pasta(model, prompt_ids, args, sampling, dtype, method: str = "pasta", options: dict | None = None) -> int:
+  """Prints the answer, its thread chart and a summary. options: the method's own (pasta+medusa: heads, trees)."""
   start = time.perf_counter()
   result = generate_ids(model, [prompt_ids], method=method, max_new_tokens=args.max_new_tokens, lanes=args.lanes,
-                        sampling=sampling, dtype=dtype, mesh=getattr(args, "mesh_obj", None))[0]
+                        sampling=sampling, dtype=dtype, mesh=getattr(args, "mesh_obj", None), **(options or {}))[0]
   setup = time.perf_counter() - start - result.seconds
   vocab = model.tokenizer.tag_vocab()
   print(result.text)
@@ -84,4 +85,15 @@ def run_pasta(model, prompt_ids, args, sampling, dtype, method: str = "pasta") -
   for line in trace_lines(result, vocab):
     print(line)
   print(summary(result, setup), file=sys.stderr)
+  if result.speculation:
+    print(speculation_line(method, result.speculation), file=sys.stderr)
   return 0
+
+
+def speculation_line(method: str, spec: dict) -> str:
+  """What the trees did: tokens per tree step; for medusa / propd also the heads' hit rates and the sizes."""
+  line = f"[{method}: {spec['accept_length']:.2f} tokens per tree step over {spec['tree_steps']} steps"
+  if "head_top1" in spec:
+    sizes = " ".join(f"{k}:{v}" for k, v in spec["tree_sizes"].items() if v)
+    line += f"; head top-1 hit rates {' '.join(f'{x:.2f}' for x in spec['head_top1'])}; tree sizes {sizes}"
+  return line + "]"

@@ -19,6 +19,8 @@ overhead over plain decoding (about 7% on CPU, `bench.interpreter`).
   medusa             Medusa (paper 004's drafter): greedy token-tree speculation with the model's shipped Medusa
                      heads, a 16-node tree; lossless, so the answer is the sequential one, faster or not
   propd              ProPD: the same with its dynamic tree size (up to 64 nodes), latency calibrated at start
+  pasta+medusa       PASTA x trees: the model's forks run as threads and every live thread speculates with a
+                     4-node Medusa tree in the same step; lossless, so the answer is the pasta one
   pasta-v0-forced    replays the earlier paper's structural annotation (lists are scopes, item elaborations
                      async blocks) of the reference answer, truncated to --max-new-tokens, against its
                      tag-free twin replayed through the same scoped interpreter (`sequential-forced-v0`)
@@ -237,6 +239,11 @@ def _medusa(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
   return InterpreterMethod(spec.label, model, settings, method="medusa", heads=load_drafter(model))
 
 
+def _pasta_medusa(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
+  from pasta_jax.decode.speculation import load_drafter
+  return InterpreterMethod(spec.label, model, settings, method="pasta+medusa", heads=load_drafter(model))
+
+
 def _propd(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
   """ProPD with its latency model calibrated once, here, at batch 1 (the eval's batch size)."""
   from pasta_jax.decode.latency import calibrate_latency
@@ -258,6 +265,7 @@ CORE_METHODS: dict[str, MethodFactory] = {
   "pasta-v0-forced": _pasta_v0_forced,
   "medusa": _medusa,
   "propd": _propd,
+  "pasta+medusa": _pasta_medusa,
 }  # the paper's baselines add theirs in baselines/methods.py; eval/registry.py holds them all
 
 

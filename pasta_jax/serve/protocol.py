@@ -16,7 +16,7 @@ import pydantic
 
 from pasta_jax.model.tokenizer import END_OF_TURN, START_OF_TURN
 
-SERVED_METHODS = ("sequential", "pasta", "apar", "pasta-v0", "medusa", "propd", "sot", "superposed")
+SERVED_METHODS = ("sequential", "pasta", "apar", "pasta-v0", "medusa", "propd", "sot", "superposed", "pasta+medusa")
 
 
 class ApiError(Exception):

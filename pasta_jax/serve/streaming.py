@@ -21,7 +21,7 @@ from pasta_jax.errors import TagError
 from pasta_jax.lang import tokens as tok
 from pasta_jax.lang.tags import TagVocab
 
-STREAMED_METHODS = ("pasta", "sequential", "medusa")  # the rest hand out their text when they end
+STREAMED_METHODS = ("pasta", "sequential", "medusa", "pasta+medusa")  # the rest hand out their text when they end
 
 
 def settled_ids(records: np.ndarray, vocab: TagVocab) -> list[int]:
