@@ -11,7 +11,10 @@ answers are counted) and medusa writes sequential's; their time ratios are speed
 Every program runs once before timing; times are medians of --runs runs.
 
   python -m bench.pasta_trees [--limit 8] [--runs 3] [--trees 2,4,8] [--batch 1]
-Last line: RESULT trees_over_pasta=... (best tree) pasta_over_sequential=... trees_over_sequential=... accept_len=...
+Steps are reported too: on this CPU every extra row of a step costs a row of the 262k-word output head, but on a
+launch-bound accelerator a step's time hardly depends on its rows, and then steps are what time follows.
+Last line: RESULT trees_over_pasta=... (fastest tree) pasta_over_sequential=... trees_over_sequential=...
+  accept_len=... steps_pasta_over_trees=... steps_sequential_over_trees=... (the tree with the fewest steps)
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ def timed(model, groups, runs: int, **kw) -> dict:
   return {"seconds": seconds, "outs": outs, "accept": float(np.mean(accept)) if accept else 1.0}
 
 
+def steps(row: dict) -> int:
+  """Decode steps of every answer: what a launch-bound accelerator's time follows."""
+  return sum(o.steps for o in row["outs"])
+
+
 def differing(reference: dict, other: dict) -> int:
   """Answers whose annotated text differs (tree decoding is lossless: expected 0)."""
   return sum(a.annotated != b.annotated for a, b in zip(reference["outs"], other["outs"], strict=True))
@@ -82,18 +90,22 @@ def main(argv=None) -> None:
                                          tree_size=size, lanes=args.lanes, **common)
   forks = sum(len(r.threads) > 1 for r in rows["pasta"]["outs"])
   print(f"answers that fork (pasta): {forks} of {len(ids)}")
-  print(f"{'method':>16} {'seconds':>8} {'content tok':>11} {'x sequential':>12} {'x pasta':>8} {'accept':>7} "
-        f"{'differ':>6}")
+  print(f"{'method':>16} {'seconds':>8} {'content tok':>11} {'steps':>6} {'x sequential':>12} {'x pasta':>8} "
+        f"{'accept':>7} {'differ':>6}")
   for name, r in rows.items():
     reference = rows["pasta"] if name.startswith("pasta") else rows["sequential"]
     content = sum(o.content_tokens for o in r["outs"])
-    print(f"{name:>16} {r['seconds']:8.2f} {content:11d} {rows['sequential']['seconds'] / r['seconds']:12.3f} "
-          f"{rows['pasta']['seconds'] / r['seconds']:8.3f} {r['accept']:7.2f} {differing(reference, r):6d}")
+    print(f"{name:>16} {r['seconds']:8.2f} {content:11d} {steps(r):6d} "
+          f"{rows['sequential']['seconds'] / r['seconds']:12.3f} {rows['pasta']['seconds'] / r['seconds']:8.3f} "
+          f"{r['accept']:7.2f} {differing(reference, r):6d}")
   best = min((f"pasta+medusa-{s}" for s in trees), key=lambda k: rows[k]["seconds"])
+  fewest = min((f"pasta+medusa-{s}" for s in trees), key=lambda k: steps(rows[k]))
   seq, pasta = rows["sequential"]["seconds"], rows["pasta"]["seconds"]
-  print(f"best tree on every thread: {best}")
+  print(f"fastest tree on every thread: {best}; fewest steps: {fewest}")
   print(f"RESULT trees_over_pasta={pasta / rows[best]['seconds']:.3f} pasta_over_sequential={seq / pasta:.3f} "
-        f"trees_over_sequential={seq / rows[best]['seconds']:.3f} accept_len={rows[best]['accept']:.2f}")
+        f"trees_over_sequential={seq / rows[best]['seconds']:.3f} accept_len={rows[best]['accept']:.2f} "
+        f"steps_pasta_over_trees={steps(rows['pasta']) / steps(rows[fewest]):.3f} "
+        f"steps_sequential_over_trees={steps(rows['sequential']) / steps(rows[fewest]):.3f}")
 
 
 if __name__ == "__main__":

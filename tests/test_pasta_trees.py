@@ -49,14 +49,16 @@ def toy_heads(params, num_heads: int, scale: float, seed: int) -> dict:
   return {**heads, "w": heads["w"] + scale * noise}
 
 
-def run(params, prompts, lanes: int, pool: int, tree: TokenTree | None = None, heads=None, num_heads: int = 3):
+def run(params, prompts, lanes: int, pool: int, tree: TokenTree | None = None, heads=None, num_heads: int = 3,
+        budget: int = 0):
   """The toy model's greedy runs: plain PASTA on `lanes` lanes, or with a tree on each of them."""
   if tree is None:
-    cfg = InterpreterConfig(vocab=VOCAB, lanes=lanes, max_threads=THREADS, pool_slots=pool, max_steps=256)
+    cfg = InterpreterConfig(vocab=VOCAB, lanes=lanes, max_threads=THREADS, pool_slots=pool, max_steps=256,
+                            max_content=budget)
     return run_interpreter(toy_apply, params, prompts, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)
   rules = PastaTreeRules(tree=tree, thread_lanes=lanes, threads=THREADS, num_heads=num_heads, top_k=4)
   cfg = InterpreterConfig(vocab=VOCAB, lanes=lanes * tree.size, max_threads=THREADS + rules.node_lanes,
-                          pool_slots=pool, max_steps=256, rules=rules)
+                          pool_slots=pool, max_steps=256, rules=rules, max_content=budget)
   return run_interpreter(toy_apply, params, prompts, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC,
                          rule_inputs={"heads": heads, "drafted": params["readout"].T})
 
@@ -118,6 +120,17 @@ def test_a_full_pool_cuts_tree_runs_cleanly():
   assert_same_threads(run(params, TOY_PROMPTS, 2, 48), trees)
 
 
+def test_trees_add_no_overshoot_past_the_content_budget_and_grow_until_near_it():
+  params = toy(0)
+  tree = TokenTree.from_choices([(0,), (0, 0), (0, 0, 0)])
+  trees = run(params, TOY_PROMPTS, 4, 256, tree, toy_heads(params, 3, 0.0, 0), budget=30)
+  assert_same_threads(run(params, TOY_PROMPTS, 4, 256, budget=30), trees)
+  cut = [t for t in trees if t.budget_spent]
+  # PASTA's own overshoot (a step's other lanes record beside the one that reaches the budget), never a tree's
+  assert cut and all(t.content <= 30 + 4 - 1 for t in trees)
+  assert all(t.rule_outputs["tree_tokens"] > 15 for t in cut)  # trees ran until the last few tokens
+
+
 def test_lanes_must_fit_the_trees():
   rules = PastaTreeRules(tree=TokenTree.from_choices([(0,), (1,)]), thread_lanes=2, threads=THREADS, num_heads=2,
                          top_k=2)
@@ -126,16 +139,18 @@ def test_lanes_must_fit_the_trees():
 
 
 # --- the API on a real (tiny) Gemma: its hidden states feed the heads --------------------------------------
-PASTA_PLAIN = api.generate_ids(MODEL, PROMPTS, method="pasta", lanes=2, max_new_tokens=40)
+PASTA_PLAIN = api.generate_ids(MODEL, PROMPTS, method="pasta", lanes=2, max_new_tokens=41)
 
 
 def test_generate_pasta_medusa_equals_pasta_on_a_tiny_gemma():
   d = drafter(seed=0, scale=0.05)
   results = api.generate_ids(MODEL, PROMPTS, method="pasta+medusa", heads=d, tree_size=4, lanes=2,
-                             max_new_tokens=40)
+                             max_new_tokens=41)
   for plain, tree in zip(PASTA_PLAIN, results, strict=True):
     assert tree.text == plain.text and tree.annotated == plain.annotated
     assert tree.method == "pasta+medusa"
+  # one thread each: never past the budget (max_new_tokens), as plain PASTA
+  assert [r.content_tokens for r in results] == [p.content_tokens for p in PASTA_PLAIN] == [0, 41, 41]
   # (prompt 0 loops on a tag id, which no tree speculates on; the others are answer text)
   assert [r.speculation["tree_tokens"] > 0 for r in results] == [False, True, True]
   assert max(r.speculation["accept_length"] for r in results) > 1.5

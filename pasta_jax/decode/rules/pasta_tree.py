@@ -116,13 +116,12 @@ class PastaTreeRules(PastaRules):
 
   def node_horizon_columns(self) -> np.ndarray:
     """[L - P, U] bool: the node threads each node lane sees whole (its ancestors' and its own)."""
-    n, p = self.tree.size, self.thread_lanes
+    p = self.thread_lanes
     sees = np.zeros((self.node_lanes, self.threads + self.node_lanes), bool)
     for lane in range(p, p + self.node_lanes):
       base, node = self.base_lane[lane], self.node_index[lane]
       for j in np.flatnonzero(self.tree.ancestors[node][1:]) + 1:
         sees[lane - p, self.threads + self.lane_grid[base, j] - p] = True
-    del n
     return sees
 
   def thread_cfg(self, cfg: InterpreterConfig) -> InterpreterConfig:
@@ -191,9 +190,10 @@ class PastaTreeRules(PastaRules):
     grow = fed & d.have_candidates & (view.status == RUNNING) & ~jnp.isin(view.token, language) & ~in_topic
     writes = fed.sum(axis=1) + grow.sum(axis=1) * (self.tree.size - 1)
     room = writes <= free
-    if cfg.max_content:  # near the budget, plain steps: a step of trees writes at most one token per lane
+    if cfg.max_content:  # near the budget, plain steps: a tree step records up to its depth more per thread
       left = state.content_budget - state.content
-      room &= (state.content_budget == 0) | (left >= cfg.lanes)
+      most = fed.sum(axis=1) + grow.sum(axis=1) * self.tree.max_depth
+      room &= (state.content_budget == 0) | (left >= most)
     return grow & room[:, None]
 
   def lay_out_nodes(self, state: InterpState, view: InterpState, grow: jax.Array, cfg: InterpreterConfig):
