@@ -99,3 +99,11 @@ def table(rows: list[dict], columns: tuple[str, ...], width: int = 12) -> str:
   for r in rows:
     lines.append(" ".join(f"{r[c]:>{width}.3f}" if isinstance(r[c], float) else f"{r[c]!s:>{width}}" for c in columns))
   return "\n".join(lines)
+
+
+def held_out_prompt_ids(model, limit: int) -> list[list[int]]:
+  """The first `limit` alpaca_eval_805 instructions (held out of every training pool), in chat turns."""
+  from pasta_jax.data import sources
+  from pasta_jax.decode.tokenizing import prompt_ids
+  instructions = [r["instruction"] for r in sources.read_records("alpaca_eval_805")][:limit]
+  return prompt_ids(model.tokenizer, instructions, chat=True)

@@ -29,11 +29,10 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from pasta_jax.data import sources
+from bench.common import held_out_prompt_ids
 from pasta_jax.decode import api
 from pasta_jax.decode.latency import calibrate_latency
 from pasta_jax.decode.speculation import load_drafter
-from pasta_jax.decode.tokenizing import prompt_ids
 from pasta_jax.model.load import load_model
 
 
@@ -128,8 +127,7 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   model = load_model(args.model)
   drafter = load_drafter(model, args.heads)
-  instructions = [r["instruction"] for r in sources.read_records("alpaca_eval_805")][: args.limit]
-  ids = prompt_ids(model.tokenizer, instructions, chat=True)
+  ids = held_out_prompt_ids(model, args.limit)
   early = f"trained, layer {drafter.early_layer}" if drafter.early_head is not None else "none: ProPD does not prune"
   print(f"model {model.source}; heads {drafter.source} ({drafter.config.num_heads} heads, top-{drafter.top_k}, "
         f"early head: {early}); "

@@ -25,10 +25,10 @@ import statistics
 import jax
 import numpy as np
 
-from pasta_jax.data import sources
+from bench.common import held_out_prompt_ids
 from pasta_jax.decode import api
 from pasta_jax.decode.speculation import load_drafter
-from pasta_jax.decode.tokenizing import LangTokenizer, prompt_ids
+from pasta_jax.decode.tokenizing import LangTokenizer
 from pasta_jax.model.load import load_model
 
 
@@ -74,8 +74,7 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   model = load_model(args.model)
   drafter = load_drafter(model, args.heads)
-  instructions = [r["instruction"] for r in sources.read_records("alpaca_eval_805")][: args.limit]
-  ids = prompt_ids(model.tokenizer, instructions, chat=True)
+  ids = held_out_prompt_ids(model, args.limit)
   groups = [ids[i:i + args.batch] for i in range(0, len(ids), args.batch)]
   trees = [int(s) for s in args.trees.split(",") if s]
   print(f"model {model.source}; heads {drafter.source}; {len(ids)} prompts, batch {args.batch}, "
