@@ -24,6 +24,7 @@ import statistics
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from bench.common import held_out_prompt_ids
 from pasta_jax.decode import api
@@ -79,14 +80,13 @@ def main(argv=None) -> None:
   trees = [int(s) for s in args.trees.split(",") if s]
   print(f"model {model.source}; heads {drafter.source}; {len(ids)} prompts, batch {args.batch}, "
         f"{args.new_tokens} new tokens, greedy, {args.lanes} PASTA lanes; medians of {args.runs} runs")
-  common = dict(max_new_tokens=args.new_tokens)
-  rows = {"sequential": timed(model, groups, args.runs, method="sequential", **common)}
-  for size in trees:
-    rows[f"medusa-{size}"] = timed(model, groups, args.runs, method="medusa", heads=drafter, tree_size=size, **common)
-  rows["pasta"] = timed(model, groups, args.runs, method="pasta", lanes=args.lanes, **common)
-  for size in trees:
-    rows[f"pasta+medusa-{size}"] = timed(model, groups, args.runs, method="pasta+medusa", heads=drafter,
-                                         tree_size=size, lanes=args.lanes, **common)
+  methods = {"sequential": dict(method="sequential")}
+  methods.update({f"medusa-{n}": dict(method="medusa", heads=drafter, tree_size=n) for n in trees})
+  methods["pasta"] = dict(method="pasta", lanes=args.lanes)
+  methods.update({f"pasta+medusa-{n}": dict(method="pasta+medusa", heads=drafter, tree_size=n, lanes=args.lanes)
+                  for n in trees})
+  rows = {name: timed(model, groups, args.runs, max_new_tokens=args.new_tokens, **options)
+          for name, options in tqdm(methods.items(), desc="methods")}
   forks = sum(len(r.threads) > 1 for r in rows["pasta"]["outs"])
   print(f"answers that fork (pasta): {forks} of {len(ids)}")
   print(f"{'method':>16} {'seconds':>8} {'content tok':>11} {'steps':>6} {'x sequential':>12} {'x pasta':>8} "
