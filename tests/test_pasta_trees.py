@@ -16,18 +16,19 @@ from hypothesis import strategies as st
 from pasta_jax.decode import api
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import run_interpreter
+from pasta_jax.decode.result import content_ids
 from pasta_jax.decode.rules.pasta_tree import PastaTreeRules
 from pasta_jax.decode.state import STEP, THREAD, TOKEN
 from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
 from pasta_jax.decode.tree import TokenTree
 from pasta_jax.errors import PastaError
+from pasta_jax.lang.metrics import annotated_from_records
 from pasta_jax.model import medusa
 from tests.programs import VOCAB, VOCAB_SIZE
 from tests.test_medusa import MODEL, PROMPTS, drafter
 from tests.test_tree import choices_lists
 
 TOY = ToyConfig(vocab_size=VOCAB_SIZE)
-POOL_SPEC = (1, 1, TOY.head_dim, jnp.float32)
 # Biases that make the greedy toy model write real programs (promises, forks, syncs, ends).
 TAG_BIAS = {VOCAB.promise: 2.5, VOCAB.sync: 2.5, VOCAB.async_close: 3.0, 1: 3.0,
             **{t: 2.0 for t in VOCAB.lengths[:4]}}
@@ -50,17 +51,20 @@ def toy_heads(params, num_heads: int, scale: float, seed: int) -> dict:
 
 
 def run(params, prompts, lanes: int, pool: int, tree: TokenTree | None = None, heads=None, num_heads: int = 3,
-        budget: int = 0):
-  """The toy model's greedy runs: plain PASTA on `lanes` lanes, or with a tree on each of them."""
+        budget: int = 0, head_dim: int = TOY.head_dim):
+  """The toy model's greedy runs: plain PASTA on `lanes` lanes, or with a tree on each of them (heads: Medusa
+  heads over the toy's readout rows, or a dict that brings its own "drafted" rows)."""
+  pool_spec = (1, 1, head_dim, jnp.float32)
   if tree is None:
     cfg = InterpreterConfig(vocab=VOCAB, lanes=lanes, max_threads=THREADS, pool_slots=pool, max_steps=256,
                             max_content=budget)
-    return run_interpreter(toy_apply, params, prompts, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)
+    return run_interpreter(toy_apply, params, prompts, cfg, vocab_size=VOCAB_SIZE, pool_spec=pool_spec)
   rules = PastaTreeRules(tree=tree, thread_lanes=lanes, threads=THREADS, num_heads=num_heads, top_k=4)
   cfg = InterpreterConfig(vocab=VOCAB, lanes=lanes * tree.size, max_threads=THREADS + rules.node_lanes,
                           pool_slots=pool, max_steps=256, rules=rules, max_content=budget)
-  return run_interpreter(toy_apply, params, prompts, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC,
-                         rule_inputs={"heads": heads, "drafted": params["readout"].T})
+  inputs = {"heads": heads, "drafted": heads.get("drafted", params["readout"].T)}
+  return run_interpreter(toy_apply, params, prompts, cfg, vocab_size=VOCAB_SIZE, pool_spec=pool_spec,
+                         rule_inputs=inputs)
 
 
 def per_thread(out) -> dict[int, list[int]]:
@@ -68,6 +72,13 @@ def per_thread(out) -> dict[int, list[int]]:
   for row in out.records:
     threads.setdefault(int(row[THREAD]), []).append(int(row[TOKEN]))
   return threads
+
+
+def assert_content_counted(outs):
+  """The device's content count (what the budget reads) is the recount of the records: a tree path that ends at
+  main's PROMISE is content before the tag, not topic."""
+  for out in outs:
+    assert out.content == len(content_ids(annotated_from_records(out.records, VOCAB), VOCAB))
 
 
 def assert_same_threads(plain, trees):
@@ -92,6 +103,7 @@ def test_greedy_trees_on_every_thread_write_pastas_greedy_answer(choices, seed, 
   tree = TokenTree.from_choices(choices)
   trees = run(params, TOY_PROMPTS, lanes, pool, tree, toy_heads(params, 3, scale, seed))
   assert_same_threads(run(params, TOY_PROMPTS, lanes, pool), trees)
+  assert_content_counted(trees)
 
 
 def test_forks_speculate_alongside_main():
@@ -100,6 +112,7 @@ def test_forks_speculate_alongside_main():
   tree = TokenTree.from_choices([(0,), (1,), (0, 0), (0, 0, 0)])
   trees = run(params, TOY_PROMPTS, 4, 256, tree, toy_heads(params, 3, 0.0, 0))
   assert_same_threads(run(params, TOY_PROMPTS, 4, 256), trees)
+  assert_content_counted(trees)
   assert max(out.rule_outputs["accept_length"] for out in trees) > 2.0
   grown_forks, together = set(), 0
   for out in trees:
@@ -125,10 +138,47 @@ def test_trees_add_no_overshoot_past_the_content_budget_and_grow_until_near_it()
   tree = TokenTree.from_choices([(0,), (0, 0), (0, 0, 0)])
   trees = run(params, TOY_PROMPTS, 4, 256, tree, toy_heads(params, 3, 0.0, 0), budget=30)
   assert_same_threads(run(params, TOY_PROMPTS, 4, 256, budget=30), trees)
+  assert_content_counted(trees)
   cut = [t for t in trees if t.budget_spent]
   # PASTA's own overshoot (a step's other lanes record beside the one that reaches the budget), never a tree's
   assert cut and all(t.content <= 30 + 4 - 1 for t in trees)
   assert all(t.rule_outputs["tree_tokens"] > 15 for t in cut)  # trees ran until the last few tokens
+
+
+def chain_model(chain: dict[int, int], heads: int):
+  """A toy whose next token is chain[token] for sure, and Medusa heads that know the chain: head k proposes the
+  token k + 2 ahead. Hidden states are (scaled) one-hot rows of the current token."""
+  vocab = TOY.vocab_size
+  table = np.full((vocab, vocab), -10.0, np.float32)
+  for a, b in chain.items():
+    table[a, b] = 10.0
+  params = {"table": jnp.asarray(table), "embed": jnp.asarray(10.0 * np.eye(vocab, dtype=np.float32)),
+            "readout": jnp.zeros((vocab, vocab)), "bias": jnp.zeros((vocab,))}
+  w = np.zeros((heads, vocab, vocab), np.float32)
+  for a in chain:
+    ahead = a
+    for k in range(heads + 1):
+      ahead = chain.get(ahead, ahead)
+      if k >= 1:
+        w[k - 1, a, ahead] = 50.0
+  return params, {"w": jnp.asarray(w), "b": jnp.zeros((heads, vocab)), "drafted": jnp.eye(vocab)}
+
+
+def test_a_path_that_ends_at_a_promise_counts_its_text_as_content():
+  """Main's path 12 13 14 ends at its PROMISE in one step: the text before the tag is content (the budget counts
+  it), the fork and main's text after it come out as PASTA writes them, in fewer steps."""
+  v = VOCAB
+  main = [10, 11, 12, 13, 14, v.promise, 30, v.length_token(10), 15, 16, 17, 18, v.sync, 19, 20, 21, 1]
+  fork = [v.async_open, 31, 32, 33, 34, v.async_close]
+  chain = dict(zip(main, main[1:])) | dict(zip(fork, fork[1:]))
+  params, heads = chain_model(chain, heads=3)
+  tree = TokenTree.from_choices([(0,), (0, 0), (0, 0, 0)])
+  plain = run(params, [[10]], 2, 64, head_dim=TOY.vocab_size)
+  trees = run(params, [[10]], 2, 64, tree, heads, head_dim=TOY.vocab_size)
+  assert per_thread(plain[0]) == per_thread(trees[0]) == {0: main[1:], 1: fork}
+  assert trees[0].content == plain[0].content == 15
+  assert trees[0].steps < plain[0].steps
+  assert_content_counted(trees)
 
 
 def test_lanes_must_fit_the_trees():

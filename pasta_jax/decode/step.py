@@ -141,10 +141,15 @@ def is_content(tokens: jax.Array, in_topic: jax.Array, vocab) -> jax.Array:
   return (tokens >= 0) & ~jnp.isin(tokens, language_ids(vocab)) & ~in_topic
 
 
-def spend_budget(state: InterpState, recorded: jax.Array, cfg: InterpreterConfig) -> InterpState:
+def spend_budget(state: InterpState, recorded: jax.Array, cfg: InterpreterConfig,
+                 in_promise: jax.Array | None = None) -> InterpState:
   """Counts the content tokens the lanes recorded this step; a request that reaches the content budget
-  (`cfg.max_content`, when set) is cut there. recorded: [B, T] bool, the lanes' new pending tokens."""
-  topic = (state.thread == 0) & state.in_promise[:, None]  # main's lanes between PROMISE and LENGTH
+  (`cfg.max_content`, when set) is cut there. recorded: [B, T] bool, the lanes' new pending tokens.
+  in_promise: [B] main inside a promise's topic before the step (default: after it). The two differ only where
+  main records PROMISE or LENGTH, tags either way, unless main records several tokens in a step (a tree path that
+  ends at a PROMISE): its text before the tag is content, as the flag before the step says."""
+  in_promise = state.in_promise if in_promise is None else in_promise
+  topic = (state.thread == 0) & in_promise[:, None]  # main's lanes between PROMISE and LENGTH
   content = state.content + (recorded & is_content(state.token, topic, cfg.vocab)).sum(axis=1).astype(jnp.int32)
   return cut_at_budget(dataclasses.replace(state, content=content), cfg)
 
@@ -175,6 +180,7 @@ def decode_step(model_fn: ModelFn, params, state: InterpState, cfg: InterpreterC
                               rule_state=rule_state)
   if forced:
     state = advance_scripts(state, fed.feed, cfg)
+  in_promise = state.in_promise
   state, recorded = rules.after_model(state, fed, sampled, cfg, length_table)
   state = append_records(state, (fed.inserted, fed.inserted_keep), recorded, lane_logits, cfg)
-  return cut_at_step_limit(spend_budget(state, recorded, cfg))
+  return cut_at_step_limit(spend_budget(state, recorded, cfg, in_promise))
