@@ -78,7 +78,7 @@ def assert_same(jitted, oracle):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_forced_apar_programs_match_reference(name, data):
   cfg = CONFIGS[name]
@@ -90,7 +90,7 @@ def test_forced_apar_programs_match_reference(name, data):
   assert_same(got, reference(cfg, FORCED_PARAMS, prompt_batch, scripts))
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt_batch=st.lists(prompts, min_size=2, max_size=2), seed=st.integers(0, 2**16),
        penalty=st.sampled_from([1.0, 3.0]))
 def test_sampled_apar_runs_match_reference(prompt_batch, seed, penalty):
@@ -138,7 +138,7 @@ def test_exact_path_positions_and_views_by_hand():
   assert [tuple(int(v) for v in row) for row in got.slot_table[6:8]] == [(1, 8, 7, 0), (1, 7, 6, 0)]
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_fan_out_with_script_prefixes_matches_reference(data):
   """SoT's stage 2: k threads start together after a shared prompt, each forced through its own

@@ -60,7 +60,7 @@ def serve(requests, cfg: InterpreterConfig, chunk: int, admit_per_chunk: int, ba
   return [done[i] for i in range(len(requests))]
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(method=st.sampled_from(sorted(RULES)), chunk=st.sampled_from([1, 3, 8]), admit_per_chunk=st.integers(1, 3),
        requests=st.lists(st.tuples(st.lists(TEXT, min_size=2, max_size=20), st.sampled_from([4, 20, 40])),
                          min_size=1, max_size=5))

@@ -95,7 +95,7 @@ def assert_same_threads(plain, trees):
     assert t.finished or t.pool_full or t.truncated
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(choices_lists(max_depth=3, max_rank=3, max_nodes=6), st.sampled_from([0, 1]), st.sampled_from([2, 4]),
        st.sampled_from([96, 256]), st.sampled_from([0.0, 0.5]))
 def test_greedy_trees_on_every_thread_write_pastas_greedy_answer(choices, seed, lanes, pool, scale):
@@ -189,18 +189,16 @@ def test_lanes_must_fit_the_trees():
 
 
 # --- the API on a real (tiny) Gemma: its hidden states feed the heads --------------------------------------
-PASTA_PLAIN = api.generate_ids(MODEL, PROMPTS, method="pasta", lanes=2, max_new_tokens=41)
-
-
 def test_generate_pasta_medusa_equals_pasta_on_a_tiny_gemma():
   d = drafter(seed=0, scale=0.05)
   results = api.generate_ids(MODEL, PROMPTS, method="pasta+medusa", heads=d, tree_size=4, lanes=2,
                              max_new_tokens=41)
-  for plain, tree in zip(PASTA_PLAIN, results, strict=True):
+  plain_runs = api.generate_ids(MODEL, PROMPTS, method="pasta", lanes=2, max_new_tokens=41)
+  for plain, tree in zip(plain_runs, results, strict=True):
     assert tree.text == plain.text and tree.annotated == plain.annotated
     assert tree.method == "pasta+medusa"
   # one thread each: never past the budget (max_new_tokens), as plain PASTA
-  assert [r.content_tokens for r in results] == [p.content_tokens for p in PASTA_PLAIN] == [0, 41, 41]
+  assert [r.content_tokens for r in results] == [p.content_tokens for p in plain_runs] == [0, 41, 41]
   # (prompt 0 loops on a tag id, which no tree speculates on; the others are answer text)
   assert [r.speculation["tree_tokens"] > 0 for r in results] == [False, True, True]
   assert max(r.speculation["accept_length"] for r in results) > 1.5

@@ -23,14 +23,14 @@ from pasta_jax.decode.tree import TokenTree
 from pasta_jax.errors import PastaError
 from pasta_jax.model.gemma import RowSelect
 from pasta_jax.visibility import ThreadMask
-from tests.test_medusa import MODEL, PLAIN, PROMPTS, assert_same_greedy, drafter, tokens_of, tree_step
+from tests.test_medusa import MODEL, PROMPTS, assert_same_greedy, drafter, plain_greedy, tokens_of, tree_step
 from tests.test_tree import choices_lists
 
 LAYER = 1  # the tiny model has 3 layers
 
 
 # --- the model: only the kept rows run the deep layers ------------------------------------------------
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(choices_lists(max_depth=3, max_rank=3, max_nodes=8), st.data())
 def test_kept_rows_equal_the_full_call_and_pruned_rows_write_no_deep_kv(choices, data):
   tree = TokenTree.from_choices(choices)
@@ -121,12 +121,12 @@ def test_early_head_save_and_load(tmp_path):
 PRUNE = EarlyPrune(layer=LAYER, top_k=24, keep=0.5, min_size=4)
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(choices_lists(max_depth=3, max_rank=4, max_nodes=12), st.integers(0, 3))
 def test_greedy_tree_decoding_with_early_pruning_is_plain_greedy_decoding(choices, seed):
   results = api.generate_ids(MODEL, PROMPTS, method="medusa", heads=drafter(seed=seed), choices=choices,
                              max_new_tokens=48, prune=PRUNE)
-  assert_same_greedy(PLAIN, results)
+  assert_same_greedy(plain_greedy(), results)
 
 
 def test_pruning_cuts_nodes_and_keeps_accepting_paths():
@@ -135,7 +135,7 @@ def test_pruning_cuts_nodes_and_keeps_accepting_paths():
   d = drafter(seed=0, scale=0.05)
   pruned = api.generate_ids(MODEL, PROMPTS, method="medusa", heads=d, tree_size=8, max_new_tokens=48, prune=PRUNE)
   whole = api.generate_ids(MODEL, PROMPTS, method="medusa", heads=d, tree_size=8, max_new_tokens=48, prune=False)
-  assert_same_greedy(PLAIN, pruned)
+  assert_same_greedy(plain_greedy(), pruned)
   assert min(r.speculation["prune_rate"] for r in pruned) > 0.3
   assert all(r.speculation["prune_rate"] == 0 for r in whole)
   assert max(r.speculation["accept_length"] for r in pruned) > 1.3
@@ -153,7 +153,7 @@ def test_propd_prunes_by_default_only_with_a_trained_early_head_and_options_are_
   assert rules.prune == PRUNE and set(inputs["early"]) == set(pruning.EARLY_HEAD_KEYS)
   runs = api.generate_ids(MODEL, PROMPTS[:1], method="propd", heads=plain, tree_size=8, latency=(1e-6, 1.0),
                           max_new_tokens=16, prune=dataclasses.replace(PRUNE, top_k=4))
-  assert_same_greedy(PLAIN[:1], runs)
+  assert_same_greedy(plain_greedy()[:1], runs)
   assert runs[0].speculation["prune_rate"] > 0
   with pytest.raises(PastaError, match="prune must be"):
     api.generate_ids(MODEL, PROMPTS[:1], method="propd", heads=plain, latency=(1.0, 1.0), prune="yes")

@@ -90,7 +90,7 @@ def test_superposition_weights_are_normalised_draft_probabilities():
 CORPUS = [list(np.random.default_rng(s).integers(0, 24, size=60)) for s in range(6)]
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(k=st.integers(1, 4), alpha=st.sampled_from([0.0, 0.54]), tau=st.sampled_from([0.06, 1.0]),
        prompt=st.sampled_from(PROMPTS), new_tokens=st.integers(1, 9))
 def test_drafts_equal_the_reference(k, alpha, tau, prompt, new_tokens):

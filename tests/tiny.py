@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +36,10 @@ class CharTokenizer:
     return TagVocab.from_base(10, self.eos_ids, length_step)
 
 
+@functools.cache  # built once per process: most test modules take the same one, and each init costs seconds
 def tiny_model(name: str = "tiny-gemma3", seed: int = 0, **overrides) -> LoadedModel:
-  """A random tiny model; `overrides` replace config fields (num_heads=8 for an 8-way tensor split)."""
+  """A random tiny model; `overrides` replace config fields (num_heads=8 for an 8-way tensor split). Shared by
+  every caller in the process: treat it as read-only."""
   config = dataclasses.replace(get_config(name), **overrides)
   tokens = jnp.zeros((1, 4), jnp.int32)
   params = Gemma(config).init(jax.random.key(seed), tokens, tokens, jnp.ones((1, 4, 4), bool))
