@@ -53,7 +53,7 @@ def test_peak_live_slots_below_sequential_on_a_list():
   assert apar.critical_path < apar.content_tokens and apar.theoretical_speedup > 1
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.recursive(st.text("abc ", min_size=1, max_size=4),
                     lambda inner: st.lists(st.one_of(inner, inner.map(lambda x: f"<fork/><child>{x}</child>")),
                                            min_size=1, max_size=4).map("".join), max_leaves=8),

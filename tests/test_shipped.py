@@ -9,6 +9,7 @@ import pytest
 from pasta_jax.errors import WeightsError
 from pasta_jax.model import load as load_lib
 from pasta_jax.model.lora import CONFIG_FILE, WEIGHTS_FILE
+from tests.marks import HEAVY
 
 MAX_BYTES = 16 * 2**20  # the budget per shipped adapter
 
@@ -73,8 +74,20 @@ def test_the_tuned_default_decodes_with_its_medusa_heads_as_plain_greedy():
   import pasta_jax
   model = pasta_jax.load_model()
   prompts = ["Give three tips for staying healthy.", "What is the capital of France?"]
-  plain = pasta_jax.generate(model, prompts, method="sequential", max_new_tokens=32)
-  tree = pasta_jax.generate(model, prompts, method="medusa", tree_size=4, max_new_tokens=32)
+  plain = pasta_jax.generate(model, prompts, method="sequential", max_new_tokens=24)
+  tree = pasta_jax.generate(model, prompts, method="medusa", tree_size=4, max_new_tokens=24)
   for p, t in zip(plain, tree):
     assert t.records[:, 3].tolist() == p.records[:, 3].tolist()
     assert t.speculation["accept_length"] > 1.0  # the shipped heads guess some tokens right
+
+
+@pytest.mark.slow
+@HEAVY  # about a minute of compiles; tests/test_pasta_trees.py holds the rule on toy and tiny models
+def test_the_tuned_default_with_a_tree_on_every_thread_writes_its_pasta_answer():
+  import pasta_jax
+  model = pasta_jax.load_model()
+  prompt = ["Give three tips for staying healthy."]
+  [pasta] = pasta_jax.generate(model, prompt, method="pasta", lanes=2, max_new_tokens=40)
+  [trees] = pasta_jax.generate(model, prompt, method="pasta+medusa", tree_size=4, lanes=2, max_new_tokens=40)
+  assert len(pasta.threads) > 1 and trees.annotated == pasta.annotated  # it forks, and the trees change nothing
+  assert trees.steps < pasta.steps

@@ -442,6 +442,8 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
   prune: early pruning of the tree (`decode.rules.pruning.EarlyPrune`; None: for "propd", top 50 at the layer
   of the heads' trained early head when they have one, else none; none for "medusa"; False: off).
   `Result.speculation` has the accepted length per step, per-head hit rates and the tree sizes chosen.
+  method "pasta+medusa" (PASTA x trees): PASTA on `lanes` thread lanes, every live thread with its own `tree_size`-node
+  tree (default 4) from `heads`, greedy; the answer is PASTA's (`Result.speculation`: tokens per thread per tree step).
   """
   if model.tokenizer is None:
     raise PastaError(f"this model has no tokenizer; {method} decoding needs one for its tags and end ids")
