@@ -11,6 +11,11 @@ import numpy as np
 from pasta_jax.lang.tags import TagVocab
 
 
+def language_ids(vocab) -> jax.Array:
+  """[n] the tag and end ids: the interpreter's language, never answer text."""
+  return jnp.asarray(sorted(vocab.tag_ids | set(vocab.eos_ids)), jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class AllowedTokens:
   """[V] bool masks, one per thread situation (docs/interpreter.md, Constraints)."""

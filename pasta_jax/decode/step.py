@@ -16,17 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from pasta_jax.decode.config import InterpreterConfig
+from pasta_jax.decode.constraints import language_ids
 from pasta_jax.decode.sampling import penalize_repeats
 from pasta_jax.decode.state import CLOSING, InterpState
 from pasta_jax.visibility import HIDDEN, ThreadMask, visible
 
 # (params, tokens, positions, mask, pool, slots, kv_positions[, token_weights=, logit_rows=]) -> (logits, pool)
 ModelFn = Callable
-
-
-def language_ids(vocab) -> jax.Array:
-  """[n] the tag and end ids: the interpreter's language, never answer text."""
-  return jnp.asarray(sorted(vocab.tag_ids | set(vocab.eos_ids)), jnp.int32)
 
 
 def seen_tokens(state: InterpState, rows_lane: jax.Array, vocab_size: int, vocab) -> jax.Array:

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pasta_jax.decode.constraints import AllowedTokens
+from pasta_jax.decode.constraints import AllowedTokens, language_ids
 from pasta_jax.decode.pool import inserted_rows, lowest_free_slots, usable_slots, write_slots
 from pasta_jax.decode.rules.base import InterpreterConfig, Rules, StepFeed
 from pasta_jax.decode.rules.pasta import PastaRules, apply_samples, apply_spawn, plan_feeds, release_sync
@@ -185,7 +185,7 @@ class PastaTreeRules(PastaRules):
                       cfg: InterpreterConfig) -> jax.Array:
     """[B, P] threads that feed a tree: fed, with an answer-text root, candidates, and room for every node."""
     d: ThreadTrees = state.rule_state
-    language = jnp.asarray(sorted(cfg.vocab.tag_ids | set(cfg.vocab.eos_ids)), jnp.int32)
+    language = language_ids(cfg.vocab)
     in_topic = (jnp.arange(self.thread_lanes) == 0)[None, :] & state.in_promise[:, None]
     grow = fed & d.have_candidates & (view.status == RUNNING) & ~jnp.isin(view.token, language) & ~in_topic
     writes = fed.sum(axis=1) + grow.sum(axis=1) * (self.tree.size - 1)
@@ -256,7 +256,7 @@ class PastaTreeRules(PastaRules):
     """[B, P, N] nodes whose whole path is accepted: each node's token is its parent's choice (greedy), and
     answer text (a tag or end id ends a path: it arrives as the step's last token, PASTA's event)."""
     parent, depth = np.maximum(self.tree.parent, 0), self.tree.depth
-    language = jnp.asarray(sorted(cfg.vocab.tag_ids | set(cfg.vocab.eos_ids)), jnp.int32)
+    language = language_ids(cfg.vocab)
     match = (node_token == node_choice[:, :, parent]) & node_fed & ~jnp.isin(node_token, language)
     accepted = (jnp.arange(self.tree.size) == 0) & node_fed
     for level in range(1, self.tree.max_depth + 1):  # parents come first: one pass per depth
