@@ -8,8 +8,9 @@ Orbax checkpoint when the same command runs again, also after a restart):
   records        annotate the training pools structurally (`lima`, `alpaca_gpt4_1k`, `alpaca_5k`), keep
                  the answers with lists whose PASTA layout fits --seq-len, optionally keep only what the
                  model-verified filter accepts (--verify), then fork only the items that save main at
-                 least --min-saving tokens (others stay in main; an answer with none trains plain),
-                 hold out a split -> records/{train,heldout}.jsonl
+                 least --min-saving tokens (others stay in main; an answer with none trains plain), or with
+                 --group-blocks N each list as at most N blocks of consecutive items; hold out a split
+                 -> records/{train,heldout}.jsonl
   baseline_sft   Baseline-SFT (tags stripped) on exactly those records -> baseline_sft/model
   pasta_sft      Pasta-SFT on the same records -> pasta_sft/model
   bonbon         per lambda: N samples per prompt from the interpreter at T = 1, scored by speedup +
@@ -53,6 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--min-saving", type=int, default=6,
                       help="an item forks only if that saves main at least this many tokens (its body minus "
                            "its promise); answers whose items all fall short train as plain answers")
+  parser.add_argument("--group-blocks", type=int, default=0,
+                      help="> 0: each list forks as at most this many blocks of consecutive items, its last group "
+                           "staying in main (structural_grouped; --min-saving unused); 0: one block per item")
+  parser.add_argument("--min-block-tokens", type=int, default=24,
+                      help="with --group-blocks: a list forks into at most its tokens // this many groups")
   parser.add_argument("--verify", action="store_true", help="keep only records the model-verified filter accepts")
   parser.add_argument("--epochs", type=int, default=2)
   parser.add_argument("--batch-size", type=int, default=8)
@@ -100,6 +106,7 @@ def stage_records(args, folder: Path) -> None:
   """Annotate, keep what fits (and what the filter accepts), hold out a split."""
   from pasta_jax.data.encode import EncodeConfig, encode_example
   from pasta_jax.data.pipeline import annotate_records
+  from pasta_jax.data.structural_grouped import Grouping
   from pasta_jax.model.load import load_model
   model = load_model(args.model or "base")
   vocab = model.tokenizer.tag_vocab()
@@ -123,8 +130,9 @@ def stage_records(args, folder: Path) -> None:
     kept = _verified(kept, model, counts)
   # Which answers are kept does not depend on --min-saving (Baseline-SFT's records stay the same);
   # it decides only which of their items fork.
-  kept = annotate_records(kept, model.tokenizer, min_saving=args.min_saving)
-  counts["kept as plain answers (no item saves --min-saving)"] = sum(not r.get("annotated") for r in kept)
+  grouping = Grouping(args.group_blocks, args.min_block_tokens) if args.group_blocks > 0 else None
+  kept = annotate_records(kept, model.tokenizer, min_saving=args.min_saving, grouping=grouping)
+  counts["kept as plain answers (nothing earns a fork)"] = sum(not r.get("annotated") for r in kept)
   random.Random(args.seed).shuffle(kept)
   held = max(1, int(len(kept) * args.held_out))
   _write_jsonl(folder / "heldout.jsonl", kept[:held])

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from pasta_jax.data import structural
 from pasta_jax.data.encode import EncodeConfig, ExampleTooLong, encode_example
 from pasta_jax.data.sources import DataError
+from pasta_jax.data.structural_grouped import Grouping, annotate_grouped
 from pasta_jax.data.structural_scoped import annotate_scoped
 from pasta_jax.decode.api import LangTokenizer
 from pasta_jax.errors import ConfigError, PastaError, TagError
@@ -249,11 +250,14 @@ def token_counter(tokenizer) -> Callable[[str], int]:
 
 
 def annotate_records(records: Sequence[Mapping[str, Any]], tokenizer, annotator: str = "structural", *,
-                     min_saving: int = 0, progress: bool = False) -> list[dict]:
+                     min_saving: int = 0, grouping: Grouping | None = None,
+                     progress: bool = False) -> list[dict]:
   """Records with `annotated` (annotator "structural") or `scoped` ("structural_scoped", the earlier paper's
   form and rule) computed from each `output` (any earlier annotation of that field is replaced).
 
   min_saving: an item forks only if that saves main at least this many tokens (`structural.annotate`).
+  grouping: lists fork as a few long blocks of consecutive items instead (`structural_grouped`); min_saving
+    is then unused.
 
   Records where the annotator finds no structure get no `annotated` field: SFT trains them as plain
   answers (`encode_example` falls back to `output`), which are valid tag-free examples.
@@ -268,6 +272,8 @@ def annotate_records(records: Sequence[Mapping[str, Any]], tokenizer, annotator:
     annotated = None
     if record.get("output") and annotator == "structural_scoped":
       annotated = annotate_scoped(record["output"], count_tokens)
+    elif record.get("output") and grouping is not None:
+      annotated = annotate_grouped(record["output"], count_tokens, grouping)
     elif record.get("output"):
       annotated = structural.annotate(record["output"], count_tokens, min_saving)
     out.append(plain if annotated is None else {**plain, field: annotated})
