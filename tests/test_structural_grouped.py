@@ -45,6 +45,18 @@ def test_min_block_tokens_decides_how_many_groups(grouping, blocks):
   assert len(blocks_and_promises(annotated) if annotated else []) == blocks
 
 
+def test_min_saving_keeps_lists_whose_topics_would_be_their_text_in_main():
+  names = "Actors:\n1. James Cagney\n2. Peter Ustinov\n3. John Gielgud\n4. Laurence Olivier\n"
+  forked = annotate_grouped(names, count_words, Grouping(max_blocks=3, min_block_tokens=3))
+  assert [p.topic for p, _ in blocks_and_promises(forked)] == ["James Cagney", "Peter Ustinov", "John Gielgud"]
+  # each block (3 words) minus its topic (2) and the promise's cost saves nothing: with min_saving, no fork
+  assert annotate_grouped(names, count_words, Grouping(max_blocks=3, min_block_tokens=3, min_saving=1)) is None
+  # fewer, larger groups are tried before giving up: 4 groups' first saves 8 - 2 - 3 = 3 words, 3 groups'
+  # too, 2 groups' first 16 - 3 - 3 = 10
+  tips = annotate_grouped(TIPS, count_words, Grouping(max_blocks=3, min_block_tokens=7, min_saving=4))
+  assert [p.topic for p, _ in blocks_and_promises(tips)] == ["Eat well, Sleep"]
+
+
 def test_bad_grouping_is_refused():
   with pytest.raises(ConfigError, match="max_blocks"):
     Grouping(max_blocks=0)

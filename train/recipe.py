@@ -56,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "its promise); answers whose items all fall short train as plain answers")
   parser.add_argument("--group-blocks", type=int, default=0,
                       help="> 0: each list forks as at most this many blocks of consecutive items, its last group "
-                           "staying in main (structural_grouped; --min-saving unused); 0: one block per item")
+                           "staying in main, and --min-saving applies to each block (structural_grouped); "
+                           "0: one block per item")
   parser.add_argument("--min-block-tokens", type=int, default=24,
                       help="with --group-blocks: a list forks into at most its tokens // this many groups")
   parser.add_argument("--verify", action="store_true", help="keep only records the model-verified filter accepts")
@@ -128,9 +129,11 @@ def stage_records(args, folder: Path) -> None:
       kept.append(record)
   if args.verify:
     kept = _verified(kept, model, counts)
-  # Which answers are kept does not depend on --min-saving (Baseline-SFT's records stay the same);
-  # it decides only which of their items fork.
-  grouping = Grouping(args.group_blocks, args.min_block_tokens) if args.group_blocks > 0 else None
+  # Which answers are kept does not depend on --min-saving or the grouping (Baseline-SFT's records stay the
+  # same); they decide only which of their items fork.
+  grouping = None
+  if args.group_blocks:
+    grouping = Grouping(args.group_blocks, args.min_block_tokens, min_saving=args.min_saving)
   kept = annotate_records(kept, model.tokenizer, min_saving=args.min_saving, grouping=grouping)
   counts["kept as plain answers (nothing earns a fork)"] = sum(not r.get("annotated") for r in kept)
   random.Random(args.seed).shuffle(kept)

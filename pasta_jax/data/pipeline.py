@@ -256,8 +256,8 @@ def annotate_records(records: Sequence[Mapping[str, Any]], tokenizer, annotator:
   form and rule) computed from each `output` (any earlier annotation of that field is replaced).
 
   min_saving: an item forks only if that saves main at least this many tokens (`structural.annotate`).
-  grouping: lists fork as a few long blocks of consecutive items instead (`structural_grouped`); min_saving
-    is then unused.
+  grouping: lists fork as a few long blocks of consecutive items instead (`structural_grouped`, whose own
+    `min_saving` applies; the argument here is then unused).
 
   Records where the annotator finds no structure get no `annotated` field: SFT trains them as plain
   answers (`encode_example` falls back to `output`), which are valid tag-free examples.

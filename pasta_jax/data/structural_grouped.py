@@ -6,10 +6,11 @@ and forking only long items (`structural.annotate` with `min_saving`) forked too
 keeps both: nearly every list forks, and each fork writes enough to pay for its promise.
 
   - each list (items with only blank lines between them) is cut into g contiguous groups of nearly equal
-    token counts, g = min(max_blocks + 1, its items, its tokens // min_block_tokens); a list with g < 2
-    stays plain;
+    token counts, g = min(max_blocks + 1, its items, its tokens // min_block_tokens), lowered until every
+    forked group saves main at least `min_saving` tokens (a list of names, whose topics would be its
+    text, stays in main); a list with g < 2 stays plain;
   - the first g - 1 groups fork: the first item's marker stays in main (main numbers the groups), the
-    promise's topic names every item of the group by its heading (`structural.topic_of`, 3 words each), so
+    promise's topic names every item of the group by its heading (`structural.topic_of`, 2 words each), so
     the fork knows how many items to write and which, and its siblings know what is taken;
   - the last group stays in main, after the promises: main writes it while the forks write theirs (with
     one group per item instead, main would only wait);
@@ -23,7 +24,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 
-from pasta_jax.data.structural import MARKER, split_items, topic_of
+from pasta_jax.data.structural import MARKER, PROMISE_COST, split_items, topic_of
 from pasta_jax.errors import ConfigError, TagError
 from pasta_jax.lang import text as T
 from pasta_jax.lang.tags import round_length
@@ -35,7 +36,8 @@ Pieces = list[tuple[str, str]]  # ('text' | 'item', chunk), as `structural.split
 class Grouping:
   max_blocks: int = 3  # forks per list; its last group stays in main
   min_block_tokens: int = 24  # a list forks into at most its tokens // this many groups
-  heading_words: int = 3  # words of each item's heading in its group's topic
+  heading_words: int = 2  # words of each item's heading in its group's topic: each one costs main a step
+  min_saving: int = 0  # tokens a forked group must save main (its text minus its topic and promise); 0: any
 
   def __post_init__(self):
     if self.max_blocks < 1 or self.min_block_tokens < 1 or self.heading_words < 1:
@@ -75,12 +77,28 @@ def group_topic(items: Sequence[str], heading_words: int) -> str:
   return ", ".join(topic_of(item, heading_words) for item in items)
 
 
+def _group_starts(pieces: Pieces, run: list[int], count_tokens: Callable[[str], int],
+                  grouping: Grouping) -> list[int]:
+  """Where the list's groups start (positions in `run`): the most groups whose every forked one saves main
+  at least `min_saving` tokens (its text minus its topic and PROMISE_COST); [0] if none does."""
+  sizes = [count_tokens(pieces[i][1]) for i in run]
+  most = min(grouping.max_blocks + 1, len(run), sum(sizes) // grouping.min_block_tokens)
+  for groups in range(most, 1, -1):
+    starts = balanced_cuts(sizes, groups)
+    bounds = [*starts, len(run)]
+    topics = [group_topic([pieces[i][1] for i in run[lo:hi]], grouping.heading_words)
+              for lo, hi in zip(bounds[:-2], bounds[1:-1])]  # the forked groups: all but the last
+    savings = [sum(sizes[lo:hi]) - count_tokens(topic) - PROMISE_COST
+               for topic, lo, hi in zip(topics, bounds[:-2], bounds[1:-1])]
+    if grouping.min_saving <= 0 or min(savings) >= grouping.min_saving:
+      return starts
+  return [0]
+
+
 def _run_segments(pieces: Pieces, run: list[int], count_tokens: Callable[[str], int],
                   grouping: Grouping) -> list[T.Segment] | None:
   """One list's segments with its first g - 1 groups forked, or None if it does not fork."""
-  sizes = [count_tokens(pieces[i][1]) for i in run]
-  groups = min(grouping.max_blocks + 1, len(run), sum(sizes) // grouping.min_block_tokens)
-  starts = balanced_cuts(sizes, groups) if groups >= 2 else [0]
+  starts = _group_starts(pieces, run, count_tokens, grouping)
   if len(starts) < 2:
     return None
   segments: list[T.Segment] = []
