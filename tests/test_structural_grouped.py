@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,7 +31,8 @@ def test_a_list_forks_as_groups_and_main_writes_the_last():
   annotated = annotate_grouped(TIPS, count_words, Grouping(max_blocks=1, min_block_tokens=8))
   [(promise, block)] = blocks_and_promises(annotated)
   assert block == "Eat well: fruit and greens every day.\n2. Sleep: eight hours a night for adults.\n"
-  assert promise.topic == "Eat well, Sleep"  # the fork learns how many items it writes, and which
+  assert promise.topic == "1-2: Eat well, Sleep"  # the fork learns how many items it writes, and which, and
+  # main reads its next number, 3, off the topic
   assert "</async>3. Move: walk" in annotated  # main writes the second group itself, after the promise
   assert annotated.index("Rest: breaks") < annotated.index(T.SYNC) < annotated.index("Be kind")
   assert T.strip_tags(annotated) == TIPS
@@ -54,7 +57,7 @@ def test_min_saving_keeps_lists_whose_topics_would_be_their_text_in_main():
   # fewer, larger groups are tried before giving up: 4 groups' first saves 8 - 2 - 3 = 3 words, 3 groups'
   # too, 2 groups' first 16 - 3 - 3 = 10
   tips = annotate_grouped(TIPS, count_words, Grouping(max_blocks=3, min_block_tokens=7, min_saving=4))
-  assert [p.topic for p, _ in blocks_and_promises(tips)] == ["Eat well, Sleep"]
+  assert [p.topic for p, _ in blocks_and_promises(tips)] == ["1-2: Eat well, Sleep"]
 
 
 def test_bad_grouping_is_refused():
@@ -77,7 +80,7 @@ def test_balanced_cuts_keep_every_group_near_its_share(case):
 
 
 words = st.lists(st.sampled_from(["eat", "well", "sleep", "long", "walk", "daily", "rest"]), min_size=1, max_size=9)
-item = st.tuples(st.sampled_from(["1. ", "- ", "* "]), words, st.booleans())  # marker, words, blank line after
+item = st.tuples(st.sampled_from(["1. ", "7. ", "- ", "* "]), words, st.booleans())  # marker, words, blank line after
 answer_lists = st.lists(st.lists(item, min_size=1, max_size=6), min_size=1, max_size=3)
 
 
@@ -108,9 +111,16 @@ def test_grouped_annotation_keeps_every_character_and_each_lists_last_group(list
   if annotated is None:
     return
   assert T.strip_tags(annotated) == answer
-  for promise, block in blocks_and_promises(annotated):
-    items_in_block = sum(1 for kind, _ in split_items("1. " + block) if kind == "item")
+  segments = T.parse(annotated)
+  for i, promise in enumerate(segments):
+    if not isinstance(promise, T.Promise):
+      continue
+    marker, block = segments[i - 1].text.splitlines()[-1], segments[i + 1].text
+    items_in_block = sum(1 for kind, _ in split_items(marker + block) if kind == "item")
     assert len(promise.topic.split(", ")) == items_in_block  # the topic names each item it promises
+    numbers = re.findall(r"(?m)^(\d+)\. ", marker + block)
+    if items_in_block > 1 and len(numbers) == items_in_block:  # a numbered group says where it ends
+      assert promise.topic.startswith(f"{numbers[0]}-{numbers[-1]}: ")
   pieces = split_items(answer)
   starts = [sum(len(chunk) for _, chunk in pieces[:i]) for i in range(len(pieces) + 1)]
   spans = fork_spans(annotated)
