@@ -8,11 +8,12 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pasta_jax.decode.api import chat_text
-from pasta_jax.eval.learned import answer_figures, blocks_of, learned_figures
+from pasta_jax.eval.learned import answer_figures, blocks_of, learned_figures, misnumbered, numbered_lists
 from pasta_jax.eval.quality import answer_logprob, lcs_length, rouge_l
 from pasta_jax.lang.metrics import duplicate_block_pairs, ngram_overlap
 from pasta_jax.model.gemma import Gemma, causal_mask
@@ -95,6 +96,20 @@ def test_repeated_list_items_are_counted_in_the_clean_text_of_both_models():
   assert (fig["repeated_item_pairs"], fig["item_pairs"], fig["has_list"]) == (1, 3, True)
   plain = answer_figures(_run("no list here", 1, text="no list here"), "")
   assert (plain["item_pairs"], plain["has_list"]) == (0, False)
+
+
+@pytest.mark.parametrize("text, lists, wrong", [
+    ("1. a\n2. b\n3. c\n", [[1, 2, 3]], False),
+    ("1. a\n2. b\n2. c\n3. d\n", [[1, 2, 2, 3]], True),  # main lost count after a forked group
+    ("1. a\n3. b\n", [[1, 3]], True),
+    ("Pros:\n1. a\n2. b\n\nCons:\n1. c\n2. d\n", [[1, 2], [1, 2]], False),  # each list counts on its own
+    ("- a\n- b\n", [], False),
+    ("1. only one\n", [], False),
+])
+def test_misnumbered_lists(text, lists, wrong):
+  assert numbered_lists(text) == lists and misnumbered(text) == wrong
+  fig = answer_figures(_run(text, 1, text=text), reference="")
+  assert (fig["numbered"], fig["misnumbered"]) == (bool(lists), wrong)
 
 
 def test_answer_logprob_equals_an_independent_forward():

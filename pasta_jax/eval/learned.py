@@ -10,6 +10,9 @@ From `evaluate`'s results (a `pasta` method measured against a `sequential` base
   repeated list items  the same rule over the sibling list items of the clean answer, for both models: a
                        small model repeats itself in plain lists too, so this says how much of the
                        duplicate-block rate is forking and how much is the model
+  misnumbered lists    answers with a numbered list whose numbers do not run on by one (1, 2, 2, 3 or 1, 3, 4),
+                       over the answers with a numbered list: main numbers the forked groups from their topics,
+                       and a model that loses count writes this
   list rate            answers whose clean text holds a list of 2+ items: the structural annotator forks
                        only list items, so Baseline-SFT's list rate bounds what this recipe's fork rate can be
   ROUGE-L              against the prompt's reference answer, for both models
@@ -23,6 +26,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 from pasta_jax.data.structural import split_items
+from pasta_jax.data.structural_grouped import NUMBER, list_runs
 from pasta_jax.eval.quality import rouge_l
 from pasta_jax.lang import metrics
 from pasta_jax.lang.metrics import arithmetic_mean
@@ -38,6 +42,17 @@ def _closed_at_cut(annotated: str) -> str:
   return annotated + "</async>" if last_open > last_close else annotated
 
 
+def numbered_lists(text: str) -> list[list[int]]:
+  """The numbers of each numbered list of 2+ items in `text`, in order."""
+  pieces = split_items(text)
+  numbers = [[int(m.group(1)) for i in run if (m := NUMBER.match(pieces[i][1]))] for run in list_runs(pieces)]
+  return [run for run in numbers if len(run) >= 2]
+
+
+def misnumbered(text: str) -> bool:
+  return any(b != a + 1 for run in numbered_lists(text) for a, b in zip(run, run[1:]))
+
+
 def answer_figures(run: Mapping, reference: str) -> dict:
   """Per-answer figures of one run (a `MethodOutput` as a dict)."""
   annotated = run["annotated"] if run["finished"] else _closed_at_cut(run["annotated"])
@@ -47,7 +62,8 @@ def answer_figures(run: Mapping, reference: str) -> dict:
   item_dupes, item_pairs = metrics.duplicate_block_pairs(items)
   return dict(forks=run["threads"] - 1, well_formed=blocks is not None, truncated=not run["finished"],
               duplicate_pairs=dupes, sibling_pairs=pairs, repeated_item_pairs=item_dupes, item_pairs=item_pairs,
-              has_list=len(items) >= 2,
+              has_list=len(items) >= 2, numbered=bool(numbered_lists(run["text"])),
+              misnumbered=misnumbered(run["text"]),
               rouge_l=rouge_l(run["text"], reference) if reference else math.nan)
 
 
@@ -85,6 +101,7 @@ def _aggregate(rows: Sequence[Mapping]) -> dict:
              truncated=sum(r["truncated"] for r in rows) / n,
              duplicate_rate=sum(r["duplicate_pairs"] for r in rows) / pairs if pairs else 0.0,
              sibling_pairs=pairs,
+             misnumbered=sum(r["misnumbered"] for r in rows) / max(sum(r["numbered"] for r in rows), 1),
              repeated_items=sum(r["repeated_item_pairs"] for r in rows) / item_pairs if item_pairs else 0.0,
              rouge_l=arithmetic_mean(r["rouge_l"] for r in rows if math.isfinite(r["rouge_l"])))
   if rows and "logprob" in rows[0]:
@@ -104,6 +121,7 @@ def figure_lines(figures: Mapping) -> list[str]:
   rows = [("fork rate", "fork_rate", 3), ("answers with a list (2+ items)", "list_rate", 3),
           ("well-formed tags", "well_formed", 3), ("truncated", "truncated", 3),
           ("duplicate-block rate", "duplicate_rate", 3), ("repeated list items (clean text)", "repeated_items", 3),
+          ("misnumbered lists (of answers with a numbered list)", "misnumbered", 3),
           ("ROUGE-L vs reference", "rouge_l", 4),
           ("log p per token under Baseline-SFT", "logprob", 4)]
   lines = [f"Prompts: {figures['n']}. Realized speedup (geo) {figures['realized']:.3f} "
