@@ -28,7 +28,7 @@ TIPS = ("Tips:\n1. Eat well: fruit and greens every day.\n2. Sleep: eight hours 
 
 
 def test_a_list_forks_as_groups_and_main_writes_the_last():
-  annotated = annotate_grouped(TIPS, count_words, Grouping(max_blocks=1, min_block_tokens=8))
+  annotated = annotate_grouped(TIPS, count_words, Grouping(max_blocks=1, min_block_tokens=8, numbered_per_item=False))
   [(promise, block)] = blocks_and_promises(annotated)
   assert block == "Eat well: fruit and greens every day.\n2. Sleep: eight hours a night for adults.\n"
   assert promise.topic == "1-2: Eat well, Sleep"  # the fork learns how many items it writes, and which, and
@@ -44,20 +44,32 @@ def test_a_list_forks_as_groups_and_main_writes_the_last():
     (Grouping(max_blocks=3, min_block_tokens=16), 0),  # 31 words // 16: one group: nothing forks
 ])
 def test_min_block_tokens_decides_how_many_groups(grouping, blocks):
-  annotated = annotate_grouped(TIPS, count_words, grouping)
+  annotated = annotate_grouped(TIPS.replace("1. ", "- ").replace("2. ", "- ").replace("3. ", "- ").replace("4. ", "- "),
+                               count_words, grouping)
   assert len(blocks_and_promises(annotated) if annotated else []) == blocks
 
 
 def test_min_saving_keeps_lists_whose_topics_would_be_their_text_in_main():
-  names = "Actors:\n1. James Cagney\n2. Peter Ustinov\n3. John Gielgud\n4. Laurence Olivier\n"
+  names = "Actors:\n- James Cagney\n- Peter Ustinov\n- John Gielgud\n- Laurence Olivier\n"
   forked = annotate_grouped(names, count_words, Grouping(max_blocks=3, min_block_tokens=3))
   assert [p.topic for p, _ in blocks_and_promises(forked)] == ["James Cagney", "Peter Ustinov", "John Gielgud"]
   # each block (3 words) minus its topic (2) and the promise's cost saves nothing: with min_saving, no fork
   assert annotate_grouped(names, count_words, Grouping(max_blocks=3, min_block_tokens=3, min_saving=1)) is None
   # fewer, larger groups are tried before giving up: 4 groups' first saves 8 - 2 - 3 = 3 words, 3 groups'
   # too, 2 groups' first 16 - 3 - 3 = 10
-  tips = annotate_grouped(TIPS, count_words, Grouping(max_blocks=3, min_block_tokens=7, min_saving=4))
+  tips = annotate_grouped(TIPS, count_words, Grouping(max_blocks=3, min_block_tokens=7, min_saving=4,
+                                                      numbered_per_item=False))
   assert [p.topic for p, _ in blocks_and_promises(tips)] == ["1-2: Eat well, Sleep"]
+
+
+def test_numbered_lists_fork_item_by_item_so_main_never_counts():
+  annotated = annotate_grouped(TIPS, count_words, Grouping(max_blocks=2, min_saving=4))
+  # items 1 and 2 save 8 - 2 - 3 = 3 < 4 and 8 - 1 - 3 = 4 words; the cap of 2 forks is not reached; 4 is last
+  assert [(p.topic, block) for p, block in blocks_and_promises(annotated)] == [
+      ("Sleep", "Sleep: eight hours a night for adults.\n")]
+  assert "Tips:\n1. Eat well" in annotated and "</async>3. Move" in annotated  # main writes every marker
+  capped = annotate_grouped(TIPS, count_words, Grouping(max_blocks=1, min_saving=1))
+  assert [p.topic for p, _ in blocks_and_promises(capped)] == ["Eat well"]
 
 
 def test_bad_grouping_is_refused():
@@ -104,10 +116,11 @@ def fork_spans(annotated: str) -> list[tuple[int, int]]:
 
 
 @settings(max_examples=80, deadline=None)
-@given(answer_lists, st.booleans(), st.booleans(), st.integers(1, 3), st.integers(2, 12))
-def test_grouped_annotation_keeps_every_character_and_each_lists_last_group(lists, lead, tail, max_blocks, min_block):
+@given(answer_lists, st.booleans(), st.booleans(), st.integers(1, 3), st.integers(2, 12), st.booleans())
+def test_grouped_annotation_keeps_every_character_and_each_lists_last_group(lists, lead, tail, max_blocks, min_block,
+                                                                          per_item):
   answer = render_answer(lists, lead, tail)
-  annotated = annotate_grouped(answer, count_words, Grouping(max_blocks, min_block))
+  annotated = annotate_grouped(answer, count_words, Grouping(max_blocks, min_block, numbered_per_item=per_item))
   if annotated is None:
     return
   assert T.strip_tags(annotated) == answer
@@ -118,6 +131,8 @@ def test_grouped_annotation_keeps_every_character_and_each_lists_last_group(list
     marker, block = segments[i - 1].text.splitlines()[-1], segments[i + 1].text
     items_in_block = sum(1 for kind, _ in split_items(marker + block) if kind == "item")
     assert len(promise.topic.split(", ")) == items_in_block  # the topic names each item it promises
+    if per_item and all(re.match(r"\d+\. ", chunk) for kind, chunk in split_items(answer) if kind == "item"):
+      assert items_in_block == 1  # by default a numbered list forks item by item
     numbers = re.findall(r"(?m)^(\d+)\. ", marker + block)
     if items_in_block > 1 and len(numbers) == items_in_block:  # a numbered group says where it ends
       assert promise.topic.startswith(f"{numbers[0]}-{numbers[-1]}: ")
