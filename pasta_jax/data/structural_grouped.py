@@ -41,10 +41,10 @@ class Grouping:
   max_blocks: int = 3  # forks per list; its last group stays in main
   min_block_tokens: int = 24  # a list forks into at most its tokens // this many groups
   heading_words: int = 3  # words of each item's heading in its group's topic: each one costs main a step
+  min_saving: int = 0  # tokens a forked group must save main (its text minus its topic and promise); 0: any
   # numbered lists fork item by item (main writes every marker, so it never counts; a model trained on
   # numbered groups misnumbered 7 of 15 lists even with the numbers in the topics)
   numbered_per_item: bool = True
-  min_saving: int = 0  # tokens a forked group must save main (its text minus its topic and promise); 0: any
 
   def __post_init__(self):
     if self.max_blocks < 1 or self.min_block_tokens < 1 or self.heading_words < 1:
