@@ -52,13 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--num-threads", type=int, default=16)
   parser.add_argument("--held-out", type=float, default=0.03, help="share of kept records held out")
   parser.add_argument("--min-saving", type=int, default=6,
-                      help="an item forks only if that saves main at least this many tokens (its body minus "
-                           "its promise); answers whose items all fall short train as plain answers")
-  parser.add_argument("--group-blocks", type=int, default=0,
+                      help="a block (a group of items, or one item) forks only if that saves main at least this "
+                           "many tokens (its text minus its promise); answers where nothing does train plain")
+  parser.add_argument("--group-blocks", type=int, default=3,
                       help="> 0: each list forks as at most this many blocks of consecutive items, its last group "
                            "staying in main, and --min-saving applies to each block (structural_grouped); "
                            "0: one block per item")
-  parser.add_argument("--min-block-tokens", type=int, default=24,
+  parser.add_argument("--min-block-tokens", type=int, default=12,
                       help="with --group-blocks: a list forks into at most its tokens // this many groups")
   parser.add_argument("--verify", action="store_true", help="keep only records the model-verified filter accepts")
   parser.add_argument("--epochs", type=int, default=2)
