@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from pasta_jax.decode.api import chat_text
 from pasta_jax.eval.learned import answer_figures, blocks_of, learned_figures, misnumbered, numbered_lists
-from pasta_jax.eval.quality import answer_logprob, lcs_length, rouge_l
-from pasta_jax.lang.metrics import duplicate_block_pairs, ngram_overlap
+from pasta_jax.eval.quality import answer_logprob
+from pasta_jax.lang.metrics import duplicate_block_pairs, lcs_length, ngram_overlap, rouge_l
 from pasta_jax.model.gemma import Gemma, causal_mask
 from tests.tiny import tiny_model
 

@@ -229,6 +229,37 @@ def test_speed_only_needs_no_judge_and_quality_needs_one(tmp_path):
     assert pair["chosen"]["speedup"] > pair["rejected"]["speedup"]
 
 
+def test_rouge_quality_is_the_ratio_to_the_baseline_with_a_floor():
+  reference = "red fish blue fish"
+  assert scoring.rouge_quality("red fish blue fish", "red fish", reference) == pytest.approx(1 / metrics.rouge_l(
+      "red fish", reference))
+  assert scoring.rouge_quality("red fish", "red fish", reference) == 1.0
+  # a baseline with no overlap: divided by the floor, not by zero
+  assert scoring.rouge_quality("red fish", "cats", reference) == pytest.approx(
+      metrics.rouge_l("red fish", reference) / scoring.ROUGE_FLOOR)
+
+
+def test_rouge_quality_ranks_samples_by_speed_plus_lambda_rouge_without_a_judge(tmp_path):
+  import dataclasses
+  model = tiny_model()
+  samplers = Samplers(sample=forced_sample, greedy=forced_greedy)
+  cfg = dataclasses.replace(CFG, quality_measure="rouge", speed_measure="parallelism", quality_weight=3.0)
+  fish = [{"id": f"r{i}", "instruction": f"Fish {i}", "output": "red fish and blue fish"} for i in range(3)]
+  summary = build_pairs(model, model, fish, None, cfg, tmp_path, samplers=samplers, progress=False)
+  assert summary.pairs == 3
+  vocab = model.tokenizer.tag_vocab()
+  sampled = {r["id"]: r for r in read_rows(tmp_path / SAMPLES)}
+  for pair in read_rows(tmp_path / PAIRS):
+    row = sampled[pair["id"]]
+    base_rouge = max(metrics.rouge_l(row["baseline"]["text"], row["reference"]), 0.05)
+    keys = [s["content_tokens"] / metrics.critical_path(s["ids"], vocab)
+            + 3.0 * metrics.rouge_l(s["text"], row["reference"]) / base_rouge for s in row["samples"]]
+    assert pair["chosen"]["score"] == pytest.approx(max(keys)) and pair["rejected"]["score"] == pytest.approx(min(keys))
+  with pytest.raises(PastaError, match="1 of 1 records have none"):
+    build_pairs(model, model, [{"id": "x", "instruction": "Fish"}], None, cfg, tmp_path / "b", samplers=samplers,
+                progress=False)
+
+
 def test_reference_logprobs_are_the_training_layouts_logprobs(tmp_path):
   model = tiny_model()
   samplers = Samplers(sample=forced_sample, greedy=forced_greedy)

@@ -1,12 +1,13 @@
 """BoNBoN rounds: sample -> score -> BoNBoN, r times, each round starting from the last model.
 
   python -m train.bonbon --model runs/sft/model --baseline runs/baseline_sft/model --data lima \
-      --out runs/bonbon --rounds 2 [--judge http | --judge local:MODEL | --quality-weight 0]
+      --out runs/bonbon --rounds 2 [--judge http | --judge local:MODEL | --quality-measure rouge | --quality-weight 0]
       [--samples 10 --temperature 1.0] [--alpha 0.005 --beta 0.1 --lr 5e-7] [--config tpu_configs/...]
 
 Per round k (files in <out>/round_<k>/): the policy samples N answers per prompt with the batched
 interpreter, the Baseline-SFT model answers greedily, the judge compares every sample with the
-baseline and the reference answer in both orders, and the best and worst samples by
+baseline and the reference answer in both orders (or, with --quality-measure rouge, ROUGE-L against the
+reference answer over the baseline's stands in for the judge), and the best and worst samples by
 speedup + lambda * quality become a pair. The reference log-probs (--reference: the Pasta-SFT model in every
 round, as the paper; or each round's start model) are
 computed once and stored with the pairs, then BoNBoN trains. Every stage resumes: run the same
@@ -26,7 +27,7 @@ from pasta_jax.errors import PastaError
 from pasta_jax.model.load import load_model
 from pasta_jax.paths import run_path
 from pasta_jax.preference.build import build_pairs
-from pasta_jax.preference.config import SPEED_MEASURES, PreferenceConfig
+from pasta_jax.preference.config import QUALITY_MEASURES, SPEED_MEASURES, PreferenceConfig
 from pasta_jax.preference.rounds import BONBON_LEARNING_RATE, run_rounds
 from pasta_jax.training.distributed import maybe_initialize_distributed
 from train.common import add_config_flags, model_path, run_main, train_config
@@ -54,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "too); parallelism: the sample's own tokens / its critical path (length-neutral)")
   parser.add_argument("--quality-weight", type=float, default=PreferenceConfig.quality_weight,
                       help="lambda in score = speedup + lambda * quality; inf ranks by quality alone")
+  parser.add_argument("--quality-measure", choices=QUALITY_MEASURES, default=PreferenceConfig.quality_measure,
+                      help="quality in the score: the pairwise judge's wins/losses, or ROUGE-L against each "
+                           "record's reference answer over the baseline answer's (needs no judge)")
   parser.add_argument("--max-new-tokens", type=int, default=PreferenceConfig.max_new_tokens)
   parser.add_argument("--lanes", type=int, default=PreferenceConfig.lanes)
   parser.add_argument("--requests-per-run", type=int, default=PreferenceConfig.requests_per_run,
@@ -66,7 +70,8 @@ def preference_config(args) -> PreferenceConfig:
   return PreferenceConfig(num_samples=args.samples, temperature=args.temperature, quality_weight=args.quality_weight,
                           max_new_tokens=args.max_new_tokens, lanes=args.lanes,
                           requests_per_run=args.requests_per_run, seed=args.seed or 0,
-                          duplicate_penalty=args.duplicate_penalty, speed_measure=args.speed_measure)
+                          duplicate_penalty=args.duplicate_penalty, speed_measure=args.speed_measure,
+                          quality_measure=args.quality_measure)
 
 
 def prompt_records(args) -> list[dict]:
@@ -77,12 +82,12 @@ def prompt_records(args) -> list[dict]:
   return records
 
 
-def judge_factory(spec: str, quality_weight: float):
-  """folder -> the (cached) judge of that folder, or None when speed alone decides."""
+def judge_factory(spec: str, quality_weight: float, quality_measure: str = "judge"):
+  """folder -> the (cached) judge of that folder, or None when speed (or ROUGE-L) alone decides."""
   from pasta_jax.commands.eval import make_judge
 
   def judge_for(folder):
-    if quality_weight == 0:
+    if quality_weight == 0 or quality_measure != "judge":
       return None
     judge, note = make_judge(spec, run_path(folder))
     if judge is None:
@@ -106,7 +111,7 @@ def main(argv=None) -> int:
   baseline_path = args.baseline or start
   baseline = load_model(baseline_path)
   records = prompt_records(args)
-  judge_for = judge_factory(args.judge, pref.quality_weight)
+  judge_for = judge_factory(args.judge, pref.quality_weight, pref.quality_measure)
   out = run_path(args.out)
   if args.pairs_only:
     folder = out / "round_1" / "pairs"

@@ -15,7 +15,8 @@ Orbax checkpoint when the same command runs again, also after a restart):
   pasta_sft      Pasta-SFT on the same records -> pasta_sft/model
   bonbon         per lambda: N samples per prompt from the interpreter at T = 1, scored by speedup +
                  lambda x quality, best/worst pairs, BoNBoN with Pasta-SFT as the reference
-                 -> bonbon_l{lambda}/round_1/train/model
+                 -> bonbon_l{lambda}/round_1/train/model. The samples do not depend on lambda: every
+                 lambda after the first starts from the first one's samples (it samples only what is missing)
   ship           copies the adapters into the package (pasta_jax/adapters/: baseline-sft, pasta-sft, and
                  pasta-bon from --ship-lambda), where `load_model()` and `pasta generate` find them
 Both SFT stages train adapters (LoRA + tag/chat embedding rows) over the frozen base by default.
@@ -33,7 +34,7 @@ from tqdm import tqdm
 
 from pasta_jax.data.sources import shared_data_dir
 from pasta_jax.errors import PastaError
-from pasta_jax.preference.config import PreferenceConfig
+from pasta_jax.preference.config import QUALITY_MEASURES, PreferenceConfig
 from train.common import run_main
 
 POOLS = ("lima", "alpaca_gpt4_1k", "alpaca_5k")
@@ -81,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--speed-measure", choices=["speedup", "parallelism"], default="speedup",
                       help="BoNBoN's speed score: the paper's speedup over Baseline-SFT (rewards shorter answers too), "
                            "or the sample's own parallelism")
+  parser.add_argument("--quality-measure", choices=list(QUALITY_MEASURES), default=PreferenceConfig.quality_measure,
+                      help="BoNBoN's quality score: the --judge's wins/losses, or ROUGE-L against the record's "
+                           "reference answer over Baseline-SFT's (no judge needed)")
   parser.add_argument("--ship-lambda", type=float, default=None,
                       help="ship stage: the BoNBoN lambda whose model ships as pasta-bon (default: none ships)")
   parser.add_argument("--seed", type=int, default=0)
@@ -175,11 +179,14 @@ def stage_bonbon(args, out: Path) -> None:
   if not prompts.exists():
     train = [json.loads(line) for line in (out / "records" / "train.jsonl").read_text().splitlines()]
     _write_jsonl(prompts, train[: args.bonbon_prompts])
-  for lam in (float(x) for x in args.lambdas.split(",")):
+  lambdas = [float(x) for x in args.lambdas.split(",")]
+  for lam in lambdas:
+    _share_samples(out / f"bonbon_l{lambdas[0]:g}", out / f"bonbon_l{lam:g}")
     flags = ["--model", str(out / "pasta_sft" / "model"), "--baseline", str(out / "baseline_sft" / "model"),
              "--data", str(prompts), "--out", str(out / f"bonbon_l{lam:g}"), "--rounds", "1",
              "--samples", str(args.samples), "--quality-weight", str(lam), "--judge", args.judge,
              "--duplicate-penalty", str(args.duplicate_penalty), "--speed-measure", args.speed_measure,
+             "--quality-measure", args.quality_measure,
              "--max-new-tokens", str(args.bonbon_tokens), "--seq-len", str(args.bonbon_tokens + 128),
              "--num-threads", str(args.num_threads), "--lr", str(args.bonbon_lr),
              "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha),
@@ -188,6 +195,17 @@ def stage_bonbon(args, out: Path) -> None:
     code = bonbon.main(flags)
     if code:
       raise PastaError(f"BoNBoN (lambda {lam:g}) stopped with exit code {code}")
+
+
+def _share_samples(first: Path, run: Path) -> None:
+  """Copies the first lambda's samples into another lambda's round 1 before it samples: the samples
+  depend on the policy, the prompts and the seed, not on lambda, and sampling is the stage's cost."""
+  from pasta_jax.preference.build import SAMPLES
+  source, target = (d / "round_1" / "pairs" / SAMPLES for d in (first, run))
+  if source.is_file() and not target.exists() and first != run:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(source.read_bytes())
+    print(f"{run.name}: starting from {first.name}'s samples")
 
 
 def stage_ship(args, out: Path) -> None:

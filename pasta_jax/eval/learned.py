@@ -27,9 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from pasta_jax.data.structural import split_items
 from pasta_jax.data.structural_grouped import NUMBER, list_runs
-from pasta_jax.eval.quality import rouge_l
 from pasta_jax.lang import metrics
-from pasta_jax.lang.metrics import arithmetic_mean
+from pasta_jax.lang.metrics import arithmetic_mean, rouge_l
 
 blocks_of = metrics.block_texts
 

@@ -1,5 +1,6 @@
-"""Quality proxies that need no strong judge: ROUGE-L against a reference answer, and the per-token
-log-likelihood of an answer under a fixed scoring model (Baseline-SFT in `bench.learned`).
+"""Quality proxies that need no strong judge: ROUGE-L against a reference answer (`lang.metrics.rouge_l`,
+pure text), and the per-token log-likelihood of an answer under a fixed scoring model (Baseline-SFT in
+`bench.learned`).
 
 Both are weak stand-ins for a judge: ROUGE-L rewards wording close to the reference (gemma-7b-it's
 answers in alpaca_eval_805), the log-likelihood rewards answers that the scoring model finds fluent
@@ -16,32 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.data.encode import EncodeConfig, encode_example
-from pasta_jax.lang.metrics import WORDS
 from pasta_jax.model.gemma import Gemma
 from pasta_jax.training.losses import token_logprobs
-
-
-def lcs_length(a: Sequence[str], b: Sequence[str]) -> int:
-  """Length of the longest common subsequence (dynamic programming, O(len(a) len(b)))."""
-  if not a or not b:
-    return 0
-  prev = [0] * (len(b) + 1)
-  for x in a:
-    cur = [0]
-    for j, y in enumerate(b):
-      cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
-    prev = cur
-  return prev[-1]
-
-
-def rouge_l(candidate: str, reference: str) -> float:
-  """ROUGE-L F1 over lower-cased word tokens (0 when either side is empty)."""
-  cand, ref = WORDS.findall(candidate.lower()), WORDS.findall(reference.lower())
-  lcs = lcs_length(cand, ref)
-  if lcs == 0:
-    return 0.0
-  precision, recall = lcs / len(cand), lcs / len(ref)
-  return 2 * precision * recall / (precision + recall)
 
 
 @functools.lru_cache(maxsize=4)

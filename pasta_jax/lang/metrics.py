@@ -215,3 +215,26 @@ def duplicate_block_pairs(blocks: Sequence[str], n: int = DUPLICATE_NGRAM,
   pairs = [(i, j) for i in range(len(blocks)) for j in range(i + 1, len(blocks))]
   dupes = sum(ngram_overlap(blocks[i], blocks[j], n) > threshold for i, j in pairs)
   return dupes, len(pairs)
+
+
+def lcs_length(a: Sequence[str], b: Sequence[str]) -> int:
+  """Length of the longest common subsequence (dynamic programming, O(len(a) len(b)))."""
+  if not a or not b:
+    return 0
+  prev = [0] * (len(b) + 1)
+  for x in a:
+    cur = [0]
+    for j, y in enumerate(b):
+      cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+    prev = cur
+  return prev[-1]
+
+
+def rouge_l(candidate: str, reference: str) -> float:
+  """ROUGE-L F1 over lower-cased word tokens (0 when either side is empty)."""
+  cand, ref = WORDS.findall(candidate.lower()), WORDS.findall(reference.lower())
+  lcs = lcs_length(cand, ref)
+  if lcs == 0:
+    return 0.0
+  precision, recall = lcs / len(cand), lcs / len(ref)
+  return 2 * precision * recall / (precision + recall)

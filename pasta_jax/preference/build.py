@@ -65,14 +65,20 @@ def build_pairs(policy, baseline, records: Sequence[Mapping[str, Any]], judge: J
                 progress: bool = True) -> BuildSummary:
   """Samples the policy, scores against the baseline (and each record's `output`), writes the pairs.
 
-  judge may be None only when quality_weight is 0 (speed alone decides).
+  judge may be None when quality_weight is 0 (speed alone decides) or quality_measure is "rouge" (the
+  reference answer decides; the judge is then not asked).
   """
-  if judge is None and cfg.quality_weight != 0:
+  if judge is None and cfg.quality_weight != 0 and cfg.quality_measure == "judge":
     raise PastaError(f"scoring with quality_weight={cfg.quality_weight} needs a judge: set PASTA_JUDGE_BASE_URL "
-                     "or pass --judge local:MODEL (or --quality-weight 0 to rank by speedup alone)")
-  out = runfiles.claim(out_dir, {**dataclasses.asdict(cfg), "quality_weight": str(cfg.quality_weight),
-                                 **(identity or {})})
+                     "or pass --judge local:MODEL (or --quality-measure rouge, or --quality-weight 0 to rank by "
+                     "speedup alone)")
   records = list(records)
+  if cfg.quality_weight != 0 and cfg.quality_measure == "rouge":
+    missing = [str(r["id"]) for r in records if not r.get("output")]
+    if missing:
+      raise PastaError(f"--quality-measure rouge scores against each record's reference answer ('output'); "
+                       f"{len(missing)} of {len(records)} records have none (ids {', '.join(missing[:5])}...)")
+  out = runfiles.claim(out_dir, _identity(cfg, identity))
   _sample_pending(policy, baseline, records, cfg, out, samplers, progress)
   sampled = {row["id"]: row for row in runfiles.read_rows(out / SAMPLES)}
   scored = {row["id"] for row in runfiles.read_rows(out / SCORES)}
@@ -80,6 +86,13 @@ def build_pairs(policy, baseline, records: Sequence[Mapping[str, Any]], judge: J
   for row in tqdm(pending, desc="judging", unit="prompt", disable=not progress):
     _score_prompt(row, judge, cfg, out)
   return summarize(out, {str(r["id"]) for r in records})
+
+
+def _identity(cfg: PreferenceConfig, extra: dict | None) -> dict:
+  fields = {**dataclasses.asdict(cfg), "quality_weight": str(cfg.quality_weight), **(extra or {})}
+  if cfg.quality_measure == "judge":
+    del fields["quality_measure"]  # run folders written before the field existed stay resumable
+  return fields
 
 
 def _sample_pending(policy, baseline, records, cfg: PreferenceConfig, out: Path, samplers: Samplers,
@@ -108,6 +121,18 @@ def speed(sample: Sample, baseline: Sample, measure: str) -> float:
   return (baseline.content_tokens if measure == "speedup" else sample.content_tokens) / steps
 
 
+def _quality(sample: Sample, baseline: Sample, row: dict, judge: Judge | None, cfg: PreferenceConfig,
+             opponents: dict[str, str]) -> tuple[float, list]:
+  """(quality, the judgements behind it): 0 when nothing measures quality (speed alone decides)."""
+  if cfg.quality_measure == "rouge":
+    reference = row.get("reference")
+    return (scoring.rouge_quality(sample.text, baseline.text, reference) if reference else 0.0), []
+  if judge is None:
+    return 0.0, []
+  judgements = scoring.judge_against(judge, row["prompt"], sample.text, opponents)
+  return scoring.quality(judgements, cfg.loss_floor), judgements
+
+
 def _score_prompt(row: dict, judge: Judge | None, cfg: PreferenceConfig, out: Path) -> None:
   baseline = Sample.from_json(row["baseline"])
   samples = [Sample.from_json(s) for s in row["samples"]]
@@ -119,9 +144,8 @@ def _score_prompt(row: dict, judge: Judge | None, cfg: PreferenceConfig, out: Pa
     if not sample.well_formed:
       candidates.append({"index": index, "well_formed": False})
       continue
-    judgements = [] if judge is None else scoring.judge_against(judge, row["prompt"], sample.text, opponents)
+    quality, judgements = _quality(sample, baseline, row, judge, cfg, opponents)
     speedup = speed(sample, baseline, cfg.speed_measure)
-    quality = scoring.quality(judgements, cfg.loss_floor) if judgements else 0.0
     duplicates = scoring.duplicate_share(_blocks(sample.annotated))
     key = scoring.score(speedup, quality, cfg.quality_weight, cfg.duplicate_penalty * duplicates)
     candidates.append({"index": index, "well_formed": True, "speedup": speedup, "quality": quality,

@@ -8,6 +8,7 @@ import math
 from pasta_jax.errors import ConfigError
 
 SPEED_MEASURES = ("speedup", "parallelism")
+QUALITY_MEASURES = ("judge", "rouge")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,11 @@ class PreferenceConfig:
   # write less: docs/results/learned16_bon_l0.md). "parallelism": the sample's own tokens / its critical
   # path, which only rewards decoding the same answer in fewer steps.
   speed_measure: str = "speedup"
+  # What "quality" in the score measures. "judge": the pairwise judge's wins over losses (above).
+  # "rouge": the sample's ROUGE-L F1 against the record's reference answer over the Baseline-SFT
+  # answer's (1 = as close as the baseline), for when no judge worth its cost is at hand: the local
+  # base-model judge scored every sample 1.00 +- 0.01 (docs/results/learned24_bonbon_rp11/).
+  quality_measure: str = "judge"
   chat: bool = True
   seed: int = 0
 
@@ -44,6 +50,8 @@ class PreferenceConfig:
       problems.append(f"duplicate_penalty={self.duplicate_penalty}: must be >= 0")
     if self.speed_measure not in SPEED_MEASURES:
       problems.append(f"speed_measure={self.speed_measure!r}: use one of {', '.join(SPEED_MEASURES)}")
+    if self.quality_measure not in QUALITY_MEASURES:
+      problems.append(f"quality_measure={self.quality_measure!r}: use one of {', '.join(QUALITY_MEASURES)}")
     if self.loss_floor <= 0:
       problems.append(f"loss_floor={self.loss_floor}: must be > 0")
     if problems:

@@ -7,6 +7,8 @@
              A judgement prefers one answer with confidence c = max(p, 1 - p) (p = P(first is better));
              it adds c to wins or losses. An exact tie (p = 0.5) adds 0.5 to both. Losses are floored
              (`loss_floor`) so an answer that beats everything scores finite.
+             With quality_measure "rouge" instead: the sample's ROUGE-L against the reference answer
+             over the baseline answer's (`rouge_quality`).
   score    = speedup + lambda * quality - penalty * duplicate share; lambda = inf ranks by quality alone
              (speedup, less the penalty, breaks ties). The duplicate share is the share of the sample's
              sibling-block pairs that repeat each other (`lang.metrics.duplicate_block_pairs`).
@@ -54,6 +56,15 @@ def wins_and_losses(judgements: Sequence[Judgement]) -> tuple[float, float]:
 def quality(judgements: Sequence[Judgement], loss_floor: float) -> float:
   wins, losses = wins_and_losses(judgements)
   return wins / max(losses, loss_floor)
+
+
+ROUGE_FLOOR = 0.05  # a baseline answer with (almost) no overlap with the reference does not blow the ratio up
+
+
+def rouge_quality(sample: str, baseline: str, reference: str) -> float:
+  """ROUGE-L(sample, reference) / ROUGE-L(baseline, reference), the denominator floored at ROUGE_FLOOR."""
+  from pasta_jax.lang.metrics import rouge_l
+  return rouge_l(sample, reference) / max(rouge_l(baseline, reference), ROUGE_FLOOR)
 
 
 def score(speedup: float, quality_value: float, quality_weight: float, duplicate_cost: float = 0.0

@@ -1,0 +1,34 @@
+"""train.recipe's BoNBoN stage: the flags it hands train.bonbon, and one set of samples for every lambda."""
+
+from __future__ import annotations
+
+import json
+
+from train import bonbon, recipe
+
+
+def test_every_lambda_after_the_first_starts_from_the_first_ones_samples(tmp_path, monkeypatch):
+  (tmp_path / "records").mkdir()
+  (tmp_path / "records" / "train.jsonl").write_text(json.dumps({"id": "0", "instruction": "hi", "output": "o"}) + "\n")
+  calls = []
+
+  def fake_bonbon(flags):
+    calls.append(flags)
+    out = flags[flags.index("--out") + 1]
+    samples = tmp_path / out / "round_1" / "pairs" / "samples.jsonl"
+    if not samples.exists():  # the first lambda samples; later ones must find these rows already there
+      samples.parent.mkdir(parents=True)
+      samples.write_text(f'{{"id": "0", "sampled_for": "{out}"}}\n')
+    return 0
+
+  monkeypatch.setattr(bonbon, "main", fake_bonbon)
+  args = recipe.parse_args(["--out", str(tmp_path), "--lambdas", "0,2", "--quality-measure", "rouge"])
+  recipe.stage_bonbon(args, tmp_path)
+  assert [f[f.index("--quality-weight") + 1] for f in calls] == ["0.0", "2.0"]
+  assert all(f[f.index("--quality-measure") + 1] == "rouge" for f in calls)
+  first, second = (tmp_path / f"bonbon_l{lam}" / "round_1" / "pairs" / "samples.jsonl" for lam in (0, 2))
+  assert second.read_text() == first.read_text() and "bonbon_l0" in first.read_text()
+  # a lambda that already has samples keeps its own
+  second.write_text("mine\n")
+  recipe.stage_bonbon(args, tmp_path)
+  assert second.read_text() == "mine\n"
