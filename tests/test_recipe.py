@@ -32,3 +32,27 @@ def test_every_lambda_after_the_first_starts_from_the_first_ones_samples(tmp_pat
   second.write_text("mine\n")
   recipe.stage_bonbon(args, tmp_path)
   assert second.read_text() == "mine\n"
+
+
+def test_ship_replaces_adapter_files_keeps_heads_and_never_deletes_what_it_ships(tmp_path, monkeypatch):
+  from pasta_jax.model import load, lora
+  shipped = tmp_path / "adapters"
+  monkeypatch.setattr(load, "SHIPPED_DIR", shipped)
+  for name in ("baseline-sft", "pasta-sft"):
+    (shipped / name).mkdir(parents=True)
+    for file in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
+      (shipped / name / file).write_text(f"old {name}")
+  (shipped / "pasta-sft" / "medusa").mkdir()
+  (shipped / "pasta-sft" / "medusa" / "heads.json").write_text("heads")
+  run = tmp_path / "run"
+  (run / "baseline_sft").mkdir(parents=True)
+  (run / "baseline_sft" / "model").symlink_to(shipped / "baseline-sft")  # a run that reuses the shipped adapter
+  for rel in ("pasta_sft/model", "bonbon_l1/round_1/train/model"):
+    (run / rel).mkdir(parents=True)
+    for file in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
+      (run / rel / file).write_text(f"new {rel}")
+  recipe.stage_ship(recipe.parse_args(["--out", str(run), "--ship-lambda", "1"]), run)
+  assert (shipped / "baseline-sft" / lora.WEIGHTS_FILE).read_text() == "old baseline-sft"
+  assert (shipped / "pasta-sft" / lora.WEIGHTS_FILE).read_text() == "new pasta_sft/model"
+  assert (shipped / "pasta-sft" / "medusa" / "heads.json").read_text() == "heads"
+  assert (shipped / "pasta-bon" / lora.CONFIG_FILE).read_text() == "new bonbon_l1/round_1/train/model"

@@ -221,8 +221,10 @@ def stage_ship(args, out: Path) -> None:
     if not lora.is_adapter_folder(source):
       raise PastaError(f"ship: {source} holds no adapter (run its stage first)")
     target = SHIPPED_DIR / name
-    shutil.rmtree(target, ignore_errors=True)
-    target.mkdir(parents=True)
+    if source.resolve() == target.resolve():
+      print(f"{name}: {source} is the shipped adapter itself")
+      continue
+    target.mkdir(parents=True, exist_ok=True)  # the adapter's files are replaced; its medusa/ heads stay
     for file in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
       shutil.copy2(source / file, target / file)
     print(f"shipped {source} as {name} ({(target / lora.WEIGHTS_FILE).stat().st_size / 2**20:.1f} MiB)")
