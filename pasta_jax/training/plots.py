@@ -8,7 +8,8 @@ from pasta_jax.paths import run_path
 from pasta_jax.training.metrics_log import read_metrics
 
 
-def plot_loss_curve(out_dir: str | os.PathLike, path: str | os.PathLike | None = None, title: str = ""):
+def plot_loss_curve(out_dir: str | os.PathLike, path: str | os.PathLike | None = None, title: str = "",
+                    ylabel: str = "token NLL"):
   """Writes the training loss (and a moving average) against the step; returns the PNG path."""
   import matplotlib
   matplotlib.use("Agg")
@@ -26,7 +27,7 @@ def plot_loss_curve(out_dir: str | os.PathLike, path: str | os.PathLike | None =
   ax.plot(steps, losses, alpha=0.35, label="loss per step")
   ax.plot(steps, smooth, label=f"moving average ({window} steps)")
   ax.set_xlabel("optimizer step")
-  ax.set_ylabel("token NLL")
+  ax.set_ylabel(ylabel)
   ax.set_title(title or f"training loss: {run_path(out_dir).name}")
   ax.grid(alpha=0.3)
   ax.legend()
