@@ -6,7 +6,8 @@ twice with the second run timed (`pasta eval`'s runner: resumable, a report and 
 paper measures it); theoretical = Baseline-SFT content tokens / the PASTA answer's critical path.
 Then what the model wrote: fork rate, well-formed tags, truncation, duplicate blocks, and quality
 proxies (ROUGE-L against the reference answer, log p per token under Baseline-SFT; `--judge local`
-adds the local pairwise judge, which is weak: see the report's note).
+adds the local pairwise judge, which is weak: see the report's note), plotted against the realized
+speedup in quality_pareto.png.
 
   python -m bench.learned [--limit 100] [--prompts alpaca_eval_805|mt_bench_questions|FILE]
                           [--model pasta] [--baseline baseline-sft] [--out runs/learned]
@@ -25,6 +26,7 @@ from pasta_jax.commands.eval import make_judge
 from pasta_jax.data import sources
 from pasta_jax.eval import methods as M
 from pasta_jax.eval.learned import figure_lines, learned_figures, result_line
+from pasta_jax.eval.learned_plot import plot_quality_pareto
 from pasta_jax.eval.quality import answer_logprob
 from pasta_jax.eval.report import speed_table, write_outputs
 from pasta_jax.eval.runner import evaluate
@@ -76,11 +78,12 @@ def main(argv=None) -> int:
         lambda prompt, text: (bar.update(1), answer_logprob(baseline_model, prompt, text)[0])[1])
   figures = {m.name: learned_figures(results, records, m.name, baseline.name, scorer) for m in methods}
   (out / "learned.json").write_text(json.dumps(figures, indent=1))
+  pareto = plot_quality_pareto(figures, out / "quality_pareto.png")
   lines = [line for name, f in figures.items() for line in [f"## {name}", "", *figure_lines(f), ""]]
   (out / "learned.md").write_text("\n".join(["# bench.learned", "", *lines]))
   print("\n".join(speed_table(results)))
   print("\n".join(lines))
-  print("wrote " + ", ".join(str(p) for p in [*paths, out / "learned.md"]))
+  print("wrote " + ", ".join(str(p) for p in [*paths, out / "learned.md", pareto]))
   print(result_line(figures[methods[0].name]))
   return 0
 

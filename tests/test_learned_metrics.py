@@ -126,3 +126,16 @@ def test_answer_logprob_equals_an_independent_forward():
   picked = [float(logp[i - 1, int(ids[0, i])]) for i in range(len(prompt_ids), length)]
   assert count == len(answer_ids)
   assert math.isclose(mean, float(np.mean(picked)), rel_tol=1e-5)
+
+
+def test_quality_pareto_plots_every_model_and_the_baseline(tmp_path):
+  from pasta_jax.eval.learned_plot import _short, plot_quality_pareto
+  base = {"rouge_l": 0.13, "logprob": -0.9}
+  figures = {"pasta:runs/a/bonbon_l1/round_1/train/model": {"n": 3, "realized": 1.5, "baseline": base,
+                                                          "pasta": {"rouge_l": 0.12, "logprob": -1.2}},
+             "pasta:b": {"n": 3, "realized": 1.2, "baseline": base, "pasta": {"rouge_l": 0.1, "logprob": math.nan}}}
+  path = plot_quality_pareto(figures, tmp_path / "p.png")
+  assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG" and path.endswith("p.png")
+  assert _short("pasta:runs/a/bonbon_l1/round_1/train/model") == "a/bonbon_l1" and _short("pasta:b") == "b"
+  with pytest.raises(ValueError, match="no models"):
+    plot_quality_pareto({}, tmp_path / "q.png")
