@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from pasta_jax.data.sources import shared_data_dir
 from pasta_jax.errors import PastaError
-from pasta_jax.preference.config import QUALITY_MEASURES, PreferenceConfig
+from pasta_jax.preference.config import QUALITY_MEASURES, SPEED_MEASURES, PreferenceConfig
 from train.common import run_main
 
 POOLS = ("lima", "alpaca_gpt4_1k", "alpaca_5k")
@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--duplicate-penalty", type=float, default=PreferenceConfig.duplicate_penalty,
                       help="BoNBoN: score penalty per share of sibling blocks that repeat each other")
   parser.add_argument("--bonbon-tokens", type=int, default=192, help="BoNBoN: max new tokens per sample")
-  parser.add_argument("--speed-measure", choices=["speedup", "parallelism"], default="speedup",
+  parser.add_argument("--speed-measure", choices=list(SPEED_MEASURES), default="speedup",
                       help="BoNBoN's speed score: the paper's speedup over Baseline-SFT (rewards shorter answers too), "
                            "or the sample's own parallelism")
   parser.add_argument("--quality-measure", choices=list(QUALITY_MEASURES), default=PreferenceConfig.quality_measure,

@@ -25,6 +25,7 @@ from pasta_jax import runfiles
 from pasta_jax.data.encode import record_prompt
 from pasta_jax.errors import PastaError
 from pasta_jax.judges.base import Judge
+from pasta_jax.lang.metrics import block_texts
 from pasta_jax.preference import scoring
 from pasta_jax.preference.config import PreferenceConfig
 from pasta_jax.preference.sampling import Sample, greedy_answers, sample_answers
@@ -168,7 +169,6 @@ def _score_prompt(row: dict, judge: Judge | None, cfg: PreferenceConfig, out: Pa
 
 
 def _blocks(annotated: str) -> list[str]:
-  from pasta_jax.lang.metrics import block_texts
   return block_texts(annotated) or []  # well-formed samples parse; anything else has no blocks to compare
 
 

@@ -23,6 +23,7 @@ import math
 from collections.abc import Sequence
 
 from pasta_jax.judges.base import Judge
+from pasta_jax.lang.metrics import duplicate_block_pairs, rouge_l
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,6 @@ ROUGE_FLOOR = 0.05  # a baseline answer with (almost) no overlap with the refere
 
 def rouge_quality(sample: str, baseline: str, reference: str) -> float:
   """ROUGE-L(sample, reference) / ROUGE-L(baseline, reference), the denominator floored at ROUGE_FLOOR."""
-  from pasta_jax.lang.metrics import rouge_l
   return rouge_l(sample, reference) / max(rouge_l(baseline, reference), ROUGE_FLOOR)
 
 
@@ -77,7 +77,6 @@ def score(speedup: float, quality_value: float, quality_weight: float, duplicate
 
 def duplicate_share(blocks: Sequence[str]) -> float:
   """Share of sibling-block pairs that repeat each other (0 with fewer than two blocks)."""
-  from pasta_jax.lang.metrics import duplicate_block_pairs
   dupes, pairs = duplicate_block_pairs(blocks)
   return dupes / pairs if pairs else 0.0
 
