@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--lanes", type=int, default=8)
   parser.add_argument("--repetition-penalty", type=float, default=1.0,
                       help="greedy under CTRL's repetition penalty, for both models alike (1 = off)")
+  parser.add_argument("--distinct-topics", action="store_true",
+                      help="PASTA's main may not reuse a promise topic (decode.sampling.SamplingConfig)")
   parser.add_argument("--judge", default="none", metavar="none|local[:MODEL]|http")
   parser.add_argument("--no-logprob", dest="logprob", action="store_false",
                       help="skip the log-likelihood proxy (one Baseline-SFT forward per answer)")
@@ -55,7 +57,7 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   records = sources.read_records(args.prompts, args.limit)
   settings = M.DecodeSettings(max_new_tokens=args.max_new_tokens, lanes=args.lanes, chat=True,
-                              repetition_penalty=args.repetition_penalty)
+                              repetition_penalty=args.repetition_penalty, distinct_topics=args.distinct_topics)
   baseline_model = M.cached_model(args.baseline)
   models = [M.cached_model(path) for path in args.model]
   methods = [M.InterpreterMethod(f"pasta:{path or 'default'}", m, settings) for path, m in zip(args.model, models)]
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
   out = Path(args.out)
   judge, note = make_judge(args.judge, out)
   identity = dict(prompts=sources.dataset_name(args.prompts), models=[m.source for m in models],
-                  baseline=baseline_model.source, **vars(settings))
+                  baseline=baseline_model.source, **settings.identity())
   results = evaluate(records, baseline, methods, out, identity=identity, judge=judge, judge_note=note)
   results["settings"].update(baseline=baseline.name, methods=[m.name for m in methods], limit=args.limit)
   paths = write_outputs(results, out)

@@ -60,7 +60,7 @@ def run_eval(args) -> int:
   records = sources.read_records(args.prompts, args.limit)
   settings = M.DecodeSettings(max_new_tokens=args.max_new_tokens, lanes=args.lanes, chat=args.chat, dtype=args.dtype,
                               repetition_penalty=args.repetition_penalty)
-  identity = dict(prompts=sources.dataset_name(args.prompts), model=args.model, **vars(settings))
+  identity = dict(prompts=sources.dataset_name(args.prompts), model=args.model, **settings.identity())
   out = Path(args.out)
   judge, judge_note = make_judge(args.judge, out)
   load = lambda path: M.cached_model(path)

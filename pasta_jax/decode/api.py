@@ -318,6 +318,9 @@ def prepare_method(model, ids: Sequence[Sequence[int]], *, method: str = "pasta"
     raise PastaError(f"this model has no tokenizer; {method} decoding needs one for its tags and end ids")
   if drafts is not None and method != "superposed":
     raise PastaError(f"drafts is for method='superposed', not {method!r}")
+  if kw.get("sampling", GREEDY).distinct_topics and method in ("pasta+medusa", "pasta-v0"):
+    raise PastaError(f"distinct_topics is PASTA's flat-promise rule; method={method!r} does not implement it "
+                     "(methods without promises ignore it)")
   if method in TREE_METHODS:
     return prepare_tree(model, ids, method, forced=forced_answers is not None or scripts is not None,
                         return_logits=return_logits, ignore_eos=ignore_eos, lanes=lanes, max_threads=max_threads,

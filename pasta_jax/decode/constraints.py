@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -56,3 +57,51 @@ class AllowedTokens:
 
 def constrain(logits: jax.Array, allowed: jax.Array) -> jax.Array:
   return jnp.where(allowed, logits, -jnp.inf)
+
+
+# Two 32-bit polynomial hashes of a topic's tokens (with its length): topics that differ collide with
+# probability ~2^-64 per pair.
+_TOPIC_HASH_BASES = (1_000_003, 998_244_353)
+
+
+@functools.lru_cache(maxsize=16)
+def _hash_powers(base: int, n: int) -> np.ndarray:
+  """[n] uint32: base^i mod 2^32."""
+  out, acc = np.empty((n,), np.uint32), 1
+  for i in range(n):
+    out[i], acc = acc, (acc * base) % (1 << 32)
+  return out
+
+
+def repeated_topic(slot_token: jax.Array, slot_owner: jax.Array, slot_order: jax.Array, slot_valid: jax.Array,
+                   vocab: TagVocab) -> jax.Array:
+  """[B] bool: main's open promise repeats the topic of one of its closed promises: `lang.tokens.
+  repeats_earlier_topic` over main's pool slots (owner 0) in write order, as array ops over [B, S]."""
+  batch, slots = slot_token.shape
+  mine = slot_valid & (slot_owner == 0)
+  order = jnp.argsort(jnp.where(mine, slot_order, jnp.iinfo(jnp.int32).max), axis=1, stable=True)
+  tokens = jnp.take_along_axis(slot_token, order, axis=1)  # [B, S] main's tokens first, in write order
+  valid = jnp.take_along_axis(mine, order, axis=1)
+  index = jnp.broadcast_to(jnp.arange(slots), (batch, slots))
+  is_promise = valid & (tokens == vocab.promise)
+  is_length = valid & jnp.isin(tokens, jnp.asarray(vocab.lengths))
+  last_promise = jax.lax.cummax(jnp.where(is_promise, index, -1), axis=1)
+  last_length = jax.lax.cummax(jnp.where(is_length, index, -1), axis=1)
+  shift = functools.partial(jnp.pad, pad_width=((0, 0), (1, 0)), constant_values=-1)
+  promise_before = shift(last_promise[:, :-1])
+  open_before = promise_before > shift(last_length[:, :-1])  # [B, S] a promise is open when this token comes
+  in_topic = valid & open_before & ~is_promise & ~is_length
+  closes = is_length & open_before
+  topic = jnp.maximum(jnp.cumsum(is_promise, axis=1) - 1, 0)  # [B, S] the latest promise's number
+  place = jnp.clip(index - promise_before - 1, 0, slots - 1)  # the token's place in its topic
+  b = jnp.arange(batch)[:, None]
+  summed = [jnp.zeros((batch, slots), jnp.int32).at[b, topic].add(in_topic.astype(jnp.int32))]  # lengths
+  for base in _TOPIC_HASH_BASES:
+    term = (tokens.astype(jnp.uint32) + 1) * jnp.asarray(_hash_powers(base, slots))[place]
+    summed.append(jnp.zeros((batch, slots), jnp.uint32).at[b, topic].add(jnp.where(in_topic, term, 0)))
+  closed = jnp.zeros((batch, slots), bool).at[b, topic].max(closes)
+  current = topic[:, -1:]
+  same = closed
+  for key in summed:
+    same = same & (key == jnp.take_along_axis(key, current, axis=1))
+  return (last_promise[:, -1] > last_length[:, -1]) & jnp.any(same, axis=1)

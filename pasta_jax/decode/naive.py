@@ -245,6 +245,8 @@ def naive_prefill_and_run(model_fn, params, prompt_tokens, lengths, script, scri
     raise PastaError(f"the naive interpreter is PASTA's Appendix-B baseline; it cannot run {cfg.rules.name} rules")
   if cfg.sampling.penalizes:  # its per-lane rows keep no pool metadata to read what a row sees
     raise PastaError("the naive interpreter has no repetition penalty: use the interleaved one")
+  if cfg.sampling.distinct_topics:  # the same: it reads main's topics from the pool's metadata
+    raise PastaError("the naive interpreter has no distinct_topics rule: use the interleaved one")
   cfg = dataclasses.replace(cfg, rules=NaivePastaRules(**{f.name: getattr(cfg.rules, f.name)
                                                           for f in dataclasses.fields(cfg.rules)}))
   loop.check_runnable(cfg, forced)

@@ -18,6 +18,10 @@ class SamplingConfig:
   # > 1 discourages every token the row already sees (its visible context: the prompt, and what its thread
   # and the threads it sees wrote); 1 = off. Tags and end ids are never penalized: they are the language.
   repetition_penalty: float = 1.0
+  # PASTA: main may not close a promise whose topic repeats one of its earlier promises' (its LENGTH tokens are
+  # forbidden until the topic differs). Forks see only their promise's topic, so siblings with one topic write
+  # the same block under greedy decoding (lang.tokens.repeats_earlier_topic).
+  distinct_topics: bool = False
 
   def __post_init__(self):
     if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or not self.repetition_penalty > 0:

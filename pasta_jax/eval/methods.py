@@ -62,6 +62,12 @@ class DecodeSettings:
   chat: bool = True  # Gemma chat turns, as SFT trains (data.encode)
   dtype: str = "float32"
   repetition_penalty: float = 1.0  # greedy under CTRL's penalty (decode.sampling), for every method alike
+  distinct_topics: bool = False  # PASTA's main may not reuse a promise topic (decode.sampling)
+
+  def identity(self) -> dict:
+    """What makes two runs comparable; a setting added later is left out at its default, so older runs resume."""
+    fields = vars(self)
+    return {k: v for k, v in fields.items() if not (k == "distinct_topics" and not v)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +125,7 @@ class InterpreterMethod:
     answer, note, budget = self.forced(record) if self.forced is not None else (None, "", s.max_new_tokens)
     [result] = api.generate(self.model, [record_prompt(record)], method=self.method, max_new_tokens=budget,
                             lanes=s.lanes, chat=s.chat, dtype=jnp.dtype(s.dtype),
-                            sampling=SamplingConfig(repetition_penalty=s.repetition_penalty),
+                            sampling=SamplingConfig(repetition_penalty=s.repetition_penalty, distinct_topics=s.distinct_topics),
                             forced_answers=None if answer is None else [answer], **self.method_options)
     if result.drafts:
       note = f"best of {len(result.drafts)} drafts"

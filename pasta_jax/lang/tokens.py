@@ -164,6 +164,23 @@ def parse_tokens(ids: Sequence[int], vocab: TagVocab) -> list[TokSegment]:
   return segments
 
 
+def repeats_earlier_topic(main_ids: Sequence[int], vocab: TagVocab) -> bool:
+  """Whether main's open promise (a PROMISE with no LENGTH yet) has, so far, exactly the topic of one of main's
+  closed promises. Siblings that share a topic see the same context, so greedy decoding writes the same block
+  twice; `SamplingConfig.distinct_topics` forbids closing such a topic. A PROMISE inside an open promise starts
+  the topic again (the grammar forbids it; a prompt may hold anything)."""
+  closed, current = set(), None
+  for token in main_ids:
+    if token == vocab.promise:
+      current = []
+    elif current is not None and vocab.is_length(token):
+      closed.add(tuple(current))
+      current = None
+    elif current is not None:
+      current.append(token)
+  return current is not None and tuple(current) in closed
+
+
 def validate_tokens(ids: Sequence[int], vocab: TagVocab) -> None:
   parse_tokens(ids, vocab)
 

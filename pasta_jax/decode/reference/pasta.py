@@ -43,6 +43,7 @@ import numpy as np
 from pasta_jax.decode.sampling import SamplingConfig, lane_key, sample
 from pasta_jax.lang import schema
 from pasta_jax.lang.tags import TagVocab, reserved_span
+from pasta_jax.lang.tokens import repeats_earlier_topic
 
 Record = tuple[int, int, int, int, int]  # (step, lane, thread, token, position)
 POSITION_MODES = schema.POSITION_MODES
@@ -251,6 +252,8 @@ class Request:
     # The three constraint situations (main, main in a promise, fork), sized by the model's vocab.
     self._masks = {key: constraint_mask(self.vocab, row.shape[-1], *key)
                    for key in ((True, False), (True, True), (False, False))}
+    self._length_mask = np.zeros((row.shape[-1],), bool)
+    self._length_mask[[t for t in self.vocab.lengths if t < row.shape[-1]]] = True
     main = self.lanes[0]
     main.state, main.thread, main.position = RUNNING, 0, len(prompt)
     main.token = self._choose(row, step=0, lane=0, thread=0, slot=len(prompt) - 1)
@@ -382,6 +385,9 @@ class Request:
       return self._forced(thread)
     row = penalized_row(row, self.entries, self.visible[slot], self.cfg.sampling, self.vocab)
     allowed = self._masks[(thread == 0, thread == 0 and self.in_promise)]
+    if thread == 0 and self.in_promise and self.cfg.sampling.distinct_topics and repeats_earlier_topic(
+        [token for token, owner, _ in self.entries if owner == 0], self.vocab):
+      allowed = allowed & ~self._length_mask  # main may not close a topic it already used
     key = lane_key(jax.random.key(self.cfg.sampling.seed), self.index, step, lane)
     return int(sample(constrain_logits(row, allowed), key, self.cfg.sampling))
 

@@ -13,7 +13,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from pasta_jax.decode.constraints import AllowedTokens
+from pasta_jax.decode.constraints import AllowedTokens, repeated_topic
 from pasta_jax.decode.pool import append_slots, inserted_rows, write_slots
 from pasta_jax.decode.rules.base import InterpreterConfig, Rules, StepFeed
 from pasta_jax.decode.state import CLOSING, DONE, FREE, RUNNING, InterpState
@@ -171,7 +171,13 @@ class PastaRules(Rules):
 
   def allowed(self, state: InterpState, rows_lane: jax.Array, logits: jax.Array, cfg: InterpreterConfig):
     tables = AllowedTokens.build(cfg.vocab, logits.shape[-1])
-    return tables.for_rows(rows_lane == 0, state.in_promise[:, None]), jnp.zeros(rows_lane.shape, bool)
+    allowed = tables.for_rows(rows_lane == 0, state.in_promise[:, None])
+    if cfg.sampling.distinct_topics:  # main may not close a topic it already used (SamplingConfig)
+      repeat = state.in_promise & repeated_topic(state.slot_token, state.slot_owner, state.slot_order,
+                                                 state.slot_valid, cfg.vocab)
+      is_length = jnp.zeros((logits.shape[-1],), bool).at[jnp.asarray(cfg.vocab.lengths)].set(True, mode="drop")
+      allowed = allowed & ~(((rows_lane == 0) & repeat[:, None])[..., None] & is_length)  # [B, Q, V]
+    return allowed, jnp.zeros(rows_lane.shape, bool)
 
   def script_end(self, rows_lane: jax.Array, cfg: InterpreterConfig) -> jax.Array:
     return jnp.where(rows_lane == 0, cfg.vocab.eos_ids[0], cfg.vocab.async_close).astype(jnp.int32)
