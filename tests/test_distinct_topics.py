@@ -27,61 +27,50 @@ from pasta_jax.lang.tokens import repeats_earlier_topic
 from tests.programs import VOCAB, VOCAB_SIZE, prompts
 
 SLOTS = 24
-# A small alphabet, so that topics repeat: two text ids (weighted up), PROMISE, two LENGTH ids, `<async>`, EOS.
-ALPHABET = [2, 3, 2, 3, 2, 3, VOCAB.promise, VOCAB.lengths[0], VOCAB.lengths[1], VOCAB.async_open, 1]
+# A small alphabet, so that topics repeat: two text ids (weighted up), PROMISE, two LENGTH ids.
+ALPHABET = [2, 3, 2, 3, VOCAB.promise, VOCAB.lengths[0], VOCAB.lengths[1]]
 
 
-P, L1, L2, A = VOCAB.promise, VOCAB.lengths[0], VOCAB.lengths[1], VOCAB.async_open
-HAND_CASES = [  # (main's tokens, the blocks of its closed promises so far, whether closing now would repeat)
-    ([P, 5, 6, L1, 9, P, 5, 6], [], True),  # the same topic; which LENGTH closed it is no matter
-    ([P, 5, 6, L2, P, 5], [], False),  # a prefix of an earlier topic is not it
-    ([P, 5, 6, L1, P, 5, 7], [], False),  # as long, other tokens
-    ([P, 5, 6, L1, P, 6, 5], [], False),  # the same tokens in another order
-    ([P, 5, 6, L1, P, 5, 6, 7], [], False),
-    ([P, 5, 6, L1, P, 5, 6, L1], [], False),  # closed: nothing open to refuse
-    ([P, L1, P], [], True),  # an empty topic twice
-    ([P, 5, P, 5], [], False),  # an unclosed topic was never used
-    ([7, 8, P, 9, L1, 3, L2, P, 9], [], True),  # a stray LENGTH outside a promise changes nothing
-    ([P, 5, L1, P, 9, 8], [[9, 8, 7]], True),  # another topic, but it runs along the earlier block
-    ([P, 5, L1, P, 9, 8], [[9, 7, 8]], False),
-    ([P, 5, L1, P, 9, 8, 7, 6], [[9, 8, 7]], False),  # longer than that block so far
-    ([P, 5, L1, P], [[5, 6]], False),  # an empty topic is not held against a block
-    ([P, 5, L1, P, 9], [[2], [9]], False),  # a block of no closed promise yet (never spawned here)
+P, L1, L2 = VOCAB.promise, VOCAB.lengths[0], VOCAB.lengths[1]
+HAND_CASES = [
+    ([P, 5, 6, L1, 9, P, 5, 6], True),  # the same topic; which LENGTH closed it is no matter
+    ([P, 5, 6, L2, P, 5], False),  # a prefix of an earlier topic is not it
+    ([P, 5, 6, L1, P, 5, 7], False),  # as long, other tokens
+    ([P, 5, 6, L1, P, 6, 5], False),  # the same tokens in another order
+    ([P, 5, 6, L1, P, 5, 6, 7], False),
+    ([P, 5, 6, L1, P, 5, 6, L1], False),  # closed: nothing open to refuse
+    ([P, L1, P], True),  # an empty topic twice
+    ([P, 5, P, 5], False),  # an unclosed topic was never used
+    ([7, 8, P, 9, L1, 3, L2, P, 9], True),  # a stray LENGTH outside a promise changes nothing
 ]
 
 
-def pool_of(main: list[int], blocks: list[list[int]]):
-  """A pool holding main's tokens (owner 0) and each block after its `<async>` (owner j + 1), in that order."""
-  tokens = main + [t for block in blocks for t in [A, *block]]
-  owners = [0] * len(main) + [j + 1 for j, block in enumerate(blocks) for _ in range(len(block) + 1)]
+@pytest.mark.parametrize("tokens,repeats", HAND_CASES)
+def test_hand_cases_in_both_forms(tokens, repeats):
+  assert repeats_earlier_topic(tokens, VOCAB) == repeats
   n = len(tokens)
-  return [jnp.asarray([x]) for x in (tokens, owners, list(range(n)), [True] * n)]
-
-
-@pytest.mark.parametrize("main,blocks,repeats", HAND_CASES)
-def test_hand_cases_in_both_forms(main, blocks, repeats):
-  assert repeats_earlier_topic(main, VOCAB, blocks) == repeats
-  assert bool(repeated_topic(*pool_of(main, blocks), VOCAB)[0]) == repeats
+  pool = [jnp.asarray([x]) for x in (tokens, [0] * n, list(range(n)), [True] * n)]
+  assert bool(repeated_topic(*pool, VOCAB)[0]) == repeats
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_pool_form_equals_the_definition(data):
-  """Main's and forks' slots in any write order, tags among them, some invalid: the array form reads main's
-  tokens and each fork's content in write order, as the definition does."""
-  batch, rows = 3, lambda values: st.lists(st.lists(values, min_size=SLOTS, max_size=SLOTS), min_size=3, max_size=3)
-  tokens = np.asarray(data.draw(rows(st.sampled_from(ALPHABET))), np.int32)
-  owner = np.asarray(data.draw(rows(st.sampled_from([0, 0, 0, 1, 2, 3]))), np.int32)
-  valid = np.asarray(data.draw(rows(st.sampled_from([True, True, True, False]))))
+  """Main's slots in any write order, mixed with forks' slots and invalid ones: the array form reads main's
+  tokens in write order, as the definition does."""
+  batch = 3
+  tokens = np.asarray(data.draw(st.lists(st.lists(st.sampled_from(ALPHABET), min_size=SLOTS, max_size=SLOTS),
+                                         min_size=batch, max_size=batch)), np.int32)
+  owner = np.asarray(data.draw(st.lists(st.lists(st.sampled_from([0, 0, 0, 1, 2]), min_size=SLOTS,
+                                                 max_size=SLOTS), min_size=batch, max_size=batch)), np.int32)
+  valid = np.asarray(data.draw(st.lists(st.lists(st.sampled_from([True, True, True, False]), min_size=SLOTS,
+                                                 max_size=SLOTS), min_size=batch, max_size=batch)))
+  valid[:, -3:] = data.draw(st.booleans())  # the pool's unused tail
   order = np.stack([np.asarray(data.draw(st.permutations(range(SLOTS)))) for _ in range(batch)]).astype(np.int32)
   got = repeated_topic(jnp.asarray(tokens), jnp.asarray(owner), jnp.asarray(order), jnp.asarray(valid), VOCAB)
-  language = VOCAB.tag_ids | set(VOCAB.eos_ids)
   for b in range(batch):
-    slots = [s for s in np.argsort(order[b]) if valid[b, s]]
-    main = [int(tokens[b, s]) for s in slots if owner[b, s] == 0]
-    blocks = [[int(tokens[b, s]) for s in slots if owner[b, s] == u and tokens[b, s] not in language]
-              for u in (1, 2, 3)]
-    assert bool(got[b]) == repeats_earlier_topic(main, VOCAB, blocks), (main, blocks)
+    main = [int(tokens[b, s]) for s in np.argsort(order[b]) if valid[b, s] and owner[b, s] == 0]
+    assert bool(got[b]) == repeats_earlier_topic(main, VOCAB), main
 
 
 TOY = ToyConfig(vocab_size=VOCAB_SIZE)

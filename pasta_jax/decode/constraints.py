@@ -75,57 +75,33 @@ def _hash_powers(base: int, n: int) -> np.ndarray:
 
 def repeated_topic(slot_token: jax.Array, slot_owner: jax.Array, slot_order: jax.Array, slot_valid: jax.Array,
                    vocab: TagVocab) -> jax.Array:
-  """[B] bool: `lang.tokens.repeats_earlier_topic` over the pool, as array ops over [B, S]: main's tokens are
-  its slots (owner 0) in write order, and the block of main's j-th closed promise is the content (no tags or
-  end ids) of thread j + 1 in write order."""
+  """[B] bool: main's open promise repeats the topic of one of its closed promises: `lang.tokens.
+  repeats_earlier_topic` over main's pool slots (owner 0) in write order, as array ops over [B, S]."""
   batch, slots = slot_token.shape
-  b = jnp.arange(batch)[:, None]
+  mine = slot_valid & (slot_owner == 0)
+  order = jnp.argsort(jnp.where(mine, slot_order, jnp.iinfo(jnp.int32).max), axis=1, stable=True)
+  tokens = jnp.take_along_axis(slot_token, order, axis=1)  # [B, S] main's tokens first, in write order
+  valid = jnp.take_along_axis(mine, order, axis=1)
   index = jnp.broadcast_to(jnp.arange(slots), (batch, slots))
-  # Every slot by (owner, write order): main's first, then each fork's; invalid slots last.
-  owner_key = jnp.where(slot_valid, jnp.clip(slot_owner, 0, slots), slots + 1)
-  perm = jnp.lexsort((slot_order, owner_key), axis=-1)
-  tokens, owner = jnp.take_along_axis(slot_token, perm, 1), jnp.take_along_axis(owner_key, perm, 1)
-  main = owner == 0
-  # Main's promises: which topic each token belongs to, and whether it is inside one.
-  is_promise = main & (tokens == vocab.promise)
-  is_length = main & jnp.isin(tokens, jnp.asarray(vocab.lengths))
+  is_promise = valid & (tokens == vocab.promise)
+  is_length = valid & jnp.isin(tokens, jnp.asarray(vocab.lengths))
   last_promise = jax.lax.cummax(jnp.where(is_promise, index, -1), axis=1)
   last_length = jax.lax.cummax(jnp.where(is_length, index, -1), axis=1)
   shift = functools.partial(jnp.pad, pad_width=((0, 0), (1, 0)), constant_values=-1)
   promise_before = shift(last_promise[:, :-1])
   open_before = promise_before > shift(last_length[:, :-1])  # [B, S] a promise is open when this token comes
-  in_topic = main & open_before & ~is_promise & ~is_length
+  in_topic = valid & open_before & ~is_promise & ~is_length
+  closes = is_length & open_before
   topic = jnp.maximum(jnp.cumsum(is_promise, axis=1) - 1, 0)  # [B, S] the latest promise's number
   place = jnp.clip(index - promise_before - 1, 0, slots - 1)  # the token's place in its topic
-  closed = jnp.zeros((batch, slots), bool).at[b, topic].max(is_length & open_before)  # [B, S] per topic
-  topic_keys = _hash_groups(tokens, in_topic, topic, place, slots)  # [B, S] per topic: length, two hashes
-  current = jnp.take_along_axis(topic, jnp.full((batch, 1), slots - 1), 1)  # [B, 1] main's last topic
-  now = [jnp.take_along_axis(k, current, 1) for k in topic_keys]  # [B, 1] each
-  same_topic = closed
-  for key, value in zip(topic_keys, now):
-    same_topic = same_topic & (key == value)
-  # Forks: each content token's place in its thread's block; the first len(topic) tokens of every block.
-  content = (owner > 0) & (owner <= slots) & ~jnp.isin(tokens, language_ids(vocab))
-  start = jnp.concatenate([jnp.ones((batch, 1), bool), owner[:, 1:] != owner[:, :-1]], axis=1)
-  counted = jnp.cumsum(content, axis=1)
-  before_block = jax.lax.cummax(jnp.where(start, counted - content, 0), axis=1)
-  block_place = jnp.clip(counted - before_block - 1, 0, slots - 1)
-  opening = content & (block_place < now[0])
-  block_keys = _hash_groups(tokens, opening, jnp.minimum(owner, slots), block_place, slots + 1)  # per thread
-  thread = jnp.clip(jnp.cumsum(closed, axis=1), 0, slots)  # [B, S] per topic: j + 1 for the j-th closed one
-  begins_block = closed & (now[0] > 0)
-  for key, value in zip(block_keys, now):
-    begins_block = begins_block & (jnp.take_along_axis(key, thread, 1) == value)
-  is_open = last_promise[:, -1] > last_length[:, -1]
-  return is_open & jnp.any(same_topic | begins_block, axis=1)
-
-
-def _hash_groups(tokens, member, group, place, groups: int) -> list[jax.Array]:
-  """Per group: [B, groups] the count of member tokens and their two polynomial hashes (token + 1 at `place`)."""
-  batch, slots = tokens.shape
   b = jnp.arange(batch)[:, None]
-  keys = [jnp.zeros((batch, groups), jnp.int32).at[b, group].add(member.astype(jnp.int32))]
+  summed = [jnp.zeros((batch, slots), jnp.int32).at[b, topic].add(in_topic.astype(jnp.int32))]  # lengths
   for base in _TOPIC_HASH_BASES:
     term = (tokens.astype(jnp.uint32) + 1) * jnp.asarray(_hash_powers(base, slots))[place]
-    keys.append(jnp.zeros((batch, groups), jnp.uint32).at[b, group].add(jnp.where(member, term, 0)))
-  return keys
+    summed.append(jnp.zeros((batch, slots), jnp.uint32).at[b, topic].add(jnp.where(in_topic, term, 0)))
+  closed = jnp.zeros((batch, slots), bool).at[b, topic].max(closes)
+  current = topic[:, -1:]
+  same = closed
+  for key in summed:
+    same = same & (key == jnp.take_along_axis(key, current, axis=1))
+  return (last_promise[:, -1] > last_length[:, -1]) & jnp.any(same, axis=1)

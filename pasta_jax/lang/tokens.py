@@ -164,29 +164,21 @@ def parse_tokens(ids: Sequence[int], vocab: TagVocab) -> list[TokSegment]:
   return segments
 
 
-def repeats_earlier_topic(main_ids: Sequence[int], vocab: TagVocab, blocks: Sequence[Sequence[int]] = ()) -> bool:
-  """Whether main's open promise (a PROMISE with no LENGTH yet) would repeat an earlier one: its topic so far
-  equals the topic of one of main's closed promises, or, not empty, begins the block of one as written so far.
-  blocks[j]: the content (no tags or end ids) of the fork spawned at main's j-th closed promise (thread j + 1).
-
-  A fork sees its promise's topic and not its siblings, and blocks begin by restating their topic: a topic equal
-  to an earlier one, or one that runs along an earlier block's opening words, makes greedy decoding write that
-  block again. `SamplingConfig.distinct_topics` forbids closing such a topic; the topic goes on until it differs.
-  A PROMISE inside an open promise starts the topic again (the grammar forbids it; a prompt may hold anything)."""
-  closed, current = [], None
+def repeats_earlier_topic(main_ids: Sequence[int], vocab: TagVocab) -> bool:
+  """Whether main's open promise (a PROMISE with no LENGTH yet) has, so far, exactly the topic of one of main's
+  closed promises. Siblings that share a topic see the same context, so greedy decoding writes the same block
+  twice; `SamplingConfig.distinct_topics` forbids closing such a topic. A PROMISE inside an open promise starts
+  the topic again (the grammar forbids it; a prompt may hold anything)."""
+  closed, current = set(), None
   for token in main_ids:
     if token == vocab.promise:
       current = []
     elif current is not None and vocab.is_length(token):
-      closed.append(tuple(current))
+      closed.add(tuple(current))
       current = None
     elif current is not None:
       current.append(token)
-  if current is None:
-    return False
-  topic = tuple(current)
-  return topic in closed or (len(topic) > 0 and any(
-      tuple(block[:len(topic)]) == topic for block in blocks[:len(closed)]))
+  return current is not None and tuple(current) in closed
 
 
 def validate_tokens(ids: Sequence[int], vocab: TagVocab) -> None:

@@ -385,21 +385,11 @@ class Request:
       return self._forced(thread)
     row = penalized_row(row, self.entries, self.visible[slot], self.cfg.sampling, self.vocab)
     allowed = self._masks[(thread == 0, thread == 0 and self.in_promise)]
-    if thread == 0 and self.in_promise and self.cfg.sampling.distinct_topics and self._repeats_a_topic():
-      allowed = allowed & ~self._length_mask  # main may not close a topic that would repeat a block
+    if thread == 0 and self.in_promise and self.cfg.sampling.distinct_topics and repeats_earlier_topic(
+        [token for token, owner, _ in self.entries if owner == 0], self.vocab):
+      allowed = allowed & ~self._length_mask  # main may not close a topic it already used
     key = lane_key(jax.random.key(self.cfg.sampling.seed), self.index, step, lane)
     return int(sample(constrain_logits(row, allowed), key, self.cfg.sampling))
-
-  def _repeats_a_topic(self) -> bool:
-    """`repeats_earlier_topic` over the pool: main's tokens, and each fork's content as written so far."""
-    language = self.vocab.tag_ids | set(self.vocab.eos_ids)
-    main, blocks = [], {}
-    for token, owner, _ in self.entries:
-      if owner == 0:
-        main.append(token)
-      elif token not in language:
-        blocks.setdefault(owner, []).append(token)
-    return repeats_earlier_topic(main, self.vocab, [blocks.get(u, []) for u in range(1, self.next_thread)])
 
   def _forced(self, thread: int) -> int:
     """Next token of the thread's script; an exhausted script gives an end id (main) / ASYNC_END."""
