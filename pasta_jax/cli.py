@@ -17,6 +17,9 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--repetition-penalty", type=float, default=None,
                       help="> 1 discourages tokens each thread already sees (CTRL's penalty; tags exempt); 1 = off "
                            "(default: the model's generation.json, else off)")
+  parser.add_argument("--distinct-topics", action=argparse.BooleanOptionalAction, default=None,
+                      help="PASTA: main may not close a promise on a topic it already used, so sibling blocks do "
+                           "not start alike (default: the model's generation.json, else off)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -202,3 +202,19 @@ def test_pasta_generate_takes_the_folders_penalty_unless_the_flag_is_given(tmp_p
   assert "generation.json" in capsys.readouterr().err  # said aloud
   args.repetition_penalty = 1.0
   assert _model_defaults(_sampling(args), args, model).repetition_penalty == 1.0
+
+
+def test_pasta_generate_takes_the_folders_distinct_topics_for_pasta_only(tmp_path, capsys):
+  import argparse
+
+  from pasta_jax.commands.generate import _model_defaults, _sampling
+  from pasta_jax.model.load import LoadedModel
+
+  (tmp_path / "generation.json").write_text('{"distinct_topics": true}')
+  model = LoadedModel(None, {}, None, str(tmp_path))
+  args = argparse.Namespace(temperature=0.0, top_k=0, top_p=1.0, seed=0, repetition_penalty=None, distinct_topics=None)
+  assert _model_defaults(_sampling(args), args, model, "pasta").distinct_topics
+  assert "distinct topics" in capsys.readouterr().err  # said aloud
+  assert not _model_defaults(_sampling(args), args, model, "pasta+medusa").distinct_topics  # it cannot keep it
+  args.distinct_topics = False  # --no-distinct-topics
+  assert not _model_defaults(_sampling(args), args, model, "pasta").distinct_topics

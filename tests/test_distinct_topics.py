@@ -27,12 +27,12 @@ from pasta_jax.lang.tokens import repeats_earlier_topic
 from tests.programs import VOCAB, VOCAB_SIZE, prompts
 
 SLOTS = 24
-# A small alphabet, so that topics repeat: two text ids (weighted up), PROMISE, two LENGTH ids.
-ALPHABET = [2, 3, 2, 3, VOCAB.promise, VOCAB.lengths[0], VOCAB.lengths[1]]
+# A small alphabet, so that topics repeat: two text ids (weighted up), PROMISE, two LENGTH ids, `<async>`, EOS.
+ALPHABET = [2, 3, 2, 3, 2, 3, VOCAB.promise, VOCAB.lengths[0], VOCAB.lengths[1], VOCAB.async_open, 1]
 
 
 P, L1, L2 = VOCAB.promise, VOCAB.lengths[0], VOCAB.lengths[1]
-HAND_CASES = [
+HAND_CASES = [  # (main's tokens, whether closing its open promise now would repeat a topic)
     ([P, 5, 6, L1, 9, P, 5, 6], True),  # the same topic; which LENGTH closed it is no matter
     ([P, 5, 6, L2, P, 5], False),  # a prefix of an earlier topic is not it
     ([P, 5, 6, L1, P, 5, 7], False),  # as long, other tokens
@@ -45,27 +45,23 @@ HAND_CASES = [
 ]
 
 
-@pytest.mark.parametrize("tokens,repeats", HAND_CASES)
-def test_hand_cases_in_both_forms(tokens, repeats):
-  assert repeats_earlier_topic(tokens, VOCAB) == repeats
-  n = len(tokens)
-  pool = [jnp.asarray([x]) for x in (tokens, [0] * n, list(range(n)), [True] * n)]
+@pytest.mark.parametrize("main,repeats", HAND_CASES)
+def test_hand_cases_in_both_forms(main, repeats):
+  assert repeats_earlier_topic(main, VOCAB) == repeats
+  n = len(main)
+  pool = [jnp.asarray([x]) for x in (main, [0] * n, list(range(n)), [True] * n)]
   assert bool(repeated_topic(*pool, VOCAB)[0]) == repeats
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_pool_form_equals_the_definition(data):
-  """Main's slots in any write order, mixed with forks' slots and invalid ones: the array form reads main's
-  tokens in write order, as the definition does."""
-  batch = 3
-  tokens = np.asarray(data.draw(st.lists(st.lists(st.sampled_from(ALPHABET), min_size=SLOTS, max_size=SLOTS),
-                                         min_size=batch, max_size=batch)), np.int32)
-  owner = np.asarray(data.draw(st.lists(st.lists(st.sampled_from([0, 0, 0, 1, 2]), min_size=SLOTS,
-                                                 max_size=SLOTS), min_size=batch, max_size=batch)), np.int32)
-  valid = np.asarray(data.draw(st.lists(st.lists(st.sampled_from([True, True, True, False]), min_size=SLOTS,
-                                                 max_size=SLOTS), min_size=batch, max_size=batch)))
-  valid[:, -3:] = data.draw(st.booleans())  # the pool's unused tail
+  """Main's and forks' slots in any write order, tags among them, some invalid: the array form reads main's
+  tokens in write order, as the definition does, and nothing else."""
+  batch, rows = 3, lambda values: st.lists(st.lists(values, min_size=SLOTS, max_size=SLOTS), min_size=3, max_size=3)
+  tokens = np.asarray(data.draw(rows(st.sampled_from(ALPHABET))), np.int32)
+  owner = np.asarray(data.draw(rows(st.sampled_from([0, 0, 0, 1, 2, 3]))), np.int32)
+  valid = np.asarray(data.draw(rows(st.sampled_from([True, True, True, False]))))
   order = np.stack([np.asarray(data.draw(st.permutations(range(SLOTS)))) for _ in range(batch)]).astype(np.int32)
   got = repeated_topic(jnp.asarray(tokens), jnp.asarray(owner), jnp.asarray(order), jnp.asarray(valid), VOCAB)
   for b in range(batch):

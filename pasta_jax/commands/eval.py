@@ -41,6 +41,8 @@ def build_eval_parser(subparsers) -> argparse.ArgumentParser:
   parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
   parser.add_argument("--repetition-penalty", type=float, default=1.0,
                       help="greedy under CTRL's repetition penalty, for every method and the baseline (1 = off)")
+  parser.add_argument("--distinct-topics", action="store_true",
+                      help="PASTA's main may not close a promise on a topic it already used (decode.sampling)")
   parser.add_argument("--judge", default="auto", metavar="auto|none|http|local[:MODEL]",
                       help=f"pairwise judge for quality; auto = http if {JUDGE_URL_ENV} is set, else none")
   parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
@@ -59,7 +61,7 @@ def run_eval(args) -> int:
   specs = [registry.parse_spec(text) for text in args.methods]
   records = sources.read_records(args.prompts, args.limit)
   settings = M.DecodeSettings(max_new_tokens=args.max_new_tokens, lanes=args.lanes, chat=args.chat, dtype=args.dtype,
-                              repetition_penalty=args.repetition_penalty)
+                              repetition_penalty=args.repetition_penalty, distinct_topics=args.distinct_topics)
   identity = dict(prompts=sources.dataset_name(args.prompts), model=args.model, **settings.identity())
   out = Path(args.out)
   judge, judge_note = make_judge(args.judge, out)

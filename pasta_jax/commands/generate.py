@@ -16,22 +16,29 @@ from pasta_jax.model.load import GENERATION_FILE, generation_defaults, load_mode
 
 
 def _sampling(args) -> SamplingConfig:
-  """The flags' sampling, checked before any model loads (a penalty not given is 1 here: see _model_defaults)."""
+  """The flags' sampling, checked before any model loads (a setting not given is off here: see _model_defaults)."""
   try:
     return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          repetition_penalty=1.0 if args.repetition_penalty is None else args.repetition_penalty)
+                          repetition_penalty=1.0 if args.repetition_penalty is None else args.repetition_penalty,
+                          distinct_topics=bool(getattr(args, "distinct_topics", None)))
   except ValueError as err:
     raise PastaError(str(err)) from None
 
 
-def _model_defaults(sampling: SamplingConfig, args, model) -> SamplingConfig:
-  """A repetition penalty not given on the command line comes from the model's `generation.json`, said aloud."""
-  penalty = generation_defaults(model).get("repetition_penalty", 1.0)
-  if args.repetition_penalty is not None or penalty == 1.0:
-    return sampling
-  print(f"[repetition penalty {penalty}: this model's {GENERATION_FILE}; --repetition-penalty 1 turns it off]",
-        file=sys.stderr)
-  return dataclasses.replace(sampling, repetition_penalty=penalty)
+def _model_defaults(sampling: SamplingConfig, args, model, method: str = "pasta") -> SamplingConfig:
+  """Settings not given on the command line come from the model's `generation.json`, said aloud: its repetition
+  penalty, and (for method pasta, the one that keeps it) its distinct_topics."""
+  defaults = generation_defaults(model)
+  changes = {}
+  if args.repetition_penalty is None and defaults.get("repetition_penalty", 1.0) != 1.0:
+    changes["repetition_penalty"] = defaults["repetition_penalty"]
+  if getattr(args, "distinct_topics", None) is None and defaults.get("distinct_topics") and method == "pasta":
+    changes["distinct_topics"] = True
+  if changes:
+    said = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in changes.items())
+    print(f"[{said}: this model's {GENERATION_FILE}; --repetition-penalty 1 / --no-distinct-topics turn them off]",
+          file=sys.stderr)
+  return dataclasses.replace(sampling, **changes)
 
 
 def _prompt_ids(model, text: str, chat: bool) -> list[int]:
@@ -63,13 +70,13 @@ def run_generate(args) -> int:
   args.mesh_obj = _mesh(args)
   model = load_model(args.model)
   print(f"[model: {model.describe()}]", file=sys.stderr)
-  sampling = _model_defaults(sampling, args, model)
-  if args.chat is None:
-    args.chat = model.adapter is not None
-  prompt_ids = _prompt_ids(model, args.prompt, args.chat)
   method = args.method or ("pasta" if args.pasta else "sequential")
   if args.pasta and method != "pasta":
     raise PastaError(f"--pasta and --method {method} disagree: give one")
+  sampling = _model_defaults(sampling, args, model, method)
+  if args.chat is None:
+    args.chat = model.adapter is not None
+  prompt_ids = _prompt_ids(model, args.prompt, args.chat)
   if method == "superposed":
     return run_superposed(model, prompt_ids, args, dtype)
   if args.drafts != 3:

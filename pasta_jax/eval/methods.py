@@ -123,9 +123,9 @@ class InterpreterMethod:
   def run(self, record: Mapping[str, str]) -> MethodOutput:
     s = self.settings
     answer, note, budget = self.forced(record) if self.forced is not None else (None, "", s.max_new_tokens)
+    sampling = SamplingConfig(repetition_penalty=s.repetition_penalty, distinct_topics=s.distinct_topics)
     [result] = api.generate(self.model, [record_prompt(record)], method=self.method, max_new_tokens=budget,
-                            lanes=s.lanes, chat=s.chat, dtype=jnp.dtype(s.dtype),
-                            sampling=SamplingConfig(repetition_penalty=s.repetition_penalty, distinct_topics=s.distinct_topics),
+                            lanes=s.lanes, chat=s.chat, dtype=jnp.dtype(s.dtype), sampling=sampling,
                             forced_answers=None if answer is None else [answer], **self.method_options)
     if result.drafts:
       note = f"best of {len(result.drafts)} drafts"

@@ -115,7 +115,7 @@ def base_reference(model: LoadedModel) -> str:
 
 
 GENERATION_FILE = "generation.json"  # decoding defaults shipped with a model, as Hugging Face's generation_config
-GENERATION_KEYS = ("repetition_penalty",)
+GENERATION_KEYS = ("repetition_penalty", "distinct_topics")
 
 
 def generation_defaults(model: LoadedModel) -> dict:
