@@ -173,8 +173,10 @@ class PastaRules(Rules):
     tables = AllowedTokens.build(cfg.vocab, logits.shape[-1])
     allowed = tables.for_rows(rows_lane == 0, state.in_promise[:, None])
     if cfg.sampling.distinct_topics:  # main may not close a topic it already used (SamplingConfig)
-      repeat = state.in_promise & repeated_topic(state.slot_token, state.slot_owner, state.slot_order,
+      def read_pool():  # only steps where some main is inside a promise pay for it
+        return state.in_promise & repeated_topic(state.slot_token, state.slot_owner, state.slot_order,
                                                  state.slot_valid, cfg.vocab)
+      repeat = jax.lax.cond(jnp.any(state.in_promise), read_pool, lambda: jnp.zeros_like(state.in_promise))
       is_length = jnp.zeros((logits.shape[-1],), bool).at[jnp.asarray(cfg.vocab.lengths)].set(True, mode="drop")
       allowed = allowed & ~(((rows_lane == 0) & repeat[:, None])[..., None] & is_length)  # [B, Q, V]
     return allowed, jnp.zeros(rows_lane.shape, bool)
