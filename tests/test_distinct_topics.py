@@ -23,7 +23,7 @@ from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
 from pasta_jax.errors import PastaError
 from pasta_jax.eval.methods import DecodeSettings
-from pasta_jax.lang.tokens import repeats_earlier_topic
+from pasta_jax.lang.tokens import promise_topics, repeats_earlier_topic
 from tests.programs import VOCAB, VOCAB_SIZE, prompts
 
 SLOTS = 24
@@ -89,17 +89,7 @@ def reference(cfg: InterpreterConfig, prompt_batch):
 
 def closed_topics(records: np.ndarray) -> list[tuple[int, ...]]:
   """Main's closed promise topics, from its records (thread 0's tokens)."""
-  main = [int(t) for t in records[records[:, 2] == 0][:, 3]]
-  topics, current = [], None
-  for token in main:
-    if token == VOCAB.promise:
-      current = []
-    elif current is not None and VOCAB.is_length(token):
-      topics.append(tuple(current))
-      current = None
-    elif current is not None:
-      current.append(token)
-  return topics
+  return promise_topics([int(t) for t in records[records[:, 2] == 0][:, 3]], VOCAB)[0]
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

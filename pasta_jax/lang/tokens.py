@@ -164,21 +164,27 @@ def parse_tokens(ids: Sequence[int], vocab: TagVocab) -> list[TokSegment]:
   return segments
 
 
-def repeats_earlier_topic(main_ids: Sequence[int], vocab: TagVocab) -> bool:
-  """Whether main's open promise (a PROMISE with no LENGTH yet) has, so far, exactly the topic of one of main's
-  closed promises. Siblings that share a topic see the same context, so greedy decoding writes the same block
-  twice; `SamplingConfig.distinct_topics` forbids closing such a topic. A PROMISE inside an open promise starts
-  the topic again (the grammar forbids it; a prompt may hold anything)."""
-  closed, current = set(), None
+def promise_topics(main_ids: Sequence[int], vocab: TagVocab) -> tuple[list[tuple[int, ...]], tuple[int, ...] | None]:
+  """Main's closed promise topics in order, and its open promise's topic so far (None when none is open).
+  A PROMISE inside an open promise starts the topic again (the grammar forbids it; a prompt may hold anything)."""
+  closed, current = [], None
   for token in main_ids:
     if token == vocab.promise:
       current = []
     elif current is not None and vocab.is_length(token):
-      closed.add(tuple(current))
+      closed.append(tuple(current))
       current = None
     elif current is not None:
       current.append(token)
-  return current is not None and tuple(current) in closed
+  return closed, None if current is None else tuple(current)
+
+
+def repeats_earlier_topic(main_ids: Sequence[int], vocab: TagVocab) -> bool:
+  """Whether main's open promise (a PROMISE with no LENGTH yet) has, so far, exactly the topic of one of main's
+  closed promises. Siblings that share a topic see the same context, so greedy decoding writes the same block
+  twice; `SamplingConfig.distinct_topics` forbids closing such a topic."""
+  closed, current = promise_topics(main_ids, vocab)
+  return current is not None and current in closed
 
 
 def validate_tokens(ids: Sequence[int], vocab: TagVocab) -> None:
