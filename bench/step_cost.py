@@ -50,6 +50,18 @@ def measure(step, params, inputs, runs: int):
   return seconds, logits
 
 
+def head_forms(unembed, rows: int, runs: int) -> dict:
+  """The output head alone on `rows` rows, in both forms (`gemma.output_head` picks one by the row count)."""
+  x = jnp.ones((1, rows, unembed.shape[1]), unembed.dtype)
+  forms = {"head_wm_ms": "bqd,vd->vbq", "head_tm_ms": "bqd,vd->bqv"}
+  timed = {}
+  for name, spec in forms.items():
+    head = jax.jit(lambda x, e, spec=spec: jnp.einsum(spec, x, e, preferred_element_type=jnp.float32))
+    jax.block_until_ready(head(x, unembed))
+    timed[name] = 1e3 * median_time(lambda: jax.block_until_ready(head(x, unembed)), runs)[0]
+  return timed
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="bench.step_cost", description=__doc__.split("\n\n")[0])
   parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8])
@@ -82,6 +94,7 @@ def main(argv=None):
         "decode_ms": 1e3 * timed["decode"][0],
         "decode_vs_Q1": timed["decode"][0] / base["decode"],
         "max_diff": float(jnp.abs(timed["training"][1] - timed["decode"][1]).max()),
+        **head_forms(training_params["params"]["embedder"], q, args.runs),
     })
     print(table(rows[-1:], tuple(rows[-1])), flush=True)
   print(table(rows, tuple(rows[0])))

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pasta_jax.decode import api
-from pasta_jax.model.gemma import DECODE_SUFFIX, PROJECTIONS, Gemma, KVPool, causal_mask, to_decode_layout
+from pasta_jax.model.gemma import (DECODE_SUFFIX, PROJECTIONS, Gemma, KVPool, causal_mask, output_head,
+                                    to_decode_layout)
 from tests.tiny import tiny_model
 
 MODELS = {name: tiny_model(name, seed=3) for name in ("tiny-gemma1", "tiny-gemma2", "tiny-gemma3")}
@@ -86,3 +87,16 @@ def test_decode_params_are_cached_per_model_and_dtype():
   first = api.decode_params(model.params, jnp.float32)
   assert api.decode_params(model.params, jnp.float32) is first
   assert api.decode_params(model.params, jnp.bfloat16) is not first
+
+
+@pytest.mark.parametrize("batch,rows", [(1, 1), (1, 2), (1, 3), (3, 1), (1, 4), (2, 5)])
+def test_output_head_is_one_function_in_every_form(batch, rows):
+  """`output_head` picks its matmul form by the row count (token-major for 2-3 rows): the logits do not."""
+  rng = np.random.default_rng(batch * 10 + rows)
+  x = jnp.asarray(rng.normal(size=(batch, rows, 16)), jnp.float32)
+  unembed = jnp.asarray(rng.normal(size=(50, 16)), jnp.float32)
+  want = np.einsum("bqd,vd->bqv", np.asarray(x, np.float64), np.asarray(unembed, np.float64))
+  for decode_layout in (False, True):
+    got = output_head(x, unembed, decode_layout)
+    assert got.shape == (batch, rows, 50) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)

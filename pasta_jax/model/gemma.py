@@ -161,6 +161,19 @@ def project(x: Array, w: Array, in_dims: str, out_dims: str, decode_layout: bool
   return jnp.einsum(f"bq{in_dims},{in_dims}{out_dims}->bq{out_dims}", x, w, **kw)
 
 
+# Rows (B * Q) for which the decode layout multiplies the output head token-major: on XLA:CPU 2-3 rows of the
+# 262k x 640 head cost 30 ms so against 37 weight-major (YNNPACK's small-N matmul), while one row (the gemv
+# emitter) and 4+ rows are fastest weight-major (`python -m bench.step_cost --head-forms`).
+TOKEN_MAJOR_HEAD_ROWS = (2, 3)
+
+
+def output_head(x: Array, unembed: Array, decode_layout: bool) -> Array:
+  """x [B, Q, D] times the tied head unembed [V, D] -> float32 logits [B, Q, V]."""
+  if decode_layout and x.shape[0] * x.shape[1] not in TOKEN_MAJOR_HEAD_ROWS:
+    return project(x, unembed, "d", "v", True, preferred_element_type=jnp.float32)
+  return jnp.einsum("bqd,vd->bqv", x, unembed, preferred_element_type=jnp.float32)
+
+
 def adapted_projection(module: nn.Module, name: str, x: Array, in_shape: tuple, out_shape: tuple, in_dims: str,
                        out_dims: str, decode_layout: bool, adapter: AdapterConfig | None) -> Array:
   """x times the projection `name`, plus the LoRA path (alpha / r) (x A) B when `adapter` targets it."""
@@ -360,10 +373,7 @@ class Gemma(nn.Module):
     if logit_rows is not None:
       x = jnp.take_along_axis(x, logit_rows[..., None], axis=1)  # [B, R, D]
     unembed = embedding.astype(self.dtype)  # [V, D]: already [out, in], so in both layouts
-    if self.decode_layout:
-      logits = project(x, unembed, "d", "v", True, preferred_element_type=jnp.float32)
-    else:
-      logits = jnp.einsum("bqd,vd->bqv", x, unembed, preferred_element_type=jnp.float32)
+    logits = output_head(x, unembed, self.decode_layout)
     if row_delta is not None:  # the tied head's rows move with the embedding
       extra = jnp.einsum("bqd,nd->bqn", x, row_delta, preferred_element_type=jnp.float32)
       logits = logits.at[..., jnp.asarray(self.adapter.row_ids)].add(extra)
