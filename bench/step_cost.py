@@ -58,7 +58,7 @@ def head_forms(unembed, rows: int, runs: int) -> dict:
   for name, spec in forms.items():
     head = jax.jit(lambda x, e, spec=spec: jnp.einsum(spec, x, e, preferred_element_type=jnp.float32))
     jax.block_until_ready(head(x, unembed))
-    timed[name] = 1e3 * median_time(lambda: jax.block_until_ready(head(x, unembed)), runs)[0]
+    timed[name] = 1e3 * median_time(lambda head=head: jax.block_until_ready(head(x, unembed)), runs)[0]
   return timed
 
 

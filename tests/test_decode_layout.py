@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pasta_jax.decode import api
-from pasta_jax.model.gemma import (DECODE_SUFFIX, PROJECTIONS, Gemma, KVPool, causal_mask, output_head,
-                                    to_decode_layout)
+from pasta_jax.model.gemma import DECODE_SUFFIX, PROJECTIONS, Gemma, KVPool, causal_mask, output_head, to_decode_layout
 from tests.tiny import tiny_model
 
 MODELS = {name: tiny_model(name, seed=3) for name in ("tiny-gemma1", "tiny-gemma2", "tiny-gemma3")}
