@@ -74,8 +74,8 @@ def main(argv=None) -> int:
   paths = write_outputs(results, out)
   scorer = None
   if args.logprob:
-    bar = tqdm(total=(1 + len(methods)) * len(records), desc="log p under Baseline-SFT")
-    # cached: the baseline's answers are scored once, however many PASTA models are compared
+    bar = tqdm(total=(2 + len(methods)) * len(records), desc="log p under Baseline-SFT")
+    # cached: the baseline's answers and the references are scored once, however many PASTA models are compared
     scorer = functools.lru_cache(maxsize=None)(
         lambda prompt, text: (bar.update(1), answer_logprob(baseline_model, prompt, text)[0])[1])
   figures = {m.name: learned_figures(results, records, m.name, baseline.name, scorer) for m in methods}

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pasta_jax.decode.api import chat_text
-from pasta_jax.eval.learned import answer_figures, blocks_of, learned_figures, misnumbered, numbered_lists
+from pasta_jax.eval.learned import answer_figures, blocks_of, figure_lines, learned_figures, misnumbered, numbered_lists
 from pasta_jax.eval.quality import answer_logprob
 from pasta_jax.lang.metrics import duplicate_block_pairs, lcs_length, ngram_overlap, rouge_l
 from pasta_jax.model.gemma import Gemma, causal_mask
@@ -77,8 +77,10 @@ def test_answer_figures_and_aggregates():
   results = {"methods": [{"name": "p", "speed": speed}], "prompts": [
       {"id": "1", "instruction": "q1", "runs": {"p": _run(dup, 3), "b": _run("plain", 1)}},
       {"id": "2", "instruction": "q2", "runs": {"p": _run(broken, 2, finished=False), "b": _run("plain", 1)}}]}
-  records = [{"id": "1", "reference": "Eat more fruit"}, {"id": "2", "reference": "x"}]
-  figures = learned_figures(results, records, "p", "b", scorer=lambda prompt, text: -1.0)
+  records = [{"id": "1", "reference": "Eat more fruit"}, {"id": "2", "reference": "Sleep well"}]
+  scored = []
+  figures = learned_figures(results, records, "p", "b", scorer=lambda prompt, text: scored.append(text) or (
+      -3.0 if text in ("Eat more fruit", "Sleep well") else -1.0))
   p, b = figures["pasta"], figures["baseline"]
   assert (p["fork_rate"], p["well_formed"], p["truncated"], p["duplicate_rate"]) == (1.0, 1.0, 0.5, 1.0)
   # a cut inside a block is the budget's doing; a malformed tag before the cut is the model's
@@ -87,7 +89,12 @@ def test_answer_figures_and_aggregates():
   bad_length = '<promise topic="a" tokens="15"/><async>text'
   assert not answer_figures(_run(bad_length, 2, finished=False), "")["well_formed"]
   assert (b["fork_rate"], b["well_formed"], b["duplicate_rate"]) == (0.0, 1.0, 0.0)
-  assert figures["realized_over_theoretical"] == 1.0 and p["logprob"] == -1.0
+  assert figures["realized_over_theoretical"] == 1.0 and p["logprob"] == -1.0 and b["logprob"] == -1.0
+  # the reference answers are scored once per prompt, as the anchor column
+  assert figures["reference"] == {"logprob": -3.0, "n": 2} and sorted(scored).count("Eat more fruit") == 1
+  table = "\n".join(figure_lines(figures))
+  assert "| log p per token under Baseline-SFT | -1.0000 | -1.0000 | -3.0000 |" in table
+  assert "| fork rate | 1.000 | 0.000 | - |" in table
 
 
 def test_repeated_list_items_are_counted_in_the_clean_text_of_both_models():

@@ -17,7 +17,9 @@ From `evaluate`'s results (a `pasta` method measured against a `sequential` base
                        only list items, so Baseline-SFT's list rate bounds what this recipe's fork rate can be
   ROUGE-L              against the prompt's reference answer, for both models
   log-likelihood       mean per-token log p of each model's clean answer under the scoring model
-                       (Baseline-SFT), when a scorer is given
+                       (Baseline-SFT), when a scorer is given; and of the prompt's reference answer, as an
+                       anchor: Baseline-SFT's own greedy answers are its mode, which any other text, a good
+                       one too, scores below
 """
 
 from __future__ import annotations
@@ -71,9 +73,12 @@ def learned_figures(results: Mapping, records: Sequence[Mapping], method: str, b
   """Aggregates for `method` (the PASTA model) and `baseline` over every prompt of `results`."""
   by_id = {r["id"]: r for r in records}
   rows = {name: [] for name in (method, baseline)}
+  reference_logprobs = []
   for prompt in results["prompts"]:
     record = by_id[prompt["id"]]
     reference = record.get("reference") or record.get("output") or ""
+    if scorer is not None and reference:
+      reference_logprobs.append(scorer(prompt["instruction"], reference))
     for name in rows:
       run = prompt["runs"][name]
       figures = answer_figures(run, reference)
@@ -88,6 +93,8 @@ def learned_figures(results: Mapping, records: Sequence[Mapping], method: str, b
   out["realized_over_theoretical"] = out["realized"] / out["theoretical"] if out["theoretical"] else math.nan
   for name, label in ((method, "pasta"), (baseline, "baseline")):
     out[label] = _aggregate(rows[name])
+  if reference_logprobs:
+    out["reference"] = dict(logprob=arithmetic_mean(reference_logprobs), n=len(reference_logprobs))
   return out
 
 
@@ -126,8 +133,10 @@ def figure_lines(figures: Mapping) -> list[str]:
   lines = [f"Prompts: {figures['n']}. Realized speedup (geo) {figures['realized']:.3f} "
            f"(arithmetic {figures['realized_arithmetic']:.3f}), theoretical {figures['theoretical']:.3f}, "
            f"realized/theoretical {figures['realized_over_theoretical']:.3f}.", "",
-           "| figure | PASTA model | Baseline-SFT |", "|---|---|---|"]
+           "| figure | PASTA model | Baseline-SFT | reference answers |", "|---|---|---|---|"]
+  reference = figures.get("reference", {})
   for label, key, digits in rows:
     if key in p:
-      lines.append(f"| {label} | {p[key]:.{digits}f} | {b[key]:.{digits}f} |")
+      anchor = f"{reference[key]:.{digits}f}" if key in reference else "-"
+      lines.append(f"| {label} | {p[key]:.{digits}f} | {b[key]:.{digits}f} | {anchor} |")
   return lines
