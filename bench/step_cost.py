@@ -7,7 +7,7 @@ multiplied weight-major) streams each weight once. This prints the median step t
 layouts on the real Gemma 3 270M, each Q's cost relative to Q=1, and the logits' largest
 difference between the layouts (they compute the same function).
 
-  python -m bench.step_cost [--rows 1 2 3 4 8] [--runs 15] [--slots 320]
+  python -m bench.step_cost [--rows 1 2 3 4 8] [--runs 15] [--slots 320] [--head-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--slots", type=int, default=320)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--model", default=None, help="model path (default: the embedded Gemma 3 270M)")
+  parser.add_argument("--head-dtype", default=None, metavar="bfloat16",
+                      help="the decode layout's output head in this narrower dtype (api.check_head_dtype)")
   return parser.parse_args(argv)
 
 
@@ -79,7 +81,8 @@ def main(argv=None):
   training_params = jax.tree.map(lambda x: jnp.asarray(x, dtype), model.params)
   layouts = {
       "training": (jitted_step(Gemma(model.config, dtype).apply), training_params),
-      "decode": (jitted_step(api.model_fn(model.config, dtype)), api.decode_params(model.params, dtype)),
+      "decode": (jitted_step(api.model_fn(model.config, dtype, head_dtype=args.head_dtype)),
+                 api.decode_params(model.params, dtype, head_dtype=args.head_dtype)),
   }
   rows, base = [], {}
   for q in args.rows:

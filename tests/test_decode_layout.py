@@ -12,7 +12,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pasta_jax.decode import api
-from pasta_jax.model.gemma import DECODE_SUFFIX, PROJECTIONS, Gemma, KVPool, causal_mask, output_head, to_decode_layout
+from pasta_jax.errors import PastaError
+from pasta_jax.model.gemma import (
+  DECODE_SUFFIX,
+  HEAD_COPY,
+  PROJECTIONS,
+  Gemma,
+  KVPool,
+  causal_mask,
+  output_head,
+  to_decode_layout,
+)
 from tests.tiny import tiny_model
 
 MODELS = {name: tiny_model(name, seed=3) for name in ("tiny-gemma1", "tiny-gemma2", "tiny-gemma3")}
@@ -99,3 +109,73 @@ def test_output_head_is_one_function_in_every_form(batch, rows):
     got = output_head(x, unembed, decode_layout)
     assert got.shape == (batch, rows, 50) and got.dtype == jnp.float32
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch,rows", [(1, 1), (1, 2), (1, 3), (2, 1), (1, 5)])
+def test_a_narrow_head_is_the_product_of_the_rounded_inputs(batch, rows):
+  """A bfloat16 unembed: x is rounded to bfloat16 and the product accumulates in float32, whatever the row
+  count (one row is padded to two and cut back)."""
+  rng = np.random.default_rng(batch * 10 + rows)
+  x = jnp.asarray(rng.normal(size=(batch, rows, 16)), jnp.float32)
+  unembed = jnp.asarray(rng.normal(size=(50, 16)), jnp.bfloat16)
+  rounded = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+  want = np.einsum("bqd,vd->bqv", rounded, np.asarray(unembed.astype(jnp.float32), np.float64))
+  got = output_head(x, unembed, True)
+  assert got.shape == (batch, rows, 50) and got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_params_with_a_narrow_head_keep_the_embedding_and_add_its_copy():
+  model = MODELS["tiny-gemma3"]
+  wide = api.decode_params(model.params, jnp.float32)["params"]
+  narrow = api.decode_params(model.params, jnp.float32, head_dtype="bfloat16")["params"]
+  assert HEAD_COPY not in wide and narrow[HEAD_COPY].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(narrow["embedder"], wide["embedder"])  # the input lookup stays float32
+  np.testing.assert_array_equal(narrow[HEAD_COPY], wide["embedder"].astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("head_dtype,dtype", [("float32", jnp.float32), ("int8", jnp.float32),
+                                              ("float16", jnp.bfloat16), ("no-such-dtype", jnp.float32)])
+def test_a_head_dtype_that_is_not_narrower_is_refused(head_dtype, dtype):
+  with pytest.raises(PastaError, match="head_dtype"):
+    api.check_head_dtype(head_dtype, dtype)
+
+
+def test_generate_with_a_bfloat16_head_follows_the_rounded_logits():
+  """Greedy decoding with the narrow head: each token of the sequential answer is the argmax of the float32-layout
+  forward's hidden state times the rounded head (a replay of the answer), so the narrow head is what chose it."""
+  model = MODELS["tiny-gemma3"]
+  cfg = model.config
+  [result] = api.generate(model, ["hello there"], method="sequential", max_new_tokens=12, head_dtype="bfloat16")
+  [plain] = api.generate(model, ["hello there"], method="sequential", max_new_tokens=12)
+  prompt = api.prompt_ids(model.tokenizer, ["hello there"], True)[0]
+  answer = [int(t) for t in result.records[:, 3]]
+  ids = jnp.asarray([prompt + answer], jnp.int32)
+  length = ids.shape[1]
+  hidden = Gemma(cfg).apply(model.params, ids, jnp.arange(length)[None], causal_mask(1, length), hidden_only=True)
+  head = model.params["params"]["embedder"].astype(jnp.bfloat16)
+  rows = hidden[:, len(prompt) - 1: length - 1]
+  chosen = np.asarray(jnp.argmax(output_head(rows, head, True), -1))[0]
+  np.testing.assert_array_equal(chosen, answer[: len(chosen)])
+  assert len(answer) == len(plain.records)  # it decodes as much (tiny models rarely tie)
+
+
+def test_the_step_with_a_narrow_head_multiplies_by_the_copy():
+  """The step's logits are its hidden state times the bfloat16 copy, not the float32 embedding."""
+  model = MODELS["tiny-gemma3"]
+  cfg = model.config
+  tokens, positions = jnp.asarray([[5, 9, 11]]), jnp.arange(3)[None]
+  narrow = api.decode_params(model.params, jnp.float32, head_dtype="bfloat16")
+  logits, _, hidden = Gemma(cfg, decode_layout=True, head_dtype="bfloat16").apply(
+      narrow, tokens, positions, causal_mask(1, 3), return_hidden=True)
+  np.testing.assert_allclose(logits, output_head(hidden, narrow["params"][HEAD_COPY], True), atol=1e-5, rtol=1e-5)
+  wide = api.model_fn(cfg, jnp.float32)(api.decode_params(model.params, jnp.float32), tokens, positions,
+                                        causal_mask(1, 3))[0]
+  np.testing.assert_allclose(logits, wide, atol=0.1)  # the same function, rounded
+  assert not np.allclose(logits, wide, atol=1e-6)
+
+
+def test_a_narrow_head_is_part_of_an_eval_runs_identity_only_when_set():
+  from pasta_jax.eval.methods import DecodeSettings
+  assert "head_dtype" not in DecodeSettings().identity()  # runs stored before the option still resume
+  assert DecodeSettings(head_dtype="bfloat16").identity()["head_dtype"] == "bfloat16"

@@ -99,12 +99,29 @@ def rules_for(method: str, *, max_depth: int = 3, fan_out: int = 1, ignore_eos: 
 
 # --- model plumbing ----------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=8)
-def model_fn(config, dtype, attention: str = "xla") -> callable:
+def model_fn(config, dtype, attention: str = "xla", head_dtype: str | None = None) -> callable:
   """The decode-step model: Gemma in the decode layout, taking `decode_params`. One module per (config,
-  dtype, attention): its `apply` is a jit static argument, so it must be stable. attention: "xla" (the default)
-  or "pallas" (the kernel over the thread metadata, model/thread_attention.py)."""
+  dtype, attention, head_dtype): its `apply` is a jit static argument, so it must be stable. attention: "xla"
+  (the default) or "pallas" (the kernel over the thread metadata, model/thread_attention.py). head_dtype: the
+  output head's narrower dtype (`check_head_dtype`), None: `dtype`."""
   from pasta_jax.model.gemma import Gemma
-  return Gemma(config, dtype=jnp.dtype(dtype), decode_layout=True, attention=attention).apply
+  return Gemma(config, dtype=jnp.dtype(dtype), decode_layout=True, attention=attention, head_dtype=head_dtype).apply
+
+
+def check_head_dtype(head_dtype: str | None, dtype) -> str | None:
+  """None, or the name of a float dtype narrower than `dtype` for the output head (e.g. "bfloat16" under float32:
+  on a CPU the head then costs the same for 1 to 8 rows, `python -m bench.head_precision`; greedy tokens change
+  where the top two logits are closer than its rounding)."""
+  if head_dtype is None:
+    return None
+  try:
+    narrow = jnp.dtype(head_dtype)
+  except TypeError:
+    raise PastaError(f"head_dtype must be a float dtype name such as 'bfloat16', got {head_dtype!r}") from None
+  if not jnp.issubdtype(narrow, jnp.floating) or narrow.itemsize >= jnp.dtype(dtype).itemsize:
+    raise PastaError(f"head_dtype must be a float dtype narrower than the model's {jnp.dtype(dtype).name}, "
+                     f"got {narrow.name}")
+  return narrow.name
 
 
 def pool_spec(config, dtype) -> tuple:
@@ -114,16 +131,22 @@ def pool_spec(config, dtype) -> tuple:
 _PARAMS_CACHE: dict = {}
 
 
-def decode_params(params, dtype, sharding: DecodeSharding | None = None):
+def decode_params(params, dtype, sharding: DecodeSharding | None = None, head_dtype: str | None = None):
   """Training-layout params -> device arrays of `dtype` in the decode layout (`model_fn`'s), placed on the
-  mesh by the trainer's rules when `sharding` is given; cached for the last model (a 270M conversion
-  costs ~1 s)."""
-  from pasta_jax.model.gemma import to_decode_layout
-  key = (id(params), jnp.dtype(dtype).name, sharding)
+  mesh by the trainer's rules when `sharding` is given; with `head_dtype`, plus the tied head's copy in it
+  (`gemma.HEAD_COPY`). Cached for the last model (a 270M conversion costs ~1 s)."""
+  from pasta_jax.model.gemma import HEAD_COPY, to_decode_layout
+  key = (id(params), jnp.dtype(dtype).name, sharding, head_dtype)
   hit = _PARAMS_CACHE.get(key)
   if hit is not None and hit[0] is params:
     return hit[1]
+  if head_dtype is not None and sharding is not None:
+    raise PastaError("head_dtype is a single-device option: the mesh's sharding rules do not place the head copy")
   converted = jax.jit(to_decode_layout)(jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
+  if head_dtype is not None:
+    tree = dict(converted["params"])
+    tree[HEAD_COPY] = tree["embedder"].astype(head_dtype)
+    converted = {**converted, "params": tree}
   if sharding is not None:
     converted = sharding.put_params(converted)
   _PARAMS_CACHE.clear()
@@ -205,7 +228,8 @@ def pad_scripts(scripts, batch: int, max_threads: int, length: int):
 def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params=None,
             max_new_tokens: int = 256, lanes: int = 8, max_threads: int = 64, sampling: SamplingConfig = GREEDY,
             position_mode: PositionMode = "pred", dtype=jnp.float32, scripts=None, record_logits: bool = False,
-            lane_buckets: bool = True, rule_inputs=None, mesh=None, attention: str = "xla") -> Prepared:
+            lane_buckets: bool = True, rule_inputs=None, mesh=None, attention: str = "xla",
+            head_dtype: str | None = None) -> Prepared:
   """Pads prompts (and scripts) and sizes the pool and step budget for `ids` (prompt token ids).
 
   max_new_tokens: in free decoding, the content-token budget of each answer (its text tokens, whatever
@@ -216,7 +240,9 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   mesh: a (data, fsdp, tensor) `jax.sharding.Mesh` to decode on (decode/sharding.py); None: one device.
   attention: "xla" (default) or "pallas": attention read from the thread metadata by a kernel (on CPU it runs in
   interpret mode: correct and slow, for tests).
+  head_dtype: the output head in a narrower float dtype, float32 accumulation (`check_head_dtype`); None: `dtype`.
   """
+  head_dtype = check_head_dtype(head_dtype, dtype)
   if attention not in thread_attention.CHOICES:
     raise PastaError(f"attention must be one of {', '.join(thread_attention.CHOICES)}, got {attention!r}")
   if max_new_tokens < 1:
@@ -247,8 +273,9 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   loop.check_runnable(cfg, forced=scripts is not None)
   tokens, lengths = loop.pad_prompts(ids, slots)
   script, script_len = pad_scripts(scripts, len(ids), max_threads, slots)
-  converted = decode_params(model.params if params is None else params, dtype, cfg.sharding)
-  return Prepared(cfg, model_fn(model.config, jnp.dtype(dtype), attention), converted, model.config.vocab_size,
+  converted = decode_params(model.params if params is None else params, dtype, cfg.sharding, head_dtype)
+  return Prepared(cfg, model_fn(model.config, jnp.dtype(dtype), attention, head_dtype), converted,
+                  model.config.vocab_size,
                   pool_spec(model.config, dtype), tokens, lengths, script, script_len, scripts is not None, vocab,
                   rules.bind_inputs(rule_inputs, converted))
 
@@ -423,7 +450,7 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
              position_mode: PositionMode = "pred", dtype=jnp.float32, forced_answers: Sequence[str] | None = None,
              max_depth: int = 3, return_logits: bool = False, params=None, drafts: int | None = None,
              ngram="default", mesh=None, attention: str = "xla", heads=None, tree_size: int | None = None,
-             acceptance: str = "greedy", latency=None, prune=None) -> list[Result]:
+             acceptance: str = "greedy", latency=None, prune=None, head_dtype: str | None = None) -> list[Result]:
   """Decodes each prompt (a batch; requests never interact) with `method` through the one interpreter.
 
   method: "pasta", "apar", "sequential" ("sot" needs point prompts: `generate_ids(..., scripts=...)`, or
@@ -445,6 +472,8 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
   prune: early pruning of the tree (`decode.rules.pruning.EarlyPrune`; None: for "propd", top 50 at the layer
   of the heads' trained early head when they have one, else none; none for "medusa"; False: off).
   `Result.speculation` has the accepted length per step, per-head hit rates and the tree sizes chosen.
+  head_dtype: the output head in a narrower float dtype such as "bfloat16" (float32 accumulation; `check_head_dtype`):
+  faster on a CPU for several rows a step, and greedy tokens may change where the top two logits nearly tie.
   method "pasta+medusa" (PASTA x trees): PASTA on `lanes` thread lanes, every live thread with its own `tree_size`-node
   tree (default 4) from `heads`, greedy; the answer is PASTA's (`Result.speculation`: tokens per thread per tree step).
   """
@@ -454,7 +483,7 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
   return generate_ids(model, ids, method=method, forced_answers=forced_answers, max_new_tokens=max_new_tokens,
                       lanes=lanes, max_threads=max_threads, sampling=sampling, position_mode=position_mode,
                       dtype=dtype, max_depth=max_depth, return_logits=return_logits, params=params,
-                      drafts=drafts, ngram=ngram, mesh=mesh, attention=attention,
+                      drafts=drafts, ngram=ngram, mesh=mesh, attention=attention, head_dtype=head_dtype,
                       **tree_options(method, heads, tree_size, acceptance, latency, prune))
 
 

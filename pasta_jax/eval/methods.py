@@ -63,11 +63,12 @@ class DecodeSettings:
   dtype: str = "float32"
   repetition_penalty: float = 1.0  # greedy under CTRL's penalty (decode.sampling), for every method alike
   distinct_topics: bool = False  # PASTA's main may not reuse a promise topic (decode.sampling)
+  head_dtype: str | None = None  # the output head in a narrower dtype (api.check_head_dtype), for every method
 
   def identity(self) -> dict:
     """What makes two runs comparable; a setting added later is left out at its default, so older runs resume."""
-    fields = vars(self)
-    return {k: v for k, v in fields.items() if not (k == "distinct_topics" and not v)}
+    added_later = {"distinct_topics": False, "head_dtype": None}
+    return {k: v for k, v in vars(self).items() if not (k in added_later and v == added_later[k])}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +127,8 @@ class InterpreterMethod:
     sampling = SamplingConfig(repetition_penalty=s.repetition_penalty, distinct_topics=s.distinct_topics)
     [result] = api.generate(self.model, [record_prompt(record)], method=self.method, max_new_tokens=budget,
                             lanes=s.lanes, chat=s.chat, dtype=jnp.dtype(s.dtype), sampling=sampling,
-                            forced_answers=None if answer is None else [answer], **self.method_options)
+                            head_dtype=s.head_dtype, forced_answers=None if answer is None else [answer],
+                            **self.method_options)
     if result.drafts:
       note = f"best of {len(result.drafts)} drafts"
     return output_of(result, note)

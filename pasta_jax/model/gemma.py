@@ -163,12 +163,23 @@ def project(x: Array, w: Array, in_dims: str, out_dims: str, decode_layout: bool
 
 # Rows (B * Q) for which the decode layout multiplies the output head token-major: on XLA:CPU 2-3 rows of the
 # 262k x 640 head cost 30 ms so against 37 weight-major (YNNPACK's small-N matmul), while one row (the gemv
-# emitter) and 4+ rows are fastest weight-major (`python -m bench.step_cost --head-forms`).
+# emitter) and 4+ rows are fastest weight-major (`python -m bench.step_cost`, columns head_wm_ms / head_tm_ms).
 TOKEN_MAJOR_HEAD_ROWS = (2, 3)
+HEAD_COPY = "unembed"  # decode layout with a narrow head: the tied head stored in `Gemma.head_dtype`
 
 
 def output_head(x: Array, unembed: Array, decode_layout: bool) -> Array:
-  """x [B, Q, D] times the tied head unembed [V, D] -> float32 logits [B, Q, V]."""
+  """x [B, Q, D] times the tied head unembed [V, D] -> float32 logits [B, Q, V].
+
+  An unembed narrower than x (`Gemma.head_dtype`) multiplies in its own dtype with float32 accumulation,
+  token-major, one row padded to two: on XLA:CPU YNNPACK then reads half the bytes for any row count, where a
+  single bfloat16 row would take a slow gemv (`python -m bench.head_precision`)."""
+  if jnp.dtype(unembed.dtype).itemsize < jnp.dtype(x.dtype).itemsize:
+    rows = x.shape[1]
+    narrow = x.astype(unembed.dtype)
+    if x.shape[0] * rows == 1:
+      narrow = jnp.concatenate([narrow, narrow], axis=1)
+    return jnp.einsum("bqd,vd->bqv", narrow, unembed, preferred_element_type=jnp.float32)[:, :rows]
   if decode_layout and x.shape[0] * x.shape[1] not in TOKEN_MAJOR_HEAD_ROWS:
     return project(x, unembed, "d", "v", True, preferred_element_type=jnp.float32)
   return jnp.einsum("bqd,vd->bqv", x, unembed, preferred_element_type=jnp.float32)
@@ -324,6 +335,9 @@ class Gemma(nn.Module):
   decode_layout: bool = False  # params from `to_decode_layout` (decoding: few rows per call)
   adapter: AdapterConfig | None = None  # unfolded LoRA + embedding rows (training); decoding folds them
   attention: str = "xla"  # "xla" or "pallas": how attention reads a ThreadMask (model/thread_attention.py)
+  # Decode layout only: the output head reads a copy of the tied embedding stored in this narrower dtype (param
+  # HEAD_COPY, written by `api.decode_params(head_dtype=)`); None: the embedding itself, in `dtype`.
+  head_dtype: str | None = None
 
   @nn.compact
   def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None,
@@ -372,8 +386,7 @@ class Gemma(nn.Module):
       return x
     if logit_rows is not None:
       x = jnp.take_along_axis(x, logit_rows[..., None], axis=1)  # [B, R, D]
-    unembed = embedding.astype(self.dtype)  # [V, D]: already [out, in], so in both layouts
-    logits = output_head(x, unembed, self.decode_layout)
+    logits = output_head(x, self._unembed(embedding), self.decode_layout)
     if row_delta is not None:  # the tied head's rows move with the embedding
       extra = jnp.einsum("bqd,nd->bqn", x, row_delta, preferred_element_type=jnp.float32)
       logits = logits.at[..., jnp.asarray(self.adapter.row_ids)].add(extra)
@@ -385,6 +398,14 @@ class Gemma(nn.Module):
     rows, ok = kept_rows
     kept = scatter_rows(ok[..., None], rows, ok, num_q)[..., 0]
     return tuple(o if o is new_pool else scatter_rows(o, rows, ok, num_q) for o in outputs) + (kept,)
+
+  def _unembed(self, embedding):
+    """The tied head [V, D] (already [out, in], so in both layouts): the embedding, or its narrow copy."""
+    if self.head_dtype is None:
+      return embedding.astype(self.dtype)
+    if not self.decode_layout:
+      raise ValueError("head_dtype is a decode-layout option (api.decode_params writes the narrow head)")
+    return self.param(HEAD_COPY, nn.initializers.normal(1.0), embedding.shape, jnp.dtype(self.head_dtype))
 
   def _embed(self, embedding, tokens, token_weights):
     """(row_delta or None, input rows [B, Q, D] before the sqrt(D) scale)."""
