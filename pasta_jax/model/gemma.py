@@ -162,7 +162,7 @@ def project(x: Array, w: Array, in_dims: str, out_dims: str, decode_layout: bool
 
 
 # Rows (B * Q) for which the decode layout multiplies the output head token-major: on XLA:CPU 2-3 rows of the
-# 262k x 640 head cost 30 ms so against 37 weight-major (YNNPACK's small-N matmul), while one row (the gemv
+# 262k x 640 head cost 31 ms against 37 weight-major (YNNPACK's small-N matmul), while one row (the gemv
 # emitter) and 4+ rows are fastest weight-major (`python -m bench.step_cost`, columns head_wm_ms / head_tm_ms).
 TOKEN_MAJOR_HEAD_ROWS = (2, 3)
 HEAD_COPY = "unembed"  # decode layout with a narrow head: the tied head stored in `Gemma.head_dtype`
