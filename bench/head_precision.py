@@ -28,51 +28,34 @@ from tqdm import tqdm
 
 from bench.common import median_time, table
 from pasta_jax.data import sources
-from pasta_jax.data.encode import EncodeConfig, encode_example
-from pasta_jax.model.gemma import Gemma
+from pasta_jax.eval.quality import answer_layout
+from pasta_jax.model.gemma import Gemma, output_head
 from pasta_jax.model.load import load_model
 
 
 def head_timings(unembed, rows: int, runs: int) -> dict:
-  """ms of the head on `rows` rows: float32 as `output_head` multiplies it, and bfloat16 padded to >= 2 rows."""
+  """ms of `gemma.output_head` on `rows` rows in the decode layout: the float32 head, and its bfloat16 copy."""
   x = jnp.ones((1, rows, unembed.shape[1]), jnp.float32)
-  f32_form = "bqd,vd->bqv" if rows in (2, 3) else "bqd,vd->vbq"
-  f32 = jax.jit(lambda x, e: jnp.einsum(f32_form, x, e, preferred_element_type=jnp.float32))
-  bf16_unembed = unembed.astype(jnp.bfloat16)
-
-  @jax.jit
-  def bf16(x, e):
-    padded = jnp.concatenate([x, x], axis=1) if x.shape[1] == 1 else x
-    logits = jnp.einsum("bqd,vd->bqv", padded.astype(jnp.bfloat16), e, preferred_element_type=jnp.float32)
-    return logits[:, :x.shape[1]]
-
+  head = jax.jit(lambda x, e: output_head(x, e, True))
   out = {}
-  for name, fn, e in (("f32_ms", f32, unembed), ("bf16_ms", bf16, bf16_unembed)):
-    jax.block_until_ready(fn(x, e))
-    out[name] = 1e3 * median_time(lambda fn=fn, e=e: jax.block_until_ready(fn(x, e)), runs)[0]
+  for name, e in (("f32_ms", unembed), ("bf16_ms", unembed.astype(jnp.bfloat16))):
+    jax.block_until_ready(head(x, e))
+    out[name] = 1e3 * median_time(lambda e=e: jax.block_until_ready(head(x, e)), runs)[0]
   return out
 
 
-def greedy_agreement(model, records, bucket: int = 128) -> tuple[list[float], list[int], list[float]]:
+def greedy_agreement(model, records) -> tuple[list[float], list[int], list[float]]:
   """Per answer: (share of answer positions whose greedy token is the same under both heads, the first
   position where it is not (the answer length if none), the largest logit difference)."""
-  tokenizer, vocab = model.tokenizer, model.tokenizer.tag_vocab()
   hidden_fn = jax.jit(lambda p, t, pos, m: Gemma(model.config).apply(p, t, pos, m, hidden_only=True))
   unembed = model.params["params"]["embedder"]
   unembed_bf16 = unembed.astype(jnp.bfloat16)
   agree, first, worst = [], [], []
   for record in tqdm(records, desc="teacher-forced answers"):
-    example = {"instruction": record["instruction"], "output": record.get("reference") or record["output"]}
-    probe = encode_example(example, tokenizer, vocab, EncodeConfig(seq_len=None, chat=True, objective="baseline_sft"))
-    seq_len = -(-int(probe.length) // bucket) * bucket
-    layout = encode_example(example, tokenizer, vocab,
-                            EncodeConfig(seq_len=seq_len, chat=True, objective="baseline_sft"))
-    batch = jax.tree.map(lambda x: jnp.asarray(x)[None], layout)
-    hidden = hidden_fn(model.params, batch.tokens, batch.positions, batch.thread_mask())[0]  # [L, D]
-    rows = np.flatnonzero(np.asarray(layout.loss_mask))
-    h = hidden[rows]
-    f32 = jnp.einsum("ld,vd->lv", h, unembed, preferred_element_type=jnp.float32)
-    bf16 = jnp.einsum("ld,vd->lv", h.astype(jnp.bfloat16), unembed_bf16, preferred_element_type=jnp.float32)
+    batch = answer_layout(model, record["instruction"], record.get("reference") or record["output"])
+    hidden = hidden_fn(model.params, batch.tokens, batch.positions, batch.thread_mask())  # [1, L, D]
+    h = hidden[:, np.flatnonzero(np.asarray(batch.loss_mask[0]))]  # the rows that predict answer tokens
+    f32, bf16 = output_head(h, unembed, True)[0], output_head(h, unembed_bf16, True)[0]
     same = np.asarray(jnp.argmax(f32, -1) == jnp.argmax(bf16, -1))
     agree.append(float(same.mean()))
     first.append(int(np.argmin(same)) if not same.all() else len(same))

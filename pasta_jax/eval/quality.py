@@ -27,17 +27,23 @@ def _logprob_fn(config):
   return jax.jit(lambda params, layout: token_logprobs(apply_fn, params, layout))
 
 
-def answer_logprob(model, prompt: str, answer: str, chat: bool = True, bucket: int = 128) -> tuple[float, int]:
-  """(mean log p per answer token, answer tokens) of a tag-free `answer` under `model`, the end token
-  included (a model that would not stop there is penalized). Lengths pad to multiples of `bucket`."""
+def answer_layout(model, prompt: str, answer: str, chat: bool = True, bucket: int = 128):
+  """A tag-free `answer` to `prompt` as one training layout (Baseline-SFT's: the answer and its end token are the
+  loss tokens), its length padded to a multiple of `bucket`, batched as [1, L]."""
   tokenizer, vocab = model.tokenizer, model.tokenizer.tag_vocab()
   record = {"instruction": prompt, "output": answer}
   probe = encode_example(record, tokenizer, vocab, EncodeConfig(seq_len=None, chat=chat, objective="baseline_sft"))
   seq_len = -(-int(probe.length) // bucket) * bucket
   layout = encode_example(record, tokenizer, vocab, EncodeConfig(seq_len=seq_len, chat=chat, objective="baseline_sft"))
-  batch = jax.tree.map(lambda x: jnp.asarray(x)[None], layout)
+  return jax.tree.map(lambda x: jnp.asarray(x)[None], layout)
+
+
+def answer_logprob(model, prompt: str, answer: str, chat: bool = True, bucket: int = 128) -> tuple[float, int]:
+  """(mean log p per answer token, answer tokens) of a tag-free `answer` under `model`, the end token
+  included (a model that would not stop there is penalized). Lengths pad to multiples of `bucket`."""
+  batch = answer_layout(model, prompt, answer, chat, bucket)
   logp = np.asarray(_logprob_fn(model.config)(model.params, batch))[0]
-  count = int(np.asarray(layout.loss_mask).sum())
+  count = int(np.asarray(batch.loss_mask).sum())
   return float(logp.sum() / max(count, 1)), count
 
 
