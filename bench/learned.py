@@ -48,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="PASTA's main may not reuse a promise topic (decode.sampling.SamplingConfig)")
   parser.add_argument("--head-dtype", default=None, metavar="bfloat16",
                       help="both models' output head in this narrower dtype (api.check_head_dtype; default: float32)")
+  parser.add_argument("--certify-head", action="store_true",
+                      help="both models' greedy choices certified against the float32 head at the bfloat16 head's "
+                           "cost (decode/certified_head.py): the float32 tokens, faster")
   parser.add_argument("--judge", default="none", metavar="none|local[:MODEL]|http")
   parser.add_argument("--no-logprob", dest="logprob", action="store_false",
                       help="skip the log-likelihood proxy (one Baseline-SFT forward per answer)")
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
   records = sources.read_records(args.prompts, args.limit)
   settings = M.DecodeSettings(max_new_tokens=args.max_new_tokens, lanes=args.lanes, chat=True,
                               repetition_penalty=args.repetition_penalty, distinct_topics=args.distinct_topics,
-                              head_dtype=args.head_dtype)
+                              head_dtype=args.head_dtype, certify_head=args.certify_head)
   baseline_model = M.cached_model(args.baseline)
   models = [M.cached_model(path) for path in args.model]
   methods = [M.InterpreterMethod(f"pasta:{path or 'default'}", m, settings) for path, m in zip(args.model, models)]

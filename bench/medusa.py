@@ -15,7 +15,7 @@ lossless, so every method writes the same tokens (checked: mismatches are printe
 tokens/s ratios are time ratios. Accepted length = tokens per step; per-head acceptance = how often head h's
 top-1 (and its top-k list) held the right token when its depth was reached.
 
-  python -m bench.medusa [--batches 1,8] [--limit 8] [--limit-b1 4] [--runs 3] [--heads DIR]
+  python -m bench.medusa [--batches 1,8] [--limit 8] [--limit-b1 4] [--runs 3] [--heads DIR] [--certify-head]
 Last line: RESULT propd_b1=... propd_b8=... medusa_b1=... accept_len_b1=... unpruned_b1=... unpruned_b8=...
 (tokens/s over plain's).
 """
@@ -50,6 +50,9 @@ def parse_args(argv=None):
                            "step on a 2-core CPU)")
   parser.add_argument("--model", default=None, help="default: the tuned default model")
   parser.add_argument("--heads", default=None, help="Medusa heads folder (default: the model's shipped heads)")
+  parser.add_argument("--certify-head", action="store_true",
+                      help="every method's greedy choices certified against the float32 head at the bfloat16 "
+                           "head's cost (decode/certified_head.py): the same tokens, cheaper tree steps")
   return parser.parse_args(argv)
 
 
@@ -85,13 +88,14 @@ def mismatches(plain, other) -> int:
 def bench_batch(model, drafter, ids, batch: int, args) -> dict:
   ids = ids[: args.limit_b1] if batch == 1 else ids
   groups = [ids[i:i + batch] for i in range(0, len(ids), batch)]
-  common = dict(max_new_tokens=args.new_tokens)
+  common = dict(max_new_tokens=args.new_tokens, **({"certify_head": True} if args.certify_head else {}))
   rows = {"plain": timed(model, groups, args.runs, method="sequential", **common)}
   big = [args.tree] if str(batch) in args.big_tree_batches.split(",") else []
   for size in big + [int(s) for s in args.small_trees.split(",") if s]:
     rows[f"medusa-{size}"] = timed(model, groups, args.runs, method="medusa", heads=drafter, tree_size=size, **common)
   for name, prune in (("propd", None), ("propd-unpruned", False)):
-    calibration = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16, prune=prune)
+    calibration = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16, prune=prune,
+                                    **({"certify_head": True} if args.certify_head else {}))
     rows[name] = timed(model, groups, args.runs, method="propd", heads=drafter, tree_size=args.tree,
                        latency=calibration["table"], prune=prune, **common)
     rows[name]["calibration"] = calibration
@@ -131,15 +135,16 @@ def main(argv=None) -> None:
   early = f"trained, layer {drafter.early_layer}" if drafter.early_head is not None else "none: ProPD does not prune"
   print(f"model {model.source}; heads {drafter.source} ({drafter.config.num_heads} heads, top-{drafter.top_k}, "
         f"early head: {early}); "
-        f"{len(ids)} prompts, {args.new_tokens} new tokens, greedy; medians of {args.runs} runs")
+        f"{len(ids)} prompts, {args.new_tokens} new tokens, greedy"
+        f"{' (certified bfloat16 head)' if args.certify_head else ''}; medians of {args.runs} runs")
   results = {}
   for batch in tqdm([int(b) for b in args.batches.split(",")], desc="batch sizes"):
     results[batch] = bench_batch(model, drafter, ids, batch, args)
     report(batch, results[batch])
 
   def ratio(batch, name):
-    rows = results.get(batch)
-    return rows[name]["tok_s"] / rows["plain"]["tok_s"] if rows else float("nan")
+    rows = results.get(batch) or {}
+    return rows[name]["tok_s"] / rows["plain"]["tok_s"] if name in rows else float("nan")  # nan: not timed
 
   small = {b: max((k for k in rows if k.startswith("medusa-") and k != f"medusa-{args.tree}"),
                   key=lambda k: rows[k]["tok_s"], default=None) for b, rows in results.items()}

@@ -78,12 +78,17 @@ def run_generate(args) -> int:
     args.chat = model.adapter is not None
   prompt_ids = _prompt_ids(model, args.prompt, args.chat)
   if method == "superposed":
+    if args.certify_head:
+      raise PastaError("--certify-head certifies greedy argmax choices; --method superposed reads its drafts' "
+                       "probabilities from the logits")
     return run_superposed(model, prompt_ids, args, dtype)
   if args.drafts != 3:
     raise PastaError("--drafts is for --method superposed")
   if (args.heads or args.tree_size) and method not in api.TREE_METHODS:
     raise PastaError("--heads and --tree-size are for --method medusa, propd or pasta+medusa")
   extra = tree_options(model, prompt_ids, args, method) if method in api.TREE_METHODS else {}
+  if args.certify_head:
+    extra["certify_head"] = True
   if method in ("pasta", "pasta-v0", "pasta+medusa"):
     from pasta_jax.commands.pasta_view import run_pasta
 
@@ -117,7 +122,9 @@ def tree_options(model, prompt_ids: list[int], args, method: str) -> dict:
   options = {"heads": drafter, "tree_size": args.tree_size or default_tree_size(method)}
   if method == "propd":
     print("[propd: timing each tree size on this device (calibration)...]", file=sys.stderr)
-    cal = calibrate_latency(model, [prompt_ids], drafter, tree_size=options["tree_size"], steps=8, repeats=1)
+    certify = {"certify_head": True} if args.certify_head else {}  # time the steps it will run
+    cal = calibrate_latency(model, [prompt_ids], drafter, tree_size=options["tree_size"], steps=8, repeats=1,
+                            **certify)
     options["latency"] = cal["table"]
   return options
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pasta_jax.decode import loop
+from pasta_jax.decode import certified_head, loop
 from pasta_jax.decode.apar_text import encode_apar_text
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import RunOutput, bucket, pool_size
@@ -134,7 +134,8 @@ _PARAMS_CACHE: dict = {}
 def decode_params(params, dtype, sharding: DecodeSharding | None = None, head_dtype: str | None = None):
   """Training-layout params -> device arrays of `dtype` in the decode layout (`model_fn`'s), placed on the
   mesh by the trainer's rules when `sharding` is given; with `head_dtype`, plus the tied head's copy in it
-  (`gemma.HEAD_COPY`). Cached for the last model (a 270M conversion costs ~1 s)."""
+  (`gemma.HEAD_COPY`) and the per-token norms of its rounding (`certified_head.BOUNDS`). Cached for the last
+  model (a 270M conversion costs ~1 s)."""
   from pasta_jax.model.gemma import HEAD_COPY, to_decode_layout
   key = (id(params), jnp.dtype(dtype).name, sharding, head_dtype)
   hit = _PARAMS_CACHE.get(key)
@@ -146,6 +147,7 @@ def decode_params(params, dtype, sharding: DecodeSharding | None = None, head_dt
   if head_dtype is not None:
     tree = dict(converted["params"])
     tree[HEAD_COPY] = tree["embedder"].astype(head_dtype)
+    tree[certified_head.BOUNDS] = jax.jit(certified_head.bound_rows)(tree["embedder"], tree[HEAD_COPY])
     converted = {**converted, "params": tree}
   if sharding is not None:
     converted = sharding.put_params(converted)
@@ -229,7 +231,7 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
             max_new_tokens: int = 256, lanes: int = 8, max_threads: int = 64, sampling: SamplingConfig = GREEDY,
             position_mode: PositionMode = "pred", dtype=jnp.float32, scripts=None, record_logits: bool = False,
             lane_buckets: bool = True, rule_inputs=None, mesh=None, attention: str = "xla",
-            head_dtype: str | None = None) -> Prepared:
+            head_dtype: str | None = None, certify_head: bool = False) -> Prepared:
   """Pads prompts (and scripts) and sizes the pool and step budget for `ids` (prompt token ids).
 
   max_new_tokens: in free decoding, the content-token budget of each answer (its text tokens, whatever
@@ -241,7 +243,11 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   attention: "xla" (default) or "pallas": attention read from the thread metadata by a kernel (on CPU it runs in
   interpret mode: correct and slow, for tests).
   head_dtype: the output head in a narrower float dtype, float32 accumulation (`check_head_dtype`); None: `dtype`.
+  certify_head: greedy choices certified against the float32 head at the narrow head's cost (head_dtype, default
+  "bfloat16"; decode/certified_head.py): the float32 model's tokens, faster on a CPU for 2+ rows.
   """
+  if certify_head and head_dtype is None:
+    head_dtype = "bfloat16"
   head_dtype = check_head_dtype(head_dtype, dtype)
   if attention not in thread_attention.CHOICES:
     raise PastaError(f"attention must be one of {', '.join(thread_attention.CHOICES)}, got {attention!r}")
@@ -267,7 +273,8 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
     cfg = InterpreterConfig(vocab=vocab, lanes=lanes, max_threads=max_threads, pool_slots=slots, max_steps=steps,
                             max_content=content_budget,
                             sampling=sampling, position_mode=position_mode, rules=rules, record_logits=record_logits,
-                            lane_buckets=lane_buckets, sharding=None if mesh is None else DecodeSharding(mesh))
+                            lane_buckets=lane_buckets, sharding=None if mesh is None else DecodeSharding(mesh),
+                            certify_head=certify_head, final_softcap=model.config.final_logit_softcap)
   except ValueError as err:
     raise PastaError(f"bad {rules.name} settings: {err}") from None
   loop.check_runnable(cfg, forced=scripts is not None)
@@ -378,6 +385,9 @@ def prepare_method(model, ids: Sequence[Sequence[int]], *, method: str = "pasta"
   if method == "sot" and (scripts is None or len({len(s) for s in scripts}) != 1):
     raise PastaError("method='sot' expands points: give each prompt the same number of point prompts as `scripts` "
                      "(pasta_jax.baselines.sot builds them from a skeleton)")
+  if kw.get("certify_head") and method == "superposed":
+    raise PastaError("certify_head certifies greedy argmax choices; method='superposed' reads its drafts' "
+                     "probabilities from the logits")
   if ignore_eos and method != "sequential":
     raise PastaError("ignore_eos is for method='sequential' (a tagged method ends its threads with end ids)")
   rules = rules_for(method, max_depth=max_depth, fan_out=fan_out, ignore_eos=ignore_eos, drafts=drafts or 3,
@@ -400,6 +410,8 @@ def prepare_tree(model, ids, method: str, *, forced: bool, return_logits: bool, 
   )
   if forced:
     raise PastaError(f"method={method!r} speculates on the model's own tokens: it replays no forced answers")
+  if kw.get("certify_head") and acceptance != "greedy":
+    raise PastaError("certify_head certifies greedy choices; typical acceptance reads probabilities from the logits")
   drafter = load_drafter(model, heads)
   size = tree_size or default_tree_size(method)
   if method == "pasta+medusa":
@@ -450,7 +462,8 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
              position_mode: PositionMode = "pred", dtype=jnp.float32, forced_answers: Sequence[str] | None = None,
              max_depth: int = 3, return_logits: bool = False, params=None, drafts: int | None = None,
              ngram="default", mesh=None, attention: str = "xla", heads=None, tree_size: int | None = None,
-             acceptance: str = "greedy", latency=None, prune=None, head_dtype: str | None = None) -> list[Result]:
+             acceptance: str = "greedy", latency=None, prune=None, head_dtype: str | None = None,
+             certify_head: bool = False) -> list[Result]:
   """Decodes each prompt (a batch; requests never interact) with `method` through the one interpreter.
 
   method: "pasta", "apar", "sequential" ("sot" needs point prompts: `generate_ids(..., scripts=...)`, or
@@ -474,6 +487,8 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
   `Result.speculation` has the accepted length per step, per-head hit rates and the tree sizes chosen.
   head_dtype: the output head in a narrower float dtype such as "bfloat16" (float32 accumulation; `check_head_dtype`):
   faster on a CPU for several rows a step, and greedy tokens may change where the top two logits nearly tie.
+  certify_head: the narrow head's speed and the float32 head's greedy tokens (decode/certified_head.py; head_dtype
+  defaults to "bfloat16"): greedy decoding only, without return_logits.
   method "pasta+medusa" (PASTA x trees): PASTA on `lanes` thread lanes, every live thread with its own `tree_size`-node
   tree (default 4) from `heads`, greedy; the answer is PASTA's (`Result.speculation`: tokens per thread per tree step).
   """
@@ -484,7 +499,7 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
                       lanes=lanes, max_threads=max_threads, sampling=sampling, position_mode=position_mode,
                       dtype=dtype, max_depth=max_depth, return_logits=return_logits, params=params,
                       drafts=drafts, ngram=ngram, mesh=mesh, attention=attention, head_dtype=head_dtype,
-                      **tree_options(method, heads, tree_size, acceptance, latency, prune))
+                      certify_head=certify_head, **tree_options(method, heads, tree_size, acceptance, latency, prune))
 
 
 def tree_options(method: str, heads, tree_size, acceptance: str, latency, prune=None) -> dict:

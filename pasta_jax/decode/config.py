@@ -28,6 +28,10 @@ class InterpreterConfig:
   lane_buckets: bool = True  # compute only as many query rows as lanes feed (1, 2, 4, ...)
   rules: Rules = PastaRules()  # the method: PastaRules, AparRules, SotRules, SequentialRules (decode/rules/)
   sharding: DecodeSharding | None = None  # decode under a mesh (decode/sharding.py); None: one device
+  # The step multiplies the output head itself (decode/certified_head.py): greedy choices certified against
+  # the float32 head, at the narrow head's cost; final_softcap: the model's final logit softcap, applied there.
+  certify_head: bool = False
+  final_softcap: float | None = None
 
   def __post_init__(self):
     if self.max_content < 0:
@@ -37,6 +41,9 @@ class InterpreterConfig:
     if not isinstance(self.rules, Rules):
       raise ValueError(f"rules must be a decode.rules object (PastaRules(), AparRules(), ...), got {self.rules!r}")
     self.rules.validate(self)
+    if self.certify_head and (not self.sampling.greedy or self.record_logits):
+      raise ValueError("certify_head certifies greedy choices: it needs temperature 0 and no recorded logits "
+                       "(the other logits are bounds, not values)")
     schema.check_position_mode(self.position_mode)
     if self.position_mode == "pred-1x" and self.vocab.length_step != 1:
       raise ValueError("position_mode='pred-1x' reads exact lengths from the tags: it needs a tag vocabulary "

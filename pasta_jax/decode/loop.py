@@ -18,7 +18,7 @@ import numpy as np
 
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.state import FREE, RUNNING, InterpState
-from pasta_jax.decode.step import ModelFn, choose_tokens, cut_at_budget, decode_step, is_content
+from pasta_jax.decode.step import ModelFn, choose_from_model, cut_at_budget, decode_step, is_content
 from pasta_jax.errors import PastaError
 from pasta_jax.lang import schema
 from pasta_jax.model.gemma import KVPool
@@ -38,10 +38,12 @@ def pool_size(prompt_len: int, new_tokens: int, lanes: int) -> int:
   return bucket(prompt_len + math.ceil(new_tokens * POOL_MARGIN) + lanes)
 
 
-def prefill(model_fn: ModelFn, params, prompt_tokens, lengths, pool_slots: int, pool_spec: tuple, sharding=None):
+def prefill(model_fn: ModelFn, params, prompt_tokens, lengths, pool_slots: int, pool_spec: tuple, sharding=None,
+            skip_head: bool = False):
   """One model call over the padded prompts [B, P] into an empty pool of `pool_slots` slots, under the
-  visibility rule (main's causal view). Returns the logits at each prompt's last token [B, 1, V] and the
-  pool. Padding rows write nowhere (slot S), so decode writes start right at each prompt's length."""
+  visibility rule (main's causal view). Returns the logits at each prompt's last token [B, 1, V] (skip_head:
+  its hidden state [B, 1, D], for `step.choose_from_model`) and the pool. Padding rows write nowhere (slot S),
+  so decode writes start right at each prompt's length."""
   batch, prompt_len = prompt_tokens.shape
   num_layers, kv_heads, head_dim, dtype = pool_spec
   pool = KVPool(*(jnp.zeros((num_layers, batch, pool_slots, kv_heads, head_dim), dtype),) * 2)
@@ -56,8 +58,9 @@ def prefill(model_fn: ModelFn, params, prompt_tokens, lengths, pool_slots: int, 
                     slot_valid)
   prefill_slots = jnp.where(idx[None, :] < lengths[:, None], positions, pool_slots)
   # Only the last prompt row's logits are computed: [B, P, V] of them would cost P output heads.
+  head = {"skip_head": True} if skip_head else {}
   return model_fn(params, prompt_tokens, positions, mask, pool, prefill_slots, slot_idx,
-                  logit_rows=(lengths - 1)[:, None])
+                  logit_rows=(lengths - 1)[:, None], **head)
 
 
 def init_state(pool: KVPool, prompt_tokens: jax.Array, lengths: jax.Array, first: jax.Array, script, script_len,
@@ -131,15 +134,16 @@ def check_runnable(cfg: InterpreterConfig, forced: bool) -> None:
 
 
 def initial_state(pool, last, prompt_tokens, lengths, script, script_len, seed, cfg: InterpreterConfig,
-                  forced: bool, vocab_size: int, rule_inputs=None) -> InterpState:
-  """The state after prefill: main's first token chosen from the last prompt logits [B, 1, V] (step 0),
-  and the rules' own state (`rules.init_rule_state`, then its first choice)."""
+                  forced: bool, vocab_size: int, rule_inputs=None, params=None) -> InterpState:
+  """The state after prefill: main's first token chosen from the last prompt logits [B, 1, V] (step 0; with
+  `cfg.certify_head`, from the hidden states [B, 1, D] and `params`' head), and the rules' own state
+  (`rules.init_rule_state`, then its first choice)."""
   init = functools.partial(init_state, pool, prompt_tokens, lengths, script=script, script_len=script_len,
                            cfg=cfg, vocab_size=vocab_size, key=jax.random.key(seed))
   state = init(first=jnp.zeros_like(lengths), main_script_ptr=0)
   state = dataclasses.replace(state, rule_state=cfg.rules.init_rule_state(prompt_tokens, lengths, rule_inputs, cfg))
   main_row = jnp.zeros((lengths.shape[0], 1), jnp.int32)
-  state, first, _ = choose_tokens(last, main_row, main_row == 0, state, cfg, forced)
+  state, first, _, last = choose_from_model(params, last, main_row, main_row == 0, state, cfg, forced)
   rule_state = state.rule_state
   state = init(first=first[:, 0], main_script_ptr=1)  # main's script starts after the prefill token
   state = cut_at_budget(dataclasses.replace(state, rule_state=rule_state), cfg)
@@ -172,9 +176,10 @@ def start_state(model_fn, params, prompt_tokens, lengths, script, script_len, se
   """Prefill and main's first token: the state before step 1. rule_inputs: read-only arrays the rules
   use on device (Superposed Decoding's n-gram index), or None."""
   check_runnable(cfg, forced)
-  last, pool = prefill(model_fn, params, prompt_tokens, lengths, cfg.pool_slots, pool_spec, cfg.sharding)
+  last, pool = prefill(model_fn, params, prompt_tokens, lengths, cfg.pool_slots, pool_spec, cfg.sharding,
+                       cfg.certify_head)
   return initial_state(pool, last, prompt_tokens, lengths, script, script_len, seed, cfg, forced, vocab_size,
-                       rule_inputs)
+                       rule_inputs, params)
 
 
 start = jax.jit(start_state, static_argnames=STATIC)

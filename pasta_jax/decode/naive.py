@@ -243,6 +243,8 @@ def naive_prefill_and_run(model_fn, params, prompt_tokens, lengths, script, scri
   Returns the final thread table (an InterpState) for `loop.unpack`."""
   if type(cfg.rules) is not PastaRules:
     raise PastaError(f"the naive interpreter is PASTA's Appendix-B baseline; it cannot run {cfg.rules.name} rules")
+  if cfg.certify_head:  # its step multiplies the head inside the model
+    raise PastaError("the naive interpreter has no certified head: use the interleaved one")
   if cfg.sampling.penalizes:  # its per-lane rows keep no pool metadata to read what a row sees
     raise PastaError("the naive interpreter has no repetition penalty: use the interleaved one")
   if cfg.sampling.distinct_topics:  # the same: it reads main's topics from the pool's metadata

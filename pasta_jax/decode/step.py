@@ -15,6 +15,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from pasta_jax.decode import certified_head
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.constraints import language_ids
 from pasta_jax.decode.sampling import penalize_repeats
@@ -63,6 +64,24 @@ def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: Interprete
   return state, jnp.where(model_choice < 0, model_choice, forced_token), jnp.zeros_like(forced_token, bool)
 
 
+def choose_from_model(params, head_input, rows_lane, row_ok, state: InterpState, cfg: InterpreterConfig,
+                      forced: bool, aux=None):
+  """`choose_tokens` on the model's first output: its logits [B, Q, V]; or, with `cfg.certify_head`, its
+  final-normed hidden states [B, Q, D], whose head the step multiplies itself (decode/certified_head.py): the
+  narrow head's mixed logits, and where a row's choice is not certified, every row again from the float32
+  head (the same choice the float32 model makes). Returns (state, tokens [B, Q], refused [B, Q], logits)."""
+  if not cfg.certify_head:
+    return (*choose_tokens(head_input, rows_lane, row_ok, state, cfg, forced, aux), head_input)
+  logits, ids = certified_head.head_logits(params, head_input, cfg.final_softcap)
+  chosen = choose_tokens(logits, rows_lane, row_ok, state, cfg, forced, aux)
+
+  def again():
+    exact = certified_head.exact_logits(params, head_input, cfg.final_softcap)
+    return (*choose_tokens(exact, rows_lane, row_ok, state, cfg, forced, aux), exact)
+
+  return jax.lax.cond(certified_head.certified(chosen[1], ids, row_ok), lambda: (*chosen, logits), again)
+
+
 def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: InterpreterConfig,
              num_q: int, forced: bool):
   """Runs the model on the first `num_q` feeding lanes of each request; returns per-lane tokens."""
@@ -77,11 +96,13 @@ def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: In
   tokens, weights = cfg.rules.feed_inputs(state, rows_lane, cfg)
   mixed = {} if weights is None else {"token_weights": weights}  # an optional part of the model contract
   extras = cfg.rules.model_extras(state, cfg, num_q)  # e.g. Medusa: return_hidden, for its heads
-  logits, pool, *aux = model_fn(params, tokens, state.position[b, rows_lane], mask, state.pool,
-                                jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos, **mixed,
-                                **extras)
+  if cfg.certify_head:
+    extras = {**extras, "skip_head": True}  # the step multiplies the head (choose_from_model)
+  head_input, pool, *aux = model_fn(params, tokens, state.position[b, rows_lane], mask, state.pool,
+                                    jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos,
+                                    **mixed, **extras)
   aux = None if not aux else aux[0] if len(aux) == 1 else tuple(aux)  # what model_extras asked for
-  state, chosen, refused = choose_tokens(logits, rows_lane, row_ok, state, cfg, forced, aux)
+  state, chosen, refused, logits = choose_from_model(params, head_input, rows_lane, row_ok, state, cfg, forced, aux)
   scatter_lane = jnp.where(row_ok, rows_lane, cfg.lanes)  # padding rows are dropped
   sampled = jnp.full((batch, cfg.lanes), -1, jnp.int32).at[b, scatter_lane].set(chosen, mode="drop")
   refused = jnp.zeros((batch, cfg.lanes), bool).at[b, scatter_lane].set(refused, mode="drop")

@@ -64,10 +64,11 @@ class DecodeSettings:
   repetition_penalty: float = 1.0  # greedy under CTRL's penalty (decode.sampling), for every method alike
   distinct_topics: bool = False  # PASTA's main may not reuse a promise topic (decode.sampling)
   head_dtype: str | None = None  # the output head in a narrower dtype (api.check_head_dtype), for every method
+  certify_head: bool = False  # greedy choices certified against the float32 head (decode/certified_head.py)
 
   def identity(self) -> dict:
     """What makes two runs comparable; a setting added later is left out at its default, so older runs resume."""
-    added_later = {"distinct_topics": False, "head_dtype": None}
+    added_later = {"distinct_topics": False, "head_dtype": None, "certify_head": False}
     return {k: v for k, v in vars(self).items() if not (k in added_later and v == added_later[k])}
 
 
@@ -127,7 +128,8 @@ class InterpreterMethod:
     sampling = SamplingConfig(repetition_penalty=s.repetition_penalty, distinct_topics=s.distinct_topics)
     [result] = api.generate(self.model, [record_prompt(record)], method=self.method, max_new_tokens=budget,
                             lanes=s.lanes, chat=s.chat, dtype=jnp.dtype(s.dtype), sampling=sampling,
-                            head_dtype=s.head_dtype, forced_answers=None if answer is None else [answer],
+                            head_dtype=s.head_dtype, certify_head=s.certify_head,
+                            forced_answers=None if answer is None else [answer],
                             **self.method_options)
     if result.drafts:
       note = f"best of {len(result.drafts)} drafts"

@@ -342,14 +342,17 @@ class Gemma(nn.Module):
   @nn.compact
   def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None,
                kv_positions=None, return_hidden: bool = False, token_weights=None, logit_rows=None,
-               hidden_only: bool = False, row_select: RowSelect | None = None, hidden_after: int | None = None):
+               hidden_only: bool = False, row_select: RowSelect | None = None, hidden_after: int | None = None,
+               skip_head: bool = False):
     """tokens: [B, Q] ids; or [B, Q, K] ids with token_weights [B, Q, K], when each input row is the
     weighted sum of K tokens' embeddings (a superposed input, as Superposed Decoding feeds).
     logit_rows: [B, R] query rows whose logits (and hidden states) are returned, [B, R, V]; None: all Q.
     A prefill needs only the last prompt row's: the output head is most of a small model's work.
     hidden_only: return the final-normed hidden states [B, Q, D] alone (Medusa-1 training reads only these).
     row_select: ProPD's early pruning (`RowSelect`): the outputs gain `kept` [B, Q] bool last.
-    hidden_after: return the residual stream [B, Q, D] after that many layers alone (an early head's input)."""
+    hidden_after: return the residual stream [B, Q, D] after that many layers alone (an early head's input).
+    skip_head: the final-normed hidden states [B, R, D] take the logits' place in the outputs: the caller
+    multiplies the head itself (`decode.certified_head`)."""
     cfg = self.config
     embedding = self.param("embedder", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.embed_dim))
     row_delta, x = self._embed(embedding, tokens, token_weights)
@@ -386,11 +389,14 @@ class Gemma(nn.Module):
       return x
     if logit_rows is not None:
       x = jnp.take_along_axis(x, logit_rows[..., None], axis=1)  # [B, R, D]
-    logits = output_head(x, self._unembed(embedding), self.decode_layout)
+    if skip_head and row_delta is not None:
+      raise ValueError("skip_head needs the adapter's embedding rows folded in (lora.fold)")
+    logits = x if skip_head else output_head(x, self._unembed(embedding), self.decode_layout)
     if row_delta is not None:  # the tied head's rows move with the embedding
       extra = jnp.einsum("bqd,nd->bqn", x, row_delta, preferred_element_type=jnp.float32)
       logits = logits.at[..., jnp.asarray(self.adapter.row_ids)].add(extra)
-    logits = self._constrain(softcap(logits, cfg.final_logit_softcap), last="tensor")
+    if not skip_head:
+      logits = self._constrain(softcap(logits, cfg.final_logit_softcap), last="tensor")
     new_pool = None if pool is None else KVPool(pk, pv)
     outputs = (logits, new_pool) + ((x,) if return_hidden else ())
     if row_select is None:

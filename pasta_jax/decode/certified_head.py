@@ -1,0 +1,70 @@
+"""The certified narrow head: greedy choices of the float32 output head at the cost of a bfloat16 one.
+
+On a CPU the output head (262k x 640 on Gemma 3 270M) is most of a step, and a step of 2-8 query rows reads
+it in float32 at YNNPACK's slower multi-row rate (docs/interpreter.md, "Weight layout of the step"). A bfloat16
+copy halves the bytes, but its greedy tokens differ from float32's where the top two logits are close. This
+head keeps the float32 choice exactly:
+
+1. approximate logits l~ = bf16(x) . bf16(w_v), float32 accumulation, for every row and token v;
+2. a rigorous bound |x . w_v - l~_v| <= b_v = |x| |w_v - bf16(w_v)| + (|x - bf16(x)| + D 2^-23 |x|) |bf16(w_v)|
+   (Cauchy-Schwarz on each rounding, plus the float32 accumulation's error), from two per-token norms
+   precomputed once (`bound_rows`);
+3. the K tokens of largest upper bound l~ + b get their exact float32 logit x . w_v; every other token keeps its
+   upper bound l~ + b ("mixed" logits).
+
+Whatever monotone per-token change the interpreter applies next (the repetition penalty, the grammar's -inf,
+a softcap), an argmax that lands on one of the K exact tokens is the float32 argmax: every other token's true
+value lies below its bound, which lost. An argmax that lands on a bound is not certified: that step's rows are
+chosen again from the float32 head (`decode.step`). On the tuned 270M's answers 99% of positions have at most
+16 candidates, so the fallback is rare. One row alone (batch 1, one lane) takes the float32 head directly: its
+gemv reads the float32 head as fast as the narrow one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pasta_jax.model.gemma import HEAD_COPY, output_head, softcap
+
+BOUNDS = "unembed_bounds"  # decode params: {"rounding": [V] |w_v - bf16(w_v)|, "norm": [V] |bf16(w_v)|}
+CANDIDATES = 16  # K: tokens whose exact logit is computed per row
+ACCUMULATION = 2.0**-23  # float32's unit roundoff, per accumulated product (a loose, safe bound)
+
+
+def bound_rows(embedding: jax.Array, narrow: jax.Array) -> dict:
+  """The per-token norms of the bound: embedding [V, D] float32 and its narrow copy [V, D]."""
+  wide = narrow.astype(jnp.float32)
+  return {"rounding": jnp.linalg.norm(embedding - wide, axis=-1), "norm": jnp.linalg.norm(wide, axis=-1)}
+
+
+def head_logits(params, x: jax.Array, cap: float | None, decode_layout: bool = True):
+  """x [B, Q, D] final-normed hidden -> (logits [B, Q, V], exact ids [B, Q, K] or None).
+
+  One row: the exact float32 head, ids None. More: mixed logits (exact at the K ids, upper bounds elsewhere)."""
+  tree = params["params"]
+  if x.shape[0] * x.shape[1] == 1:
+    return softcap(output_head(x, tree["embedder"], decode_layout), cap), None
+  narrow_x = x.astype(tree[HEAD_COPY].dtype)  # what output_head multiplies the narrow head with
+  approx = output_head(x, tree[HEAD_COPY], decode_layout)  # [B, Q, V] float32
+  x_norm = jnp.linalg.norm(x, axis=-1, keepdims=True)  # [B, Q, 1]
+  x_error = jnp.linalg.norm(x - narrow_x.astype(x.dtype), axis=-1, keepdims=True)
+  bounds = tree[BOUNDS]
+  bound = x_norm * bounds["rounding"] + (x_error + x.shape[-1] * ACCUMULATION * x_norm) * bounds["norm"]
+  upper = approx + bound
+  ids = jax.lax.top_k(upper, CANDIDATES)[1]  # [B, Q, K]
+  exact = jnp.einsum("bqd,bqkd->bqk", x, tree["embedder"][ids], preferred_element_type=jnp.float32)
+  b, q = jnp.arange(x.shape[0])[:, None, None], jnp.arange(x.shape[1])[None, :, None]
+  return softcap(upper.at[b, q, ids].set(exact), cap), ids
+
+
+def exact_logits(params, x: jax.Array, cap: float | None, decode_layout: bool = True) -> jax.Array:
+  """The float32 head: x [B, Q, D] -> logits [B, Q, V]."""
+  return softcap(output_head(x, params["params"]["embedder"], decode_layout), cap)
+
+
+def certified(chosen: jax.Array, ids: jax.Array | None, row_ok: jax.Array) -> jax.Array:
+  """Scalar bool: every row that fed chose one of its exact tokens. chosen, row_ok: [B, Q]; ids [B, Q, K]."""
+  if ids is None:
+    return jnp.bool_(True)
+  return jnp.all(~row_ok | jnp.any(ids == chosen[..., None], axis=-1))

@@ -1,0 +1,91 @@
+"""The certified narrow head (decode/certified_head.py): exact where it says so, an upper bound elsewhere, and greedy
+decoding through it writes the float32 model's tokens, fallback included."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pasta_jax.decode import api, certified_head
+from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.errors import PastaError
+from pasta_jax.model.gemma import HEAD_COPY
+from tests.tiny import tiny_model
+
+PROMPTS = ["hello there", "list three colours"]
+
+
+def head_params(embedding: jax.Array) -> dict:
+  narrow = embedding.astype(jnp.bfloat16)
+  return {"params": {"embedder": embedding, HEAD_COPY: narrow,
+                     certified_head.BOUNDS: certified_head.bound_rows(embedding, narrow)}}
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**16), scale=st.sampled_from([0.05, 1.0, 30.0]), rows=st.sampled_from([(1, 2), (2, 3)]))
+def test_mixed_logits_are_exact_at_their_ids_and_bound_every_other_token(seed, scale, rows):
+  keys = jax.random.split(jax.random.key(seed), 2)
+  embedding = jax.random.normal(keys[0], (700, 48)) * scale
+  x = jax.random.normal(keys[1], (*rows, 48)) * 3.0
+  mixed, ids = certified_head.head_logits(head_params(embedding), x, None)
+  truth = np.einsum("bqd,vd->bqv", np.asarray(x, np.float64), np.asarray(embedding, np.float64))
+  at_ids = np.take_along_axis(truth, np.asarray(ids), axis=-1)
+  np.testing.assert_allclose(np.take_along_axis(np.asarray(mixed), np.asarray(ids), axis=-1), at_ids,
+                             rtol=1e-5, atol=1e-5 * scale)
+  bounded = np.ones(truth.shape, bool)
+  np.put_along_axis(bounded, np.asarray(ids), False, axis=-1)
+  assert np.all(np.asarray(mixed, np.float64)[bounded] >= truth[bounded])  # an upper bound everywhere else
+
+
+def test_one_row_takes_the_float32_head():
+  embedding = jax.random.normal(jax.random.key(0), (300, 32))
+  x = jax.random.normal(jax.random.key(1), (1, 1, 32))
+  logits, ids = certified_head.head_logits(head_params(embedding), x, None)
+  assert ids is None
+  np.testing.assert_allclose(logits, x @ embedding.T, rtol=1e-5, atol=1e-5)
+
+
+def tokens_of(results) -> list[list[int]]:
+  return [[int(t) for t in r.records[:, 3]] for r in results]
+
+
+@pytest.mark.parametrize("method", ["sequential", "pasta"])
+def test_certified_greedy_decoding_writes_the_float32_tokens(method):
+  """A batch of two (every step multiplies 2+ rows, so the narrow head and its certificate decide), under a
+  repetition penalty the certificate must hold through."""
+  model = tiny_model("tiny-gemma3", seed=3)
+  sampling = SamplingConfig(repetition_penalty=1.3)
+  plain = api.generate(model, PROMPTS, method=method, max_new_tokens=24, sampling=sampling)
+  certified = api.generate(model, PROMPTS, method=method, max_new_tokens=24, sampling=sampling, certify_head=True)
+  assert tokens_of(certified) == tokens_of(plain)
+  assert [r.text for r in certified] == [r.text for r in plain]
+
+
+def test_the_float32_head_decides_where_the_certificate_fails(monkeypatch):
+  """One exact token per row and bounds made 1000x looser: the argmax nearly always lands on a bound, so nearly
+  every step must be chosen again from the float32 head (without that fallback the tokens differ)."""
+  monkeypatch.setattr(certified_head, "CANDIDATES", 1)
+  loose = certified_head.bound_rows
+  monkeypatch.setattr(certified_head, "bound_rows", lambda wide, narrow: jax.tree.map(lambda b: 1e3 * b,
+                                                                                      loose(wide, narrow)))
+  model = tiny_model("tiny-gemma3", seed=3)
+  sampling = SamplingConfig(repetition_penalty=1.3)
+  plain = api.generate(model, PROMPTS, method="sequential", max_new_tokens=24, sampling=sampling)
+  certified = api.generate(model, PROMPTS, method="sequential", max_new_tokens=24, sampling=sampling,
+                           certify_head=True)
+  assert tokens_of(certified) == tokens_of(plain)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(sampling=SamplingConfig(temperature=1.0)), "greedy"),
+    (dict(return_logits=True), "greedy"),
+    (dict(method="superposed", ngram=None), "superposed"),
+])
+def test_certify_head_refuses_what_reads_more_than_the_argmax(options, match):
+  model = tiny_model("tiny-gemma3", seed=3)
+  with pytest.raises(PastaError, match=match):
+    api.generate(model, PROMPTS[:1], max_new_tokens=4, certify_head=True, **options)
