@@ -89,3 +89,15 @@ def test_certify_head_refuses_what_reads_more_than_the_argmax(options, match):
   model = tiny_model("tiny-gemma3", seed=3)
   with pytest.raises(PastaError, match=match):
     api.generate(model, PROMPTS[:1], max_new_tokens=4, certify_head=True, **options)
+
+
+def test_a_forced_replay_with_a_certified_head_replays_the_same_records():
+  """Forced tokens need no certificate (a check would fail on every scripted token and fall back each step)."""
+  model = tiny_model("tiny-gemma3", seed=3)
+  answer = '<promise topic="red" tokens="10"/><async> Red is warm.</async> <sync/> Done.'
+  plain = api.generate(model, ["Two colors:", "Two more:"], forced_answers=[answer] * 2, chat=False)
+  certified = api.generate(model, ["Two colors:", "Two more:"], forced_answers=[answer] * 2, chat=False,
+                           certify_head=True)
+  for a, b in zip(plain, certified):
+    np.testing.assert_array_equal(a.records, b.records)
+    assert a.annotated == b.annotated

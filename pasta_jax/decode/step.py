@@ -72,13 +72,17 @@ def choose_from_model(params, head_input, rows_lane, row_ok, state: InterpState,
   head (the same choice the float32 model makes). Returns (state, tokens [B, Q], refused [B, Q], logits)."""
   if not cfg.certify_head:
     return (*choose_tokens(head_input, rows_lane, row_ok, state, cfg, forced, aux), head_input)
-  logits, ids = certified_head.head_logits(params, head_input, cfg.final_softcap)
-  chosen = choose_tokens(logits, rows_lane, row_ok, state, cfg, forced, aux)
 
   def again():
     exact = certified_head.exact_logits(params, head_input, cfg.final_softcap)
     return (*choose_tokens(exact, rows_lane, row_ok, state, cfg, forced, aux), exact)
 
+  if forced and cfg.rules.sample_after_script:  # scripted rows would fail the certificate: plain float32
+    return again()
+  logits, ids = certified_head.head_logits(params, head_input, cfg.final_softcap)
+  chosen = choose_tokens(logits, rows_lane, row_ok, state, cfg, forced, aux)
+  if forced:  # the scripts choose; the head only has to run
+    return (*chosen, logits)
   return jax.lax.cond(certified_head.certified(chosen[1], ids, row_ok), lambda: (*chosen, logits), again)
 
 
