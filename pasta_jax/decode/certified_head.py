@@ -63,8 +63,6 @@ def exact_logits(params, x: jax.Array, cap: float | None, decode_layout: bool = 
   return softcap(output_head(x, params["params"]["embedder"], decode_layout), cap)
 
 
-def certified(chosen: jax.Array, ids: jax.Array | None, row_ok: jax.Array) -> jax.Array:
+def certified(chosen: jax.Array, ids: jax.Array, row_ok: jax.Array) -> jax.Array:
   """Scalar bool: every row that fed chose one of its exact tokens. chosen, row_ok: [B, Q]; ids [B, Q, K]."""
-  if ids is None:
-    return jnp.bool_(True)
   return jnp.all(~row_ok | jnp.any(ids == chosen[..., None], axis=-1))

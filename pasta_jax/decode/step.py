@@ -72,18 +72,25 @@ def choose_from_model(params, head_input, rows_lane, row_ok, state: InterpState,
   head (the same choice the float32 model makes). Returns (state, tokens [B, Q], refused [B, Q], logits)."""
   if not cfg.certify_head:
     return (*choose_tokens(head_input, rows_lane, row_ok, state, cfg, forced, aux), head_input)
+  pool, state = state.pool, dataclasses.replace(state, pool=None)  # choosing never reads the pool: the cond
+  state, tokens, refused, logits = _choose_certified(params, head_input, rows_lane, row_ok, state, cfg, forced, aux)
+  return dataclasses.replace(state, pool=pool), tokens, refused, logits  # would copy it (tens of MB) each step
 
+
+def _choose_certified(params, head_input, rows_lane, row_ok, state: InterpState, cfg: InterpreterConfig,
+                      forced: bool, aux):
+  """choose_from_model's certified head. Its logits out are None: they are bounds, and no one records them."""
   def again():
     exact = certified_head.exact_logits(params, head_input, cfg.final_softcap)
-    return (*choose_tokens(exact, rows_lane, row_ok, state, cfg, forced, aux), exact)
+    return choose_tokens(exact, rows_lane, row_ok, state, cfg, forced, aux)
 
   if forced and cfg.rules.sample_after_script:  # scripted rows would fail the certificate: plain float32
-    return again()
+    return (*again(), None)
   logits, ids = certified_head.head_logits(params, head_input, cfg.final_softcap)
   chosen = choose_tokens(logits, rows_lane, row_ok, state, cfg, forced, aux)
-  if forced:  # the scripts choose; the head only has to run
-    return (*chosen, logits)
-  return jax.lax.cond(certified_head.certified(chosen[1], ids, row_ok), lambda: (*chosen, logits), again)
+  if forced or ids is None:  # the scripts choose (the head only has to run); or the float32 head chose
+    return (*chosen, None)
+  return (*jax.lax.cond(certified_head.certified(chosen[1], ids, row_ok), lambda: chosen, again), None)
 
 
 def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: InterpreterConfig,
