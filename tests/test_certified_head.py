@@ -101,3 +101,9 @@ def test_a_forced_replay_with_a_certified_head_replays_the_same_records():
   for a, b in zip(plain, certified):
     np.testing.assert_array_equal(a.records, b.records)
     assert a.annotated == b.annotated
+
+
+def test_certify_head_is_part_of_an_eval_runs_identity_only_when_set():
+  from pasta_jax.eval.methods import DecodeSettings
+  assert "certify_head" not in DecodeSettings().identity()  # runs stored before the option still resume
+  assert DecodeSettings(certify_head=True).identity()["certify_head"] is True

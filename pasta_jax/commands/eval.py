@@ -43,6 +43,9 @@ def build_eval_parser(subparsers) -> argparse.ArgumentParser:
                       help="greedy under CTRL's repetition penalty, for every method and the baseline (1 = off)")
   parser.add_argument("--distinct-topics", action="store_true",
                       help="PASTA's main may not close a promise on a topic it already used (decode.sampling)")
+  parser.add_argument("--certify-head", action="store_true",
+                      help="every method's greedy choices certified against the float32 head at the bfloat16 head's "
+                           "cost (decode/certified_head.py): the same answers, faster steps of several rows")
   parser.add_argument("--judge", default="auto", metavar="auto|none|http|local[:MODEL]",
                       help=f"pairwise judge for quality; auto = http if {JUDGE_URL_ENV} is set, else none")
   parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
@@ -61,7 +64,8 @@ def run_eval(args) -> int:
   specs = [registry.parse_spec(text) for text in args.methods]
   records = sources.read_records(args.prompts, args.limit)
   settings = M.DecodeSettings(max_new_tokens=args.max_new_tokens, lanes=args.lanes, chat=args.chat, dtype=args.dtype,
-                              repetition_penalty=args.repetition_penalty, distinct_topics=args.distinct_topics)
+                              repetition_penalty=args.repetition_penalty, distinct_topics=args.distinct_topics,
+                              certify_head=args.certify_head)
   identity = dict(prompts=sources.dataset_name(args.prompts), model=args.model, **settings.identity())
   out = Path(args.out)
   judge, judge_note = make_judge(args.judge, out)
