@@ -72,9 +72,10 @@ def choose_from_model(params, head_input, rows_lane, row_ok, state: InterpState,
   head (the same choice the float32 model makes). Returns (state, tokens [B, Q], refused [B, Q], logits)."""
   if not cfg.certify_head:
     return (*choose_tokens(head_input, rows_lane, row_ok, state, cfg, forced, aux), head_input)
-  pool, state = state.pool, dataclasses.replace(state, pool=None)  # choosing never reads the pool: the cond
+  # Choosing never reads the KV pool; left in the state, the fallback's cond would copy it (tens of MB) each step.
+  pool, state = state.pool, dataclasses.replace(state, pool=None)
   state, tokens, refused, logits = _choose_certified(params, head_input, rows_lane, row_ok, state, cfg, forced, aux)
-  return dataclasses.replace(state, pool=pool), tokens, refused, logits  # would copy it (tens of MB) each step
+  return dataclasses.replace(state, pool=pool), tokens, refused, logits
 
 
 def _choose_certified(params, head_input, rows_lane, row_ok, state: InterpState, cfg: InterpreterConfig,
