@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import importlib
 
+from pasta_jax import xla_flags
+
+xla_flags.apply()  # before any backend starts: the decode loop runs as one CUDA graph on a GPU
+
 _EXPORTS = {
     "generate": "pasta_jax.decode.api",
     "Result": "pasta_jax.decode.api",
