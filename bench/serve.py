@@ -17,6 +17,9 @@ against the same prompts one at a time (content tokens / s), no server at all.
   python -m bench.serve [--levels 1,4,16,64] [--max-tokens 64] [--batch 16] [--chunk 8]
 Last line: RESULT throughput_16_over_1=... ttft_p99_s=... (16 clients) lost=... mixed_up=... batch1_over_generate=...
           ceiling_16_over_1=...
+`--certify-head`: the server, `generate` alone and the ceiling choose through the certified bfloat16 head.
+`--ceiling-only`: no server; the ceiling with the float32 head and with the certified head, side by side:
+  RESULT ceiling_16_over_1=... ceiling_certified_16_over_1=... certified_over_float32_batched=... same_answers=...
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def server(args, batch: int, log: Path, chunk: int | None = None):
   cmd = [sys.executable, "-m", "pasta_jax.cli", "serve", "--port", str(port), "--batch", str(batch),
          "--chunk", str(chunk or args.chunk), "--max-tokens", str(args.max_tokens), "--max-queue", "256",
          "--pool", str(args.pool), "--warmup", "pasta,sequential", "--lanes", str(args.lanes)]
+  cmd += ["--certify-head"] if args.certify_head else []
   proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
   url = f"http://127.0.0.1:{port}"
   try:
@@ -175,26 +179,49 @@ def check_answers(model, answers: list[dict], max_tokens: int, lanes: int) -> li
   return mixed
 
 
-def batching_ceiling(model, prompts: list[str], max_tokens: int) -> tuple[float, float]:
-  """Content tokens / s of plain greedy `generate`: all `prompts` in one batch, and one at a time (each warm)."""
+def batching_ceiling(model, prompts: list[str], max_tokens: int, certify_head: bool = False,
+                     texts: list | None = None) -> tuple[float, float]:
+  """Content tokens / s of plain greedy `generate`: all `prompts` in one batch, and one at a time (each warm).
+  The batched answers' texts are appended to `texts` when given."""
   from pasta_jax.decode import api
-  def rate(batches):
+  kw = dict(method="sequential", max_new_tokens=max_tokens, certify_head=certify_head)
+  def rate(batches, keep=None):
     for batch in batches:  # compile every shape first
-      api.generate(model, batch, method="sequential", max_new_tokens=max_tokens)
+      api.generate(model, batch, **kw)
     start, tokens = time.perf_counter(), 0
     for batch in batches:
-      tokens += sum(r.content_tokens for r in api.generate(model, batch, method="sequential",
-                                                           max_new_tokens=max_tokens))
+      results = api.generate(model, batch, **kw)
+      tokens += sum(r.content_tokens for r in results)
+      if keep is not None:
+        keep.extend(r.text for r in results)
     return tokens / (time.perf_counter() - start)
-  return rate([prompts]), rate([[p] for p in prompts])
+  return rate([prompts], texts), rate([[p] for p in prompts])
 
 
-def generate_rate(model, prompt: str, method: str, max_tokens: int) -> float:
+def ceiling_only(args, prompts: list[str]) -> None:
+  """The device's batching ceiling with the float32 head and with the certified head, side by side, no server."""
+  from pasta_jax.model.load import load_model
+  model, rows, texts = load_model(None), {}, {}
+  for certify in (False, True):
+    texts[certify] = []
+    rows[certify] = batching_ceiling(model, prompts[:args.ceiling], args.max_tokens, certify, texts[certify])
+    print(f"{'certified' if certify else 'float32'} head: {args.ceiling} prompts in one batch {rows[certify][0]:.1f} "
+          f"tok/s, one at a time {rows[certify][1]:.1f} tok/s ({rows[certify][0] / rows[certify][1]:.2f}x)", flush=True)
+  same = sum(a == b for a, b in zip(texts[False], texts[True], strict=True))
+  print(f"batched answers identical between the heads: {same} of {len(texts[False])}")
+  (float32_batched, float32_alone), (certified_batched, _) = rows[False], rows[True]
+  print(f"RESULT ceiling_16_over_1={float32_batched / float32_alone:.2f} "
+        f"ceiling_certified_16_over_1={certified_batched / float32_alone:.2f} "
+        f"certified_over_float32_batched={certified_batched / float32_batched:.2f} same_answers={same}")
+
+
+def generate_rate(model, prompt: str, method: str, max_tokens: int, certify_head: bool = False) -> float:
   """Content tokens per second of `generate` alone, wall time of its second (warm) call."""
   from pasta_jax.decode import api
-  api.generate(model, [prompt], method=method, max_new_tokens=max_tokens)
+  kw = dict(method=method, max_new_tokens=max_tokens, certify_head=certify_head and method != "superposed")
+  api.generate(model, [prompt], **kw)
   start = time.perf_counter()
-  result = api.generate(model, [prompt], method=method, max_new_tokens=max_tokens)[0]
+  result = api.generate(model, [prompt], **kw)[0]
   return result.content_tokens / (time.perf_counter() - start)
 
 
@@ -215,6 +242,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="methods the requests take in turn (pasta, sequential, apar, pasta-v0, medusa, propd, sot)")
   parser.add_argument("--ceiling", type=int, default=16, help="prompts in the plain batched-generate ceiling (0: skip)")
   parser.add_argument("--start-timeout", type=float, default=900)
+  parser.add_argument("--certify-head", action="store_true",
+                      help="the server, generate alone and the ceiling choose greedy tokens through the certified "
+                           "bfloat16 head (the same answers: the mixed-up check compares with float32 generate)")
+  parser.add_argument("--ceiling-only", action="store_true",
+                      help="no server: the batching ceiling with the float32 and the certified head, side by side")
   parser.add_argument("--out", default="runs/bench_serve")
   return parser.parse_args(argv)
 
@@ -226,6 +258,8 @@ def main(argv=None) -> None:
   levels = [int(x) for x in args.levels.split(",")]
   methods = [m.strip() for m in args.methods.split(",") if m.strip()]
   prompts = [r["instruction"] for r in sources.read_records(args.prompts, max_records=200)]
+  if args.ceiling_only:
+    return ceiling_only(args, prompts)
   reports, answers_all, peak = [], [], float("nan")
   with server(args, args.batch, out / "server.log") as (url, proc):
     for i, clients in enumerate(levels):
@@ -253,9 +287,10 @@ def main(argv=None) -> None:
   model = load_model(None)
   differing = check_answers(model, answers_all + [a for k in chunks for a in alone_by_chunk[k]], args.max_tokens,
                         args.lanes)
-  batched_tps, one_by_one_tps = batching_ceiling(model, prompts[:args.ceiling], args.max_tokens) if args.ceiling \
-      else (float("nan"), float("nan"))
-  rates = [generate_rate(model, a["prompt"], a["method"], args.max_tokens) for a in alone]
+  nan = (float("nan"), float("nan"))
+  ceiling = batching_ceiling(model, prompts[:args.ceiling], args.max_tokens, args.certify_head) if args.ceiling else nan
+  batched_tps, one_by_one_tps = ceiling
+  rates = [generate_rate(model, a["prompt"], a["method"], args.max_tokens, args.certify_head) for a in alone]
   by_chunk = {k: statistics.median((a["tokens"] / a["seconds"]) / rate
                                    for a, rate in zip(alone_by_chunk[k], rates, strict=True)) for k in chunks}
   ratio = by_chunk[args.chunk]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import socket
 import threading
@@ -291,3 +292,37 @@ def test_a_newcomers_first_text_streams_after_a_short_chunk():
     assert "".join(u.delta for u, _ in seen) == reference("Tea?", "sequential", 24, chat=False)
   finally:
     engine.stop(grace_s=0)
+
+
+@pytest.mark.parametrize("method", ["pasta", "propd", "apar"])
+def test_a_certified_head_serves_the_float32_answers(method):
+  """`certify_head`: greedy batches choose through the certified bfloat16 head and answer exactly as the float32
+  `generate` does; a sampled request's batch keeps the float32 head."""
+  import queue
+
+  from pasta_jax.serve.engine import Request
+  cfg = dataclasses.replace(CFG, batch=2, max_tokens=16, default_max_tokens=16, certify_head=True)
+  engine = Engine(MODEL, cfg).start()
+  try:
+    done: queue.Queue = queue.Queue()
+    prompts = PROMPTS[:2]
+    for i, prompt in enumerate(prompts):
+      ids = MODEL.tokenizer.encode(prompt, add_bos=True)
+      engine.submit(Request(ids=ids, method=method, max_tokens=16, sink=lambda u, i=i: done.put((i, u))))
+    texts = collections.defaultdict(str)
+    finished = 0
+    while finished < len(prompts):
+      i, update = done.get(timeout=300)
+      texts[i] += update.delta
+      finished += update.done
+    assert [texts[i] for i in range(len(prompts))] == [reference(p, method, 16, chat=False) for p in prompts]
+    batches = {key: batch.prep.cfg.certify_head for key, batch in engine.batches.items()}
+    assert batches and all(batches.values()), batches
+    assert not engine.certifies(method, SamplingConfig(temperature=0.7))
+  finally:
+    engine.stop(grace_s=0)
+
+
+def test_certify_head_is_refused_for_a_bfloat16_model():
+  with pytest.raises(ValueError, match="float32"):
+    ServeConfig(dtype="bfloat16", certify_head=True)

@@ -31,6 +31,9 @@ def add_serve_parser(subparsers) -> None:
   serve.add_argument("--heads", default=None, help="Medusa heads folder for method medusa (default: the model's)")
   serve.add_argument("--tree-size", type=int, default=None,
                      help="Medusa's fixed tree size, ProPD's largest (default: 16 for medusa, 64 for propd)")
+  serve.add_argument("--certify-head", action="store_true",
+                     help="greedy requests choose from a bfloat16 head copy certified against the float32 head: "
+                          "the same tokens, a cheaper step at several rows (float32 only)")
   serve.add_argument("--drafts", type=int, default=3, help="Superposed Decoding's k (a request's n takes the best n)")
   serve.add_argument("--ngram", default="default",
                      help="Superposed Decoding's n-gram index folder ('default': `pasta ngram build`'s; 'none': off)")
@@ -45,7 +48,7 @@ def run_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(batch=args.batch, pool_slots=args.pool, lanes=args.lanes, chunk_steps=args.chunk,
                       first_chunk_steps=args.first_chunk, max_queue=args.max_queue, max_tokens=args.max_tokens,
                       dtype=args.dtype, heads=args.heads, tree_size=args.tree_size, drafts=args.drafts,
-                      ngram=None if args.ngram == "none" else args.ngram)
+                      ngram=None if args.ngram == "none" else args.ngram, certify_head=args.certify_head)
   except ValueError as err:
     raise PastaError(str(err)) from None
   model = load_model(args.model)

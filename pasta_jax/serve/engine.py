@@ -56,6 +56,9 @@ class ServeConfig:
   propd_samples: int = 2  # ProPD: timed chunks per tree size and rows bucket before T(s) is fitted (`serve/propd.py`)
   sot: SotConfig = SotConfig()  # SoT's stages (its point and answer budgets are each request's max_tokens)
   sot_script_tokens: int = 128  # the longest point prompt a SoT row takes (longer: answered plainly)
+  # Greedy batches choose from a bfloat16 copy of the head, certified against the float32 one (the same tokens;
+  # `decode/certified_head.py`); sampled requests and Superposed Decoding read logit values and keep float32.
+  certify_head: bool = False
 
   def __post_init__(self):
     if self.default_max_tokens is None:
@@ -68,6 +71,8 @@ class ServeConfig:
       raise ValueError(f"tree_size must be at least 1, got {self.tree_size}")
     if self.default_max_tokens > self.max_tokens:
       raise ValueError(f"default_max_tokens {self.default_max_tokens} > max_tokens {self.max_tokens}")
+    if self.certify_head and self.dtype != "float32":
+      raise ValueError(f"certify_head certifies a float32 model's head, not a {self.dtype} one")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,6 +342,8 @@ class Engine:
       extra["latency"] = (1.0, 1.0)
     if method == "superposed":
       extra = {"drafts": self.cfg.drafts, "ngram": self.cfg.ngram}
+    if self.certifies(method, sampling):
+      extra["certify_head"] = True
     script_len, max_tokens = 0, self.cfg.max_tokens
     if method == sot.EXPAND:  # a fan-out of sot_fan_out threads, each with its point prompt
       extra = {"scripts": [[bos] * self.sot_fan_out], "max_threads": self.sot_fan_out}
@@ -352,6 +359,10 @@ class Engine:
     latency = OnlineLatency(cfg.rules.sizes, self.cfg.propd_samples) if method == "propd" else None
     self.batches[key] = MethodBatch(rows, dataclasses.replace(prep, cfg=cfg), latency=latency)
     return self.batches[key]
+
+  def certifies(self, method: str, sampling) -> bool:
+    """Whether the batch of (method, sampling) chooses through the certified head (`ServeConfig.certify_head`)."""
+    return self.cfg.certify_head and sampling.greedy and method != "superposed"
 
   def _run_chunk(self, key: tuple) -> None:
     entry = self.batches[key]
