@@ -294,7 +294,7 @@ def test_a_newcomers_first_text_streams_after_a_short_chunk():
     engine.stop(grace_s=0)
 
 
-@pytest.mark.parametrize("method", ["pasta", "propd", "apar"])
+@pytest.mark.parametrize("method", ["pasta", "propd"])
 def test_a_certified_head_serves_the_float32_answers(method):
   """`certify_head`: greedy batches choose through the certified bfloat16 head and answer exactly as the float32
   `generate` does; a sampled request's batch keeps the float32 head."""
