@@ -96,7 +96,7 @@ def bench_batch(model, drafter, ids, batch: int, args) -> dict:
   for name, prune in (("propd", None), ("propd-unpruned", False)):
     calibration = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16, prune=prune,
                                     **({"certify_head": True} if args.certify_head else {}))
-    rows[name] = timed(model, groups, args.runs, method="propd", heads=drafter, tree_size=args.tree,
+    rows[name] = timed(model, groups, args.runs, method="propd", heads=drafter, tree_size=calibration["tree_size"],
                        latency=calibration["table"], prune=prune, **common)
     rows[name]["calibration"] = calibration
   return rows
@@ -120,7 +120,7 @@ def report(batch: int, rows: dict) -> None:
     cal = rows[name]["calibration"]
     times = " ".join(f"T({s})={t * 1e3:.1f}ms" for s, t in zip(cal["sizes"], cal["seconds"]))
     print(f"{name} latency calibration: {times}; fit alpha={cal['alpha'] * 1e3:.2f} ms/node "
-          f"beta={cal['beta'] * 1e3:.1f} ms")
+          f"beta={cal['beta'] * 1e3:.1f} ms; compiled tree {cal['tree_size']} nodes (larger sizes cannot pay)")
   medusa_key = max((k for k in rows if k.startswith("medusa-")), key=lambda k: rows[k]["accept"])
   top1, topk = head_rates(rows[medusa_key]["stats"])
   print(f"per-head acceptance ({medusa_key}): top-1 " + " ".join(f"{x:.3f}" for x in top1)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from pasta_jax.decode import api, loop
 from pasta_jax.decode.latency import calibrate_latency
-from pasta_jax.decode.speculation import Drafter, fit_latency, latency_table, rules_and_inputs, step_times
+from pasta_jax.decode.speculation import Drafter, fit_latency, latency_table, paying_size, rules_and_inputs, step_times
 from pasta_jax.decode.tree import TokenTree
 from pasta_jax.errors import PastaError
 from pasta_jax.model import medusa
@@ -254,6 +254,22 @@ def test_propd_picks_one_size_for_the_batch_from_its_live_requests():
   assert pick([False, True]) == [1, 1]  # request 1 alone: its trees never pay
   assert pick([True, False])[0] > 1  # request 0 alone: they do
   assert pick([True, True]) == [2, 2]  # together: (2 + 1) / 1.4 beats (1 + 1) / 1.0 and (<= 4 + 1) / 1.9
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0.05, 0.95), min_size=3, max_size=3), st.floats(1.0, 30.0), st.floats(0.0, 3.0))
+def test_paying_size_keeps_every_size_that_could_beat_a_plain_step(top1, slope, jump):
+  """A size s can win only if T(s) < (its prefix's depth + 1) T(1); ProPD compiles up to the largest such size,
+  and every larger size fails that test (so dropping it changes no choice)."""
+  from pasta_jax.decode.tree import build_tree
+  rates = np.asarray(top1)[:, None] * np.asarray([1.0, 0.5, 0.25])[None]
+  tree = build_tree(rates, 32)
+  sizes = [1, 2, 4, 8, 16, 32]
+  table = {s: 1.0 if s == 1 else 1.0 + jump + slope * s / 32 for s in sizes}
+  size = paying_size(tree, table)
+  can_pay = [s for s in sizes[1:] if table[s] < (tree.depth[:s].max() + 1) * table[1]]
+  assert size == max(can_pay, default=2)
+  assert all(table[s] >= (tree.depth[:s].max() + 1) for s in sizes if s > size)
 
 
 def test_calibration_times_every_size():

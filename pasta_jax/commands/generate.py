@@ -125,7 +125,7 @@ def tree_options(model, prompt_ids: list[int], args, method: str) -> dict:
     certify = {"certify_head": True} if args.certify_head else {}  # time the steps it will run
     cal = calibrate_latency(model, [prompt_ids], drafter, tree_size=options["tree_size"], steps=8, repeats=1,
                             **certify)
-    options["latency"] = cal["table"]
+    options["latency"], options["tree_size"] = cal["table"], cal["tree_size"]
   return options
 
 

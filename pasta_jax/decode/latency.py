@@ -13,15 +13,17 @@ import time
 import numpy as np
 
 from pasta_jax.decode import api
-from pasta_jax.decode.speculation import DEFAULT_TREE, Drafter, rules_and_inputs, step_times
+from pasta_jax.decode.speculation import DEFAULT_TREE, Drafter, paying_size, rules_and_inputs, step_times
 
 
 def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_TREE, steps: int = 16,
                       repeats: int = 2, **prepare_kw) -> dict:
   """Times the ProPD loop with its size pinned to each candidate size (latency 1 there, 1e9 elsewhere: the
   same compiled program) on `ids` (the batch size matters); returns sizes, per-step seconds, the fit of the
-  tree sizes and the table ProPD takes (`latency=...["table"]`). A step's time is the difference of a run of
-  2 x `steps` tokens and one of `steps` over their step counts, so the prefill both include cancels out."""
+  tree sizes, the table ProPD takes (`latency=...["table"]`) and the tree size to compile ProPD with
+  (`tree_size=...["tree_size"]`: the largest size that can pay, `speculation.paying_size`). A step's time is
+  the difference of a run of 2 x `steps` tokens and one of `steps` over their step counts, so the prefill both
+  include cancels out."""
   rules, _ = rules_and_inputs(drafter, tree_size=tree_size, dynamic=True, latency=(1.0, 1.0))
   run = lambda pinned, tokens, times: _best_run(model, ids, drafter, tree_size, pinned, tokens, times, prepare_kw)
   for tokens in (steps, 2 * steps):  # compile both programs (every pinned size runs the same two)
@@ -34,7 +36,7 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
     per_step.append((long[0] - short[0]) / (long[1] - short[1]) if differs else long[0] / max(long[1], 1))
   table, (alpha, beta) = step_times(rules.sizes, per_step)
   return {"sizes": list(rules.sizes), "seconds": per_step, "alpha": alpha, "beta": beta, "table": table,
-          "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+          "tree_size": paying_size(rules.tree, table), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def _best_run(model, ids, drafter, tree_size, pinned, tokens, repeats, prepare_kw) -> tuple[float, int]:

@@ -135,6 +135,17 @@ def latency_table(latency, sizes) -> np.ndarray:
   return values
 
 
+def paying_size(tree: TokenTree, table: dict[int, float]) -> int:
+  """The largest size in ProPD's step-time `table` ({size: seconds}, size 1 included) that can beat a plain step:
+  a prefix of s nodes of `tree` accepts at most its depth + 1 tokens a step, so a size with T(s) >= (depth + 1)
+  T(1) never wins, whatever the hit rates. ProPD should compile its tree only up to that size (at least 2 nodes):
+  every lane of the compiled tree costs bookkeeping on every step, a plain one included (at batch 8 on a 2-core
+  CPU, a size-1 step of a 64-node ProPD cost 1.21x a plain step, of a 16-node one 0.96x)."""
+  depth = tree.depth
+  paying = [s for s, t in table.items() if 1 < s <= tree.size and t < (depth[:s].max() + 1) * table[1]]
+  return max(paying, default=min(tree.size, 2))
+
+
 def fit_latency(sizes, seconds) -> tuple[float, float]:
   """Least-squares (alpha, beta) of T(s) = alpha s + beta (alpha >= 0, beta > 0)."""
   a, b = np.polyfit(np.asarray(sizes, np.float64), np.asarray(seconds, np.float64), 1)
