@@ -5,7 +5,8 @@ fallback, distinct topics). By default XLA:GPU records the body's kernels into C
 and each conditional from the host: every iteration and every branch copies its predicate to the host and
 waits for it, so the GPU idles while the host launches the next kernels. With WHILE and CONDITIONAL commands
 the whole loop runs as one graph on the device. Measured on an H100 (`bench/gpu/overhead.sh`, 270M bfloat16):
-the interpreter's one-lane step fell from 1.338x to 1.112x of plain decoding's, plain decoding unchanged.
+the interpreter's one-lane step fell from 1.326x to 1.120x of plain decoding's; plain decoding unchanged, 8 live
+lanes 2.4% slower (`docs/results/bench_seq_cost_h100_command_buffers.txt`).
 
 The flags only read on a GPU (XLA parses, and the CPU backend ignores, every `xla_gpu_` flag). A user's own
 `xla_gpu_enable_command_buffer` wins, and `PASTA_XLA_DEFAULTS=0` keeps XLA's defaults.

@@ -33,7 +33,7 @@ def add_serve_parser(subparsers) -> None:
                      help="Medusa's fixed tree size, ProPD's largest (default: 16 for medusa, 64 for propd)")
   serve.add_argument("--certify-head", action="store_true",
                      help="greedy requests choose from a bfloat16 head copy certified against the float32 head: "
-                          "the same tokens, a cheaper step at several rows (float32 only)")
+                          "the same tokens, a cheaper step at 2-8 rows, none at 16 (float32 only)")
   serve.add_argument("--drafts", type=int, default=3, help="Superposed Decoding's k (a request's n takes the best n)")
   serve.add_argument("--ngram", default="default",
                      help="Superposed Decoding's n-gram index folder ('default': `pasta ngram build`'s; 'none': off)")
