@@ -342,12 +342,12 @@ class Engine:
       extra["latency"] = (1.0, 1.0)
     if method == "superposed":
       extra = {"drafts": self.cfg.drafts, "ngram": self.cfg.ngram}
-    if self.certifies(method, sampling):
-      extra["certify_head"] = True
     script_len, max_tokens = 0, self.cfg.max_tokens
     if method == sot.EXPAND:  # a fan-out of sot_fan_out threads, each with its point prompt
       extra = {"scripts": [[bos] * self.sot_fan_out], "max_threads": self.sot_fan_out}
       script_len, max_tokens = self.cfg.sot_script_tokens, max_tokens + self.cfg.sot_script_tokens
+    if self.certifies(method, sampling):  # after every method's own options: none of them may drop it
+      extra["certify_head"] = True
     prep = api.prepare_method(self.model, [bos], method=method, max_new_tokens=max_tokens, lanes=self.cfg.lanes,
                               sampling=sampling, dtype=jnp.dtype(self.cfg.dtype), **extra)
     pool = self.cfg.pool_slots * (sot.EXPAND_POOL_FACTOR if method == sot.EXPAND else 1)
