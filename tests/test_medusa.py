@@ -256,6 +256,30 @@ def test_propd_picks_one_size_for_the_batch_from_its_live_requests():
   assert pick([True, True]) == [2, 2]  # together: (2 + 1) / 1.4 beats (1 + 1) / 1.0 and (<= 4 + 1) / 1.9
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.integers(0, 200), st.integers(1, 8))
+def test_propd_hit_rates_learn_from_the_whole_batch(prior, observed, trials, batch):
+  """Every request runs the same heads: a request's hit rate is the prior moved by the batch's steps, then by its
+  own. A request with no steps of its own takes the batch's estimate; with many batch steps that is the observed
+  rate, whatever the prior; a request's own many steps win over the batch's."""
+  from types import SimpleNamespace
+  rules, inputs = rules_and_inputs(drafter(top_k=2), tree_size=2, dynamic=True, latency={1: 1.0, 2: 1.3})
+  inputs = {**inputs, "rates": jnp.full((3, 2), prior, jnp.float32)}
+  d = rules.init_rule_state(jnp.zeros((batch + 1, 4), jnp.int32), jnp.full((batch + 1,), 4), inputs,
+                            SimpleNamespace(lanes=2))
+  seen = jnp.zeros_like(d.trials).at[:batch].set(trials)  # the last request has no steps of its own
+  d = dataclasses.replace(d, trials=seen, hits=seen[:, :, None] * jnp.asarray([observed, 0.0]))
+  w, n = rules.prior_weight, batch * trials
+  rates = np.asarray(rules.hit_rates(d))
+  pooled = (w * prior + n * observed) / (w + n)
+  np.testing.assert_allclose(rates[-1, :, 0], pooled, atol=1e-5)  # the fresh request: the batch's estimate
+  np.testing.assert_allclose(rates[0, :, 0], (w * pooled + trials * observed) / (w + trials), atol=1e-5)
+  if n >= 100 * w:
+    assert abs(rates[-1, 0, 0] - observed) < 0.01 + abs(prior - observed) * w / n
+  if trials == 0:
+    np.testing.assert_allclose(rates[:, :, 0], pooled, atol=1e-5)
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.floats(0.05, 0.95), min_size=3, max_size=3), st.floats(1.0, 30.0), st.floats(0.0, 3.0))
 def test_paying_size_keeps_every_size_that_could_beat_a_plain_step(top1, slope, jump):
@@ -274,13 +298,15 @@ def test_paying_size_keeps_every_size_that_could_beat_a_plain_step(top1, slope, 
 
 def test_calibration_times_every_size():
   info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=4, steps=4, repeats=1)
-  assert info["sizes"] == [1, 2, 4] and all(s > 0 for s in info["seconds"]) and info["beta"] > 0
+  first = info["first_pass"] or info  # when fewer nodes can pay, their program was timed again
+  assert first["sizes"] == [1, 2, 4] and info["sizes"] == [s for s in (1, 2, 4) if s <= info["tree_size"]]
+  assert all(s > 0 for s in info["seconds"]) and info["beta"] > 0
   assert info["table"][1] == info["seconds"][0]  # the plain step as measured
 
 
 def test_calibration_cancels_the_prefill(monkeypatch):
   """A step's time is the difference of a long and a short run over their steps: the prefill both pay (here
-  0.5 s against 0.05 s a step) does not inflate it, and the plain size keeps its own time."""
+  0.5 s against 0.04-0.06 s a step) does not inflate it, and the plain size keeps its own time."""
   from types import SimpleNamespace
 
   from pasta_jax.decode import latency
@@ -288,13 +314,33 @@ def test_calibration_cancels_the_prefill(monkeypatch):
     return min(latency, key=latency.get), max_new_tokens  # (the pinned size, the tokens asked)
   def run(prep):
     size, steps = prep
-    return [SimpleNamespace(steps=steps)], 0.5 + steps * (0.03 if size == 1 else 0.04 + 0.01 * size)
+    return [SimpleNamespace(steps=steps)], 0.5 + steps * (0.04 if size == 1 else 0.02 + 0.01 * size)
   monkeypatch.setattr(latency.api, "prepare_method", prepare)
   monkeypatch.setattr(latency.api, "run_prepared", run)
   info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=4, steps=8, repeats=1)
-  np.testing.assert_allclose(info["seconds"], [0.03, 0.06, 0.08])
-  assert (info["alpha"], info["beta"]) == pytest.approx((0.01, 0.04))
-  assert info["table"] == pytest.approx({1: 0.03, 2: 0.06, 4: 0.08})
+  assert info["tree_size"] == 4 and info["first_pass"] is None  # T(4) = 0.06 < 2 T(1): every size can pay
+  np.testing.assert_allclose(info["seconds"], [0.04, 0.04, 0.06])
+  assert (info["alpha"], info["beta"]) == pytest.approx((0.01, 0.02))
+  assert info["table"] == pytest.approx({1: 0.04, 2: 0.04, 4: 0.06})
+
+
+def test_calibration_times_a_smaller_tree_in_its_own_program(monkeypatch):
+  """When only a smaller tree can pay, ProPD runs the program compiled for it, whose every step is cheaper (fewer
+  lanes to keep): its sizes are timed again there, and the big program's figures stay in `first_pass`."""
+  from types import SimpleNamespace
+
+  from pasta_jax.decode import latency
+  def prepare(model, ids, *, latency, max_new_tokens, tree_size, **kw):
+    return min(latency, key=latency.get), max_new_tokens, tree_size
+  def run(prep):
+    size, steps, compiled = prep  # each compiled lane costs 0.01 a step; a tree node 0.05 more
+    return [SimpleNamespace(steps=steps)], steps * (0.01 * compiled + (0.0 if size == 1 else 0.05 * size))
+  monkeypatch.setattr(latency.api, "prepare_method", prepare)
+  monkeypatch.setattr(latency.api, "run_prepared", run)
+  info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=8, steps=8, repeats=1)
+  assert info["tree_size"] == 2 and info["first_pass"]["tree_size"] == 8
+  assert info["first_pass"]["table"] == pytest.approx({1: 0.08, 2: 0.18, 4: 0.28, 8: 0.48})
+  assert info["sizes"] == [1, 2] and info["table"] == pytest.approx({1: 0.02, 2: 0.12})
 
 
 def test_bad_requests_name_the_problem(tmp_path):

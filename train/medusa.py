@@ -70,7 +70,9 @@ def distill(model, out: Path, count: int, batch: int, new_tokens: int) -> Path:
     for start in range(done, len(prompts), batch):
       texts = prompts[start:start + batch]
       ids = prompt_ids(model.tokenizer, texts, chat=True)
-      results = generate_ids(model, ids, method="sequential", lanes=1, max_threads=1, max_new_tokens=new_tokens)
+      # the certified head: float32 greedy's tokens at the narrow head's cost (decode/certified_head.py)
+      results = generate_ids(model, ids, method="sequential", lanes=1, max_threads=1, max_new_tokens=new_tokens,
+                             certify_head=True)
       for text, prompt, result in zip(texts, ids, results):
         ends = eos if eos is not None else set()
         sink.write(json.dumps({"prompt": text, "prompt_ids": prompt, "answer_ids": answer_ids(result, ends),

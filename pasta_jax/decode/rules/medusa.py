@@ -17,7 +17,8 @@ node. Then, on device:
 
 ProPD's dynamic tree size (`dynamic=True`): each step, one prefix of the tree for the batch, maximising
 sum_b E_b(s) / T(s) among the lane buckets s = 1, 2, 4, ..., N: E_b(s) is request b's expected accepted
-length from the heads' top-k hit rates (a calibrated prior, updated online from the request's own steps), and
+length from the heads' top-k hit rates (a calibrated prior, updated online from the batch's and then the request's
+own steps), and
 T(s) = alpha * s + beta the step time of size s, fitted from a calibration run on the device and
 batch size (`rule_inputs["latency"]`): the loop runs on device, so times are measured between host calls.
 Size 1 is the root alone, a plain step: when no request of the batch plans a tree for its next step, the
@@ -177,9 +178,12 @@ class MedusaRules(SequentialRules):
     return jnp.full(live.shape, sizes[jnp.argmax(tokens / d.inputs["latency"])], jnp.int32)
 
   def hit_rates(self, d: TreeState) -> jax.Array:
-    """[B, H, k] each head's rank hit rates: the calibrated prior, moved by the request's own steps."""
+    """[B, H, k] each head's rank hit rates, shrunk twice: the calibrated prior, moved by the whole batch's
+    steps (every request runs the same heads, so B requests learn B times faster how far this run's prompts
+    are from the calibration set), then by the request's own steps."""
     w = self.prior_weight
-    return (w * d.inputs["rates"][None] + d.hits) / (w + d.trials[:, :, None])
+    batch = (w * d.inputs["rates"] + d.hits.sum(axis=0)) / (w + d.trials.sum(axis=0)[:, None])  # [H, k]
+    return (w * batch[None] + d.hits) / (w + d.trials[:, :, None])
 
   def node_probabilities(self, d: TreeState) -> jax.Array:
     """[B, N] probability that each node is accepted (products of hit rates along its path)."""
