@@ -19,7 +19,15 @@ from hypothesis import strategies as st
 
 from pasta_jax.decode import api, loop
 from pasta_jax.decode.latency import calibrate_latency
-from pasta_jax.decode.speculation import Drafter, fit_latency, latency_table, paying_size, rules_and_inputs, step_times
+from pasta_jax.decode.speculation import (
+  Drafter,
+  compiled_size,
+  fit_latency,
+  latency_table,
+  paying_size,
+  rules_and_inputs,
+  step_times,
+)
 from pasta_jax.decode.tree import TokenTree
 from pasta_jax.errors import PastaError
 from pasta_jax.model import medusa
@@ -285,7 +293,7 @@ def test_propd_hit_rates_learn_from_the_whole_batch(prior, observed, trials, bat
 def test_paying_size_keeps_every_size_that_could_beat_a_plain_step(top1, slope, jump):
   """A size s can win only if T(s) < (its prefix's depth + 1) T(1); ProPD compiles up to the largest such size,
   and every larger size fails that test (so dropping it changes no choice)."""
-  from pasta_jax.decode.tree import build_tree
+  from pasta_jax.decode.tree import build_tree, node_probabilities
   rates = np.asarray(top1)[:, None] * np.asarray([1.0, 0.5, 0.25])[None]
   tree = build_tree(rates, 32)
   sizes = [1, 2, 4, 8, 16, 32]
@@ -294,6 +302,12 @@ def test_paying_size_keeps_every_size_that_could_beat_a_plain_step(top1, slope, 
   can_pay = [s for s in sizes[1:] if table[s] < (tree.depth[:s].max() + 1) * table[1]]
   assert size == max(can_pay, default=2)
   assert all(table[s] >= (tree.depth[:s].max() + 1) for s in sizes if s > size)
+  # ProPD compiles no lane it would not use on its prior, but for one bucket of room: the prior's best size
+  # stays available, and nothing past twice it (or past what can pay) is compiled
+  expected = np.cumsum(node_probabilities(tree, rates))
+  best = max(sizes, key=lambda s: expected[s - 1] / table[s])
+  compiled = compiled_size(tree, table, rates)
+  assert 2 <= compiled <= size and compiled <= max(2, 2 * best) and min(best, size) <= compiled
 
 
 def test_calibration_times_every_size():

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from pasta_jax.decode import api
-from pasta_jax.decode.speculation import DEFAULT_TREE, Drafter, paying_size, rules_and_inputs, step_times
+from pasta_jax.decode.speculation import DEFAULT_TREE, Drafter, compiled_size, rules_and_inputs, step_times
 
 
 def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_TREE, steps: int = 16,
@@ -21,11 +21,11 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
   """Times the ProPD loop with its size pinned to each candidate size (latency 1 there, 1e9 elsewhere: the
   same compiled program) on `ids` (the batch size matters); returns sizes, per-step seconds, the fit of the
   tree sizes, the table ProPD takes (`latency=...["table"]`) and the tree size to compile ProPD with
-  (`tree_size=...["tree_size"]`: the largest size that can pay, `speculation.paying_size`). A step's time is
-  the difference of a run of 2 x `steps` tokens and one of `steps` over their step counts, so the prefill both
-  include cancels out.
+  (`tree_size=...["tree_size"]`: `speculation.compiled_size`, at most the largest size that can pay). A step's
+  time is the difference of a run of 2 x `steps` tokens and one of `steps` over their step counts, so the
+  prefill both include cancels out.
 
-  When fewer nodes than `tree_size` can pay, the sizes that remain are timed again in the program of that
+  When that is fewer nodes than `tree_size`, the sizes that remain are timed again in the program of that
   smaller tree, the one ProPD then runs: every compiled lane costs bookkeeping on every step, so the big
   program's times overstate a small step's and understate what a tree adds to it (at batch 8 on a 2-core CPU,
   a size-1 step of the 64-node program cost 1.21x plain, of an 8-node one 0.96x). `first_pass` keeps the
@@ -33,14 +33,14 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
   sizes, per_step = _time_sizes(model, ids, drafter, tree_size, steps, repeats, prepare_kw)
   table, (alpha, beta) = step_times(sizes, per_step)
   tree = rules_and_inputs(drafter, tree_size=tree_size, dynamic=True, latency=(1.0, 1.0))[0].tree
-  paying = paying_size(tree, table)
+  compiled = compiled_size(tree, table, drafter.hit_rates)
   first_pass = None
-  if paying < tree_size:
+  if compiled < tree_size:
     first_pass = {"tree_size": tree_size, "sizes": sizes, "seconds": per_step, "table": table}
-    sizes, per_step = _time_sizes(model, ids, drafter, paying, steps, repeats, prepare_kw)
+    sizes, per_step = _time_sizes(model, ids, drafter, compiled, steps, repeats, prepare_kw)
     table, (alpha, beta) = step_times(sizes, per_step)
   return {"sizes": sizes, "seconds": per_step, "alpha": alpha, "beta": beta, "table": table,
-          "tree_size": paying, "first_pass": first_pass, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+          "tree_size": compiled, "first_pass": first_pass, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def _time_sizes(model, ids, drafter, tree_size, steps, repeats, prepare_kw) -> tuple[list[int], list[float]]:
