@@ -95,6 +95,7 @@ def bench_batch(model, drafter, ids, batch: int, args) -> dict:
     rows[f"medusa-{size}"] = timed(model, groups, args.runs, method="medusa", heads=drafter, tree_size=size, **common)
   for name, prune in (("propd", None), ("propd-unpruned", False)):
     calibration = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16, prune=prune,
+                                    run_tokens=args.new_tokens,
                                     **({"certify_head": True} if args.certify_head else {}))
     rows[name] = timed(model, groups, args.runs, method="propd", heads=drafter, tree_size=calibration["tree_size"],
                        latency=calibration["table"], prune=prune, **common)

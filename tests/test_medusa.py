@@ -237,7 +237,8 @@ def test_propd_picks_sizes_by_its_latency_model_and_stays_lossless():
   for runs in (cheap, dear):
     assert_same_greedy(plain_greedy(), runs)
   assert all(set(k for k, v in r.speculation["tree_sizes"].items() if v) <= {1} for r in dear)
-  assert all(r.speculation["head_trials"] == [0] * 3 for r in dear)  # no tree planned: the heads never ran
+  for r in dear:  # no tree planned: the heads ran only on probe steps, whose next plain token checks head 0 alone
+    assert r.speculation["head_trials"][0] > 0 and r.speculation["head_trials"][1:] == [0, 0]
   assert all(min(r.speculation["head_trials"]) > 0 for r in cheap)
   assert all(r.speculation["tree_sizes"][16] > 0 for r in cheap)
   assert fit_latency([1, 2, 4], [3.0, 5.0, 9.0]) == pytest.approx((2.0, 1.0))
@@ -247,6 +248,18 @@ def test_propd_picks_sizes_by_its_latency_model_and_stays_lossless():
   np.testing.assert_allclose(latency_table({1: 0.5, 2: 0.7}, (1, 2)), [0.5, 0.7])
   with pytest.raises(PastaError, match="no step time for tree sizes"):
     latency_table({1: 0.5}, (1, 2))
+
+
+def test_propd_takes_trees_up_again_when_its_heads_start_to_hit():
+  """A prior of zero hit rates plans no tree at all; the probe steps still run the heads, their hits move the
+  estimate, and ProPD takes trees up: still plain greedy's tokens. Without probes it would never learn."""
+  good = drafter(seed=0, scale=0.05)  # heads that hit on the tiny model (see the Medusa test above)
+  hopeless = dataclasses.replace(good, hit_rates=np.zeros_like(good.hit_rates))
+  runs = api.generate_ids(MODEL, PROMPTS, method="propd", heads=hopeless, tree_size=4,
+                          latency={1: 1.0, 2: 1.05, 4: 1.1}, max_new_tokens=48)
+  assert_same_greedy(plain_greedy(), runs)
+  assert any(sum(v for k, v in r.speculation["tree_sizes"].items() if k > 1) > 0 for r in runs)
+  assert max(r.speculation["accept_length"] for r in runs) > 1.2
 
 
 def test_propd_picks_one_size_for_the_batch_from_its_live_requests():
@@ -318,6 +331,16 @@ def test_calibration_times_every_size():
   assert info["table"][1] == info["seconds"][0]  # the plain step as measured
 
 
+def test_a_short_run_can_step_in_a_longer_runs_pool():
+  """`pool_tokens` sizes the pool for a longer run and changes nothing else: the same tokens, the same steps."""
+  short = api.prepare_method(MODEL, PROMPTS, method="sequential", max_new_tokens=8)
+  wide = api.prepare_method(MODEL, PROMPTS, method="sequential", max_new_tokens=8, pool_tokens=200)
+  long = api.prepare_method(MODEL, PROMPTS, method="sequential", max_new_tokens=200)
+  assert wide.cfg.pool_slots == long.cfg.pool_slots > short.cfg.pool_slots
+  (a, _), (b, _) = api.run_prepared(short), api.run_prepared(wide)
+  assert [tokens_of(r) for r in a] == [tokens_of(r) for r in b] and [r.steps for r in a] == [r.steps for r in b]
+
+
 def test_calibration_cancels_the_prefill(monkeypatch):
   """A step's time is the difference of a long and a short run over their steps: the prefill both pay (here
   0.5 s against 0.04-0.06 s a step) does not inflate it, and the plain size keeps its own time."""
@@ -344,14 +367,17 @@ def test_calibration_times_a_smaller_tree_in_its_own_program(monkeypatch):
   from types import SimpleNamespace
 
   from pasta_jax.decode import latency
-  def prepare(model, ids, *, latency, max_new_tokens, tree_size, **kw):
+  pools = set()
+  def prepare(model, ids, *, latency, max_new_tokens, tree_size, pool_tokens, **kw):
+    pools.add(pool_tokens)
     return min(latency, key=latency.get), max_new_tokens, tree_size
   def run(prep):
     size, steps, compiled = prep  # each compiled lane costs 0.01 a step; a tree node 0.05 more
     return [SimpleNamespace(steps=steps)], steps * (0.01 * compiled + (0.0 if size == 1 else 0.05 * size))
   monkeypatch.setattr(latency.api, "prepare_method", prepare)
   monkeypatch.setattr(latency.api, "run_prepared", run)
-  info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=8, steps=8, repeats=1)
+  info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=8, steps=8, repeats=1, run_tokens=128)
+  assert pools == {128}  # every program steps in the pool of the run it calibrates
   assert info["tree_size"] == 2 and info["first_pass"]["tree_size"] == 8
   assert info["first_pass"]["table"] == pytest.approx({1: 0.08, 2: 0.18, 4: 0.28, 8: 0.48})
   assert info["sizes"] == [1, 2] and info["table"] == pytest.approx({1: 0.02, 2: 0.12})

@@ -124,7 +124,7 @@ def tree_options(model, prompt_ids: list[int], args, method: str) -> dict:
     print("[propd: timing each tree size on this device (calibration)...]", file=sys.stderr)
     certify = {"certify_head": True} if args.certify_head else {}  # time the steps it will run
     cal = calibrate_latency(model, [prompt_ids], drafter, tree_size=options["tree_size"], steps=8, repeats=1,
-                            **certify)
+                            run_tokens=args.max_new_tokens, **certify)
     options["latency"], options["tree_size"] = cal["table"], cal["tree_size"]
   return options
 

@@ -231,7 +231,7 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
             max_new_tokens: int = 256, lanes: int = 8, max_threads: int = 64, sampling: SamplingConfig = GREEDY,
             position_mode: PositionMode = "pred", dtype=jnp.float32, scripts=None, record_logits: bool = False,
             lane_buckets: bool = True, rule_inputs=None, mesh=None, attention: str = "xla",
-            head_dtype: str | None = None, certify_head: bool = False) -> Prepared:
+            head_dtype: str | None = None, certify_head: bool = False, pool_tokens: int | None = None) -> Prepared:
   """Pads prompts (and scripts) and sizes the pool and step budget for `ids` (prompt token ids).
 
   max_new_tokens: in free decoding, the content-token budget of each answer (its text tokens, whatever
@@ -245,6 +245,8 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   head_dtype: the output head in a narrower float dtype, float32 accumulation (`check_head_dtype`); None: `dtype`.
   certify_head: greedy choices certified against the float32 head at the narrow head's cost (head_dtype, default
   "bfloat16"; decode/certified_head.py): the float32 model's tokens, faster on a CPU for 2+ rows.
+  pool_tokens: size the pool for this many new tokens, not max_new_tokens (when larger): a short run then steps
+  in the pool of a longer one, as ProPD's step-time calibration needs (`decode.latency`).
   """
   if certify_head and head_dtype is None:
     head_dtype = "bfloat16"
@@ -268,6 +270,7 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   # at least one token, so the pool's room bounds the steps. Bounding them by the pool, not by each
   # script's length, keeps one compiled loop per pool bucket for every forced answer that fits it.
   steps, content_budget = rules.budgets(new, slots - prompt_len)
+  slots = max(slots, pool_size(prompt_len, pool_tokens or 0, lanes))  # wider, with the budgets of `new`
   content_budget = content_budget if free else 0
   try:
     cfg = InterpreterConfig(vocab=vocab, lanes=lanes, max_threads=max_threads, pool_slots=slots, max_steps=steps,

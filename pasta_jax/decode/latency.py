@@ -17,19 +17,22 @@ from pasta_jax.decode.speculation import DEFAULT_TREE, Drafter, compiled_size, r
 
 
 def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_TREE, steps: int = 16,
-                      repeats: int = 2, **prepare_kw) -> dict:
+                      repeats: int = 2, run_tokens: int | None = None, **prepare_kw) -> dict:
   """Times the ProPD loop with its size pinned to each candidate size (latency 1 there, 1e9 elsewhere: the
   same compiled program) on `ids` (the batch size matters); returns sizes, per-step seconds, the fit of the
   tree sizes, the table ProPD takes (`latency=...["table"]`) and the tree size to compile ProPD with
   (`tree_size=...["tree_size"]`: `speculation.compiled_size`, at most the largest size that can pay). A step's
   time is the difference of a run of 2 x `steps` tokens and one of `steps` over their step counts, so the
-  prefill both include cancels out.
+  prefill both include cancels out. run_tokens: the max_new_tokens of the run being calibrated: the steps are
+  timed in the pool it will have (a step's cost grows with the pool: at batch 8 on a 2-core CPU a plain step cost
+  81 ms in a 128-slot pool and 89 ms in a 256-slot one).
 
   When that is fewer nodes than `tree_size`, the sizes that remain are timed again in the program of that
   smaller tree, the one ProPD then runs: every compiled lane costs bookkeeping on every step, so the big
   program's times overstate a small step's and understate what a tree adds to it (at batch 8 on a 2-core CPU,
   a size-1 step of the 64-node program cost 1.21x plain, of an 8-node one 0.96x). `first_pass` keeps the
   big program's figures."""
+  prepare_kw = {**prepare_kw, "pool_tokens": max(run_tokens or 0, 2 * steps)}
   sizes, per_step = _time_sizes(model, ids, drafter, tree_size, steps, repeats, prepare_kw)
   table, (alpha, beta) = step_times(sizes, per_step)
   tree = rules_and_inputs(drafter, tree_size=tree_size, dynamic=True, latency=(1.0, 1.0))[0].tree

@@ -260,7 +260,8 @@ def _propd(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
   from pasta_jax.decode.speculation import DEFAULT_TREE, load_drafter
   drafter = load_drafter(model)
   ids = api.prompt_ids(model.tokenizer, ["Give three tips for staying healthy."], settings.chat)
-  cal = calibrate_latency(model, ids, drafter, tree_size=DEFAULT_TREE, steps=16, dtype=jnp.dtype(settings.dtype))
+  cal = calibrate_latency(model, ids, drafter, tree_size=DEFAULT_TREE, steps=16, run_tokens=settings.max_new_tokens,
+                          dtype=jnp.dtype(settings.dtype))
   return InterpreterMethod(spec.label, model, settings, method="propd", heads=drafter, tree_size=cal["tree_size"],
                            latency=cal["table"])
 

@@ -23,7 +23,8 @@ T(s) = alpha * s + beta the step time of size s, fitted from a calibration run o
 batch size (`rule_inputs["latency"]`): the loop runs on device, so times are measured between host calls.
 Size 1 is the root alone, a plain step: when no request of the batch plans a tree for its next step, the
 heads do not run either (`lax.cond`), so T(1) is a plain step's time and ProPD falls back to plain decoding
-where no tree pays for itself (its hit rates then stay as they are, and so does the choice).
+where no tree pays for itself. Every `probe_every`-th step the heads run anyway, and the next plain token checks
+head 0's candidates, so the hit rates keep moving and ProPD takes trees up again when the heads start to hit.
 
 ProPD's early pruning (`prune=EarlyPrune(...)`, `rules/pruning.py`): after a few layers an early head lists
 each node's likely successors; nodes not on their parent's list, and their subtrees, leave the model call, so
@@ -87,6 +88,7 @@ class MedusaRules(SequentialRules):
   typical_delta: float = 0.3  # Medusa's posterior alpha (sqrt of epsilon)
   dynamic: bool = False  # ProPD: pick the tree prefix each step (needs rule_inputs["latency"])
   prior_weight: float = 20.0  # pseudo-steps behind the calibrated hit rates (ProPD's online estimate)
+  probe_every: int = 4  # ProPD: while no tree is planned, the heads still run every this many steps (0: never)
   softcap: float | None = None  # the model's final logit soft cap, which the heads' logits take too
   prune: pruning.EarlyPrune | None = None  # ProPD's early pruning (None: every node runs every layer)
 
@@ -254,12 +256,21 @@ class MedusaRules(SequentialRules):
     new = self.count_hits(new, d, node_token, on_path, depth, chosen[b[:, 0], last], depth[last], fed)
     fresh = fed
     if self.dynamic:  # no request will feed a tree next step: the heads do not run (the step costs a plain one)
-      fresh = fed & jnp.any(self.planned_size(new, fed) > 1)
+      fresh = fed & (jnp.any(self.planned_size(new, fed) > 1) | self.probing(state.step))
     candidates = jax.lax.cond(jnp.any(fresh), lambda: self.last_node_candidates(d, hidden, last),
                               lambda: d.candidates)
     new = dataclasses.replace(new, candidates=jnp.where(fresh[:, None, None], candidates, d.candidates),
                               have_candidates=jnp.where(fed, fresh, d.have_candidates))
     return dataclasses.replace(state, rule_state=new), chosen, refused
+
+  def probing(self, step: jax.Array) -> jax.Array:
+    """Whether the heads run this step although no tree is planned. Their candidates then wait for a plain step,
+    whose token is head 0's target (`count_hits`): without these probes a batch that once found trees not worth
+    their cost would never observe its heads again, and so never find out that they started to hit (a list, a
+    repeated phrase). One probe in `probe_every` steps costs the heads' share of those steps."""
+    if self.probe_every <= 0:
+      return jnp.zeros((), bool)
+    return step % self.probe_every == 0
 
   def last_node_candidates(self, d: TreeState, hidden, last) -> jax.Array:
     """[B, H, k] the heads' top tokens at each request's last path node (hidden [B, Q, D] of the tree's rows)."""
