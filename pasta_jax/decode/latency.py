@@ -35,8 +35,7 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
   prepare_kw = {**prepare_kw, "pool_tokens": max(run_tokens or 0, 2 * steps)}
   sizes, per_step = _time_sizes(model, ids, drafter, tree_size, steps, repeats, prepare_kw)
   table, (alpha, beta) = step_times(sizes, per_step)
-  tree = rules_and_inputs(drafter, tree_size=tree_size, dynamic=True, latency=(1.0, 1.0))[0].tree
-  compiled = compiled_size(tree, table, drafter.hit_rates)
+  compiled = compiled_size(drafter.tree(tree_size), table, drafter.hit_rates)  # the tree rules_and_inputs builds
   first_pass = None
   if compiled < tree_size:
     first_pass = {"tree_size": tree_size, "sizes": sizes, "seconds": per_step, "table": table}
