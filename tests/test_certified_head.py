@@ -41,6 +41,19 @@ def test_mixed_logits_are_exact_at_their_ids_and_bound_every_other_token(seed, s
   assert np.all(np.asarray(mixed, np.float64)[bounded] >= truth[bounded])  # an upper bound everywhere else
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), vocab=st.integers(1, 700), k=st.integers(1, 8), block=st.sampled_from([2, 5, 16]),
+       distinct=st.sampled_from([3, 50, 10_000]))
+def test_top_ids_finds_the_k_largest_values_in_two_levels(seed, vocab, k, block, distinct):
+  k = min(k, vocab)
+  x = jnp.asarray(np.random.default_rng(seed).integers(0, distinct, (2, 3, vocab)).astype(np.float32))  # ties
+  ids = certified_head.top_ids(x, k, block)
+  assert ids.shape == (2, 3, k) and bool(jnp.all((ids >= 0) & (ids < vocab)))
+  assert all(len(set(row)) == k for row in np.asarray(ids).reshape(-1, k).tolist())  # k distinct tokens
+  np.testing.assert_array_equal(np.sort(np.asarray(jnp.take_along_axis(x, ids, -1)), -1),
+                                np.sort(np.asarray(jax.lax.top_k(x, k)[0]), -1))
+
+
 def test_one_row_takes_the_float32_head():
   embedding = jax.random.normal(jax.random.key(0), (300, 32))
   x = jax.random.normal(jax.random.key(1), (1, 1, 32))

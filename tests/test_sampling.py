@@ -6,8 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pasta_jax.decode.sampling import SamplingConfig, penalize_repeats, sample, sample_rows
+from pasta_jax.decode.sampling import SamplingConfig, first_max_index, penalize_repeats, sample, sample_rows
 
 LOGITS = jnp.log(jnp.array([0.5, 0.25, 0.15, 0.07, 0.03]))
 
@@ -19,6 +21,17 @@ def draws(cfg: SamplingConfig, n: int = 4000) -> np.ndarray:
 
 def test_greedy_is_argmax():
   assert int(sample(LOGITS, jax.random.key(0), SamplingConfig())) == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(values=st.lists(st.sampled_from([-np.inf, -1.0, 0.0, 2.5, 2.5, np.inf, np.nan]), min_size=1, max_size=40),
+       rows=st.integers(1, 3))
+def test_first_max_index_is_argmax_ties_infinities_and_nans_included(values, rows):
+  x = np.stack([np.roll(np.asarray(values, np.float32), r) for r in range(rows)])  # [rows, V]: rows differ
+  x = jnp.asarray(x) if rows > 1 else jnp.asarray(x[0])
+  got = first_max_index(x)
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, axis=-1)))
 
 
 def test_top_k_keeps_only_k_best():

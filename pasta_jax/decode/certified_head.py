@@ -29,6 +29,7 @@ from pasta_jax.model.gemma import HEAD_COPY, output_head, softcap
 
 BOUNDS = "unembed_bounds"  # decode params: {"rounding": [V] |w_v - bf16(w_v)|, "norm": [V] |bf16(w_v)|}
 CANDIDATES = 16  # K: tokens whose exact logit is computed per row
+BLOCK = 128  # `top_ids`'s first level: the maximum of each BLOCK tokens
 ACCUMULATION = 2.0**-23  # float32's unit roundoff, per accumulated product (a loose, safe bound)
 
 
@@ -52,10 +53,28 @@ def head_logits(params, x: jax.Array, cap: float | None, decode_layout: bool = T
   bounds = tree[BOUNDS]
   bound = x_norm * bounds["rounding"] + (x_error + x.shape[-1] * ACCUMULATION * x_norm) * bounds["norm"]
   upper = approx + bound
-  ids = jax.lax.top_k(upper, CANDIDATES)[1]  # [B, Q, K]
+  ids = top_ids(upper, CANDIDATES)  # [B, Q, K]
   exact = jnp.einsum("bqd,bqkd->bqk", x, tree["embedder"][ids], preferred_element_type=jnp.float32)
   b, q = jnp.arange(x.shape[0])[:, None, None], jnp.arange(x.shape[1])[None, :, None]
   return softcap(upper.at[b, q, ids].set(exact), cap), ids
+
+
+def top_ids(x: jax.Array, k: int, block: int = BLOCK) -> jax.Array:
+  """Indices of the k largest entries of x [..., V] along the last axis: the values of `lax.top_k(x, k)`, in
+  two levels. The k blocks of `block` entries with the largest maxima hold all of the k largest (an entry outside
+  them is beaten by k block maxima, each an entry of its own), so a top-k of the V / block maxima and one of
+  those blocks' k x block entries replace a top-k of V. On a 2-core CPU, 4 rows of 262k: 0.23 ms against 1.03.
+  Among ties the set may differ from `lax.top_k`'s; the certificate holds for any set of exact tokens."""
+  v = x.shape[-1]
+  if v < k * block:  # too few blocks for two levels to pay
+    return jax.lax.top_k(x, k)[1]
+  pad = -v % block
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+  blocks = x.reshape(*x.shape[:-1], -1, block)  # [..., V / block, block]
+  best = jax.lax.top_k(blocks.max(axis=-1), k)[1]  # [..., k] block ids
+  entries = jnp.take_along_axis(blocks, best[..., None], axis=-2).reshape(*x.shape[:-1], k * block)
+  pos = jax.lax.top_k(entries, k)[1]  # [..., k] in the chosen blocks
+  return jnp.take_along_axis(best, pos // block, axis=-1) * block + pos % block
 
 
 def exact_logits(params, x: jax.Array, cap: float | None, decode_layout: bool = True) -> jax.Array:

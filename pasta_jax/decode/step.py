@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from pasta_jax.decode import certified_head
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.constraints import language_ids
-from pasta_jax.decode.sampling import penalize_repeats
+from pasta_jax.decode.sampling import first_max_index, penalize_repeats
 from pasta_jax.decode.state import CLOSING, InterpState
 from pasta_jax.visibility import HIDDEN, ThreadMask, visible
 
@@ -60,7 +60,7 @@ def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: Interprete
   forced_token = jnp.where(scripted_now, scripted, cfg.rules.script_end(rows_lane, cfg))
   # The model still runs: without a use of the logits XLA would drop the output head, and forced
   # replays (the benchmarks' workload) would time a model without its most expensive matmul.
-  model_choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  model_choice = first_max_index(logits)
   return state, jnp.where(model_choice < 0, model_choice, forced_token), jnp.zeros_like(forced_token, bool)
 
 

@@ -33,6 +33,7 @@ from pasta_jax.errors import WeightsError
 
 CONFIG_FILE = "heads.json"
 WEIGHTS_FILE = "heads.safetensors"
+DRAFT_DTYPE = jnp.bfloat16  # the draft rows while decoding (`draft_rows`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,14 @@ def head_logits(heads: dict, hidden: jax.Array, unembed: jax.Array, softcap: flo
 def draft_unembed(heads: dict, unembed: jax.Array) -> jax.Array:
   """The output-head rows the heads rank: the draft vocabulary's ([Vd, D]), or the whole head."""
   return unembed[heads["vocab"]] if "vocab" in heads else unembed
+
+
+def draft_rows(heads: dict, unembed: jax.Array) -> jax.Array:
+  """`draft_unembed`'s rows as decoding ranks them: in bfloat16 (float32 accumulation). The heads only propose;
+  the model's own head verifies every proposal, so a narrower copy changes which tokens are drafted, never which
+  are kept. On a 2-core CPU it halves the heads' cost a tree step (16k x 640 rows for 4 heads: about 1.2 ms
+  against 2.5)."""
+  return draft_unembed(heads, unembed).astype(DRAFT_DTYPE)
 
 
 def head_top_tokens(heads: dict, hidden: jax.Array, drafted: jax.Array, top_k: int,

@@ -114,7 +114,7 @@ class MedusaRules(SequentialRules):
       return rule_inputs
     bound = dict(rule_inputs)
     if "drafted" not in bound:
-      bound["drafted"] = medusa.draft_unembed(bound["heads"], params["params"]["embedder"])
+      bound["drafted"] = medusa.draft_rows(bound["heads"], params["params"]["embedder"])
     if self.prune is not None and "early" not in bound:
       bound["early"] = pruning.logit_lens_head(params["params"]["final_norm"]["scale"])
     if self.prune is not None and self.prune.top_k > bound["drafted"].shape[0]:

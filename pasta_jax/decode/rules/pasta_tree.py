@@ -141,7 +141,7 @@ class PastaTreeRules(PastaRules):
     """The heads rank the draft vocabulary's rows of the model's tied output head, gathered here once."""
     if rule_inputs is None or "drafted" in rule_inputs:
       return rule_inputs
-    return {**rule_inputs, "drafted": medusa.draft_unembed(rule_inputs["heads"], params["params"]["embedder"])}
+    return {**rule_inputs, "drafted": medusa.draft_rows(rule_inputs["heads"], params["params"]["embedder"])}
 
   def init_rule_state(self, prompt_tokens, lengths, rule_inputs, cfg: InterpreterConfig) -> ThreadTrees:
     if rule_inputs is None or "heads" not in rule_inputs or "drafted" not in rule_inputs:
