@@ -7,7 +7,8 @@ import queue
 import numpy as np
 import pytest
 
-from pasta_jax.decode import api
+from pasta_jax.decode import api, speculation
+from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.serve.engine import Engine, Request, ServeConfig
 from pasta_jax.serve.propd import PINNED_ELSEWHERE, OnlineLatency
 from tests.test_serve import HEADS, MODEL
@@ -60,3 +61,12 @@ def test_the_engine_calibrates_propd_while_it_serves():
   assert "".join(u.delta for u in got) == want
   assert len(fits) == 1 and 1 in fits[0]
   assert 'pasta_propd_step_seconds{coefficient="beta",rows="1"}' in engine.metrics.text().decode()
+
+
+@pytest.mark.parametrize("tree_size,want", [(None, speculation.SERVED_PROPD_TREE), (4, 4)])
+def test_a_served_propd_compiles_a_small_tree_unless_told(tree_size, want):
+  """The server has no calibration run to size ProPD's compiled tree, and its online model times every size."""
+  engine = Engine(MODEL, ServeConfig(batch=2, pool_slots=256, max_tokens=32, heads=HEADS, tree_size=tree_size))
+  entry = engine._batch_for(("propd", SamplingConfig()))
+  assert entry.prep.cfg.rules.tree.size == want
+  assert entry.latency.sizes == tuple(s for s in (1, 2, 4, 8) if s <= want)

@@ -30,7 +30,8 @@ def add_serve_parser(subparsers) -> None:
   serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
   serve.add_argument("--heads", default=None, help="Medusa heads folder for method medusa (default: the model's)")
   serve.add_argument("--tree-size", type=int, default=None,
-                     help="Medusa's fixed tree size, ProPD's largest (default: 16 for medusa, 64 for propd)")
+                     help="Medusa's fixed tree size, ProPD's largest (default: 16 for medusa, 8 for propd: "
+                          "a served ProPD times every size of its tree online)")
   serve.add_argument("--certify-head", action="store_true",
                      help="greedy requests choose from a bfloat16 head copy certified against the float32 head: "
                           "the same tokens, a cheaper step at 2-8 rows, none at 16 (float32 only)")

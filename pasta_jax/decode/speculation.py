@@ -26,6 +26,11 @@ MEDUSA_DIR = "medusa"  # the shipped heads of an adapter live in <adapter>/medus
 DEFAULT_TREE = 64  # Medusa's default tree size (its 63 candidates + the root)
 FIXED_TREE = 16  # method "medusa"'s default: on a CPU a fixed 64-node tree costs more than it saves
 THREAD_TREE = 4  # method "pasta+medusa"'s default: a tree on every live thread multiplies the rows of a step
+# ProPD's largest tree in `pasta serve` (its --tree-size overrides): the server has no calibration run to size the
+# compiled tree (`compiled_size`), and its online step-time model times every size of that tree at every rows
+# bucket before it fits. On a 2-core CPU no size above 8 paid at batch 1 or 8 (bench.medusa: T(16) >= 1.8 T(1)),
+# and one 64-node calibration chunk at batch 16 computes 1024 rows a step.
+SERVED_PROPD_TREE = 8
 PROPD_PRUNE = EarlyPrune()  # ProPD's early pruning as the paper runs it: top 50 (layer: the trained head's)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from pasta_jax.baselines.sot import SotConfig, skeleton_prompt_ids
-from pasta_jax.decode import api, batching
+from pasta_jax.decode import api, batching, speculation
 from pasta_jax.decode.result import Result
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.tokenizing import LangTokenizer
@@ -50,7 +50,8 @@ class ServeConfig:
   max_batches: int = 4  # compiled (method, sampling) batches held at once
   dtype: str = "float32"
   heads: Any = None  # Medusa: a heads folder or `speculation.Drafter` (None: the heads shipped with the model)
-  tree_size: int | None = None  # Medusa's fixed tree, ProPD's largest (None: `speculation.default_tree_size`)
+  # Medusa's fixed tree, ProPD's largest (None: `speculation.default_tree_size`; for ProPD, SERVED_PROPD_TREE)
+  tree_size: int | None = None
   drafts: int = 3  # Superposed Decoding's k (a request's `n` takes its best n)
   ngram: Any = "default"  # Superposed Decoding's n-gram index: "default", a folder, an `NgramIndex`, None (off)
   propd_samples: int = 2  # ProPD: timed chunks per tree size and rows bucket before T(s) is fitted (`serve/propd.py`)
@@ -339,7 +340,7 @@ class Engine:
     bos = self.model.tokenizer.encode(" ", add_bos=True)[:1]
     extra = {"heads": self.cfg.heads, "tree_size": self.cfg.tree_size} if method in api.TREE_METHODS else {}
     if method == "propd":  # a placeholder step-time table; the chunks' own times replace it (`_run_chunk`)
-      extra["latency"] = (1.0, 1.0)
+      extra.update(latency=(1.0, 1.0), tree_size=self.cfg.tree_size or speculation.SERVED_PROPD_TREE)
     if method == "superposed":
       extra = {"drafts": self.cfg.drafts, "ngram": self.cfg.ngram}
     script_len, max_tokens = 0, self.cfg.max_tokens
