@@ -10,8 +10,9 @@ answer tokens) decoded by
             pruning when the heads folder has a trained early head (`decode/rules/pruning.py`; without one, ProPD
             does not prune and this row equals the next);
   - propd-unpruned  the same without early pruning (its own calibration), to show what pruning gives.
-Every program is compiled and run once before timing; figures are medians of --runs runs. Tree decoding is
-lossless, so every method writes the same tokens (checked: mismatches are printed and counted) and the
+Every program is compiled and run once before timing; figures are medians of --runs rounds, each of which runs
+every method once in turn on each prompt group (a slow spell of the machine then lands on every method alike).
+Tree decoding is lossless, so every method writes the same tokens (checked: mismatches are printed and counted) and the
 tokens/s ratios are time ratios. Accepted length = tokens per step; per-head acceptance = how often head h's
 top-1 (and its top-k list) held the right token when its depth was reached.
 
@@ -56,20 +57,32 @@ def parse_args(argv=None):
   return parser.parse_args(argv)
 
 
-def timed(model, groups, runs: int, **kw) -> dict:
-  """Decodes every group (a batch of prompt ids) once to compile, then `runs` times; median wall time. Its
-  programs are dropped after (every row compiles its own: kept, they exhaust the process's memory maps)."""
-  results, seconds = [], []
+def timed(model, groups, runs: int, methods: dict[str, dict]) -> dict[str, dict]:
+  """Every method ({name: `prepare_method` options}) on every group (a batch of prompt ids), side by side: per
+  group, each method's program is compiled and run once, then `runs` rounds run every method once in turn, and
+  each method keeps its median. In rounds, a slow spell of a shared machine lands on every method alike instead
+  of on whichever was being timed (a method-major order once put medusa-4 at 1.05x plain and, on the next run,
+  1.24x). The group's programs are dropped after it (kept, every group's exhaust the process's memory maps)."""
+  outs, seconds = {name: [] for name in methods}, {name: [] for name in methods}
   for ids in groups:
-    prep = api.prepare_method(model, ids, **kw)
-    outs, _ = api.run_prepared(prep)
-    times = [api.run_prepared(prep)[1] for _ in range(runs)]
-    seconds.append(statistics.median(times))
-    results.extend(outs)
-  jax.clear_caches()
+    preps = {name: api.prepare_method(model, ids, **kw) for name, kw in methods.items()}
+    for name, prep in preps.items():
+      outs[name].extend(api.run_prepared(prep)[0])
+    times = {name: [] for name in methods}
+    for _ in range(runs):
+      for name, prep in preps.items():
+        times[name].append(api.run_prepared(prep)[1])
+    for name in methods:
+      seconds[name].append(statistics.median(times[name]))
+    api.COMPILED.clear()
+    jax.clear_caches()
+  return {name: summary(outs[name], sum(seconds[name])) for name in methods}
+
+
+def summary(results: list, seconds: float) -> dict:
   tokens = sum(len(r.records) for r in results)
   stats = [r.rule_outputs for r in results if r.rule_outputs]
-  return {"seconds": sum(seconds), "tokens": tokens, "tok_s": tokens / sum(seconds), "outs": results,
+  return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "outs": results,
           "accept": float(np.mean([s["accept_length"] for s in stats])) if stats else 1.0, "stats": stats}
 
 
@@ -89,16 +102,21 @@ def bench_batch(model, drafter, ids, batch: int, args) -> dict:
   ids = ids[: args.limit_b1] if batch == 1 else ids
   groups = [ids[i:i + batch] for i in range(0, len(ids), batch)]
   common = dict(max_new_tokens=args.new_tokens, **({"certify_head": True} if args.certify_head else {}))
-  rows = {"plain": timed(model, groups, args.runs, method="sequential", **common)}
+  methods = {"plain": dict(method="sequential", **common)}
   big = [args.tree] if str(batch) in args.big_tree_batches.split(",") else []
   for size in big + [int(s) for s in args.small_trees.split(",") if s]:
-    rows[f"medusa-{size}"] = timed(model, groups, args.runs, method="medusa", heads=drafter, tree_size=size, **common)
+    methods[f"medusa-{size}"] = dict(method="medusa", heads=drafter, tree_size=size, **common)
+  calibrations = {}
   for name, prune in (("propd", None), ("propd-unpruned", False)):
-    calibration = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16, prune=prune,
-                                    run_tokens=args.new_tokens,
-                                    **({"certify_head": True} if args.certify_head else {}))
-    rows[name] = timed(model, groups, args.runs, method="propd", heads=drafter, tree_size=calibration["tree_size"],
-                       latency=calibration["table"], prune=prune, **common)
+    calibrations[name] = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16, prune=prune,
+                                           run_tokens=args.new_tokens,
+                                           **({"certify_head": True} if args.certify_head else {}))
+    methods[name] = dict(method="propd", heads=drafter, tree_size=calibrations[name]["tree_size"],
+                         latency=calibrations[name]["table"], prune=prune, **common)
+  api.COMPILED.clear()
+  jax.clear_caches()
+  rows = timed(model, groups, args.runs, methods)
+  for name, calibration in calibrations.items():
     rows[name]["calibration"] = calibration
   return rows
 

@@ -361,6 +361,28 @@ def test_calibration_cancels_the_prefill(monkeypatch):
   assert info["table"] == pytest.approx({1: 0.04, 2: 0.04, 4: 0.06})
 
 
+def test_a_slow_spell_during_calibration_costs_every_size_alike(monkeypatch):
+  """The repeats run in rounds over every size: a spell of 3x slower runs as long as one round leaves each size a
+  clean round, so the table is the quiet machine's (timing one size's repeats back to back, the spell would land
+  on the first sizes alone)."""
+  from types import SimpleNamespace
+
+  from pasta_jax.decode import latency
+  calls = []
+  def prepare(model, ids, *, latency, max_new_tokens, **kw):
+    return min(latency, key=latency.get), max_new_tokens
+  def run(prep):
+    size, steps = prep
+    calls.append(prep)
+    slow = 3.0 if 3 <= len(calls) <= 2 + 6 else 1.0  # after the 2 compiling runs, one round of 3 sizes x 2 runs
+    return [SimpleNamespace(steps=steps)], slow * steps * (0.04 if size == 1 else 0.02 + 0.01 * size)
+  monkeypatch.setattr(latency.api, "prepare_method", prepare)
+  monkeypatch.setattr(latency.api, "run_prepared", run)
+  info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=4, steps=8, repeats=2)
+  assert len(calls) == 2 + 2 * 6
+  assert info["table"] == pytest.approx({1: 0.04, 2: 0.04, 4: 0.06})
+
+
 def test_calibration_times_a_smaller_tree_in_its_own_program(monkeypatch):
   """When only a smaller tree can pay, ProPD runs the program compiled for it, whose every step is cheaper (fewer
   lanes to keep): its sizes are timed again there, and the big program's figures stay in `first_pass`."""

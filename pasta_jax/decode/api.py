@@ -296,6 +296,11 @@ class CompileCache:
   def __init__(self, maxsize: int = 16):
     self.maxsize, self.entries = maxsize, collections.OrderedDict()
 
+  def clear(self) -> None:
+    """Drops every program (`jax.clear_caches` does not reach these): a process that compiles many, such as a
+    bench, keeps its memory maps bounded."""
+    self.entries.clear()
+
   def get(self, prep: Prepared, runner):
     cfg = loop.static_config(prep.cfg)
     static = dict(cfg=cfg, forced=prep.forced, vocab_size=prep.vocab_size, pool_spec=prep.pool_spec)

@@ -46,27 +46,32 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
 
 
 def _time_sizes(model, ids, drafter, tree_size, steps, repeats, prepare_kw) -> tuple[list[int], list[float]]:
-  """(sizes, seconds per step at each) of the ProPD program compiled for a `tree_size`-node tree."""
+  """(sizes, seconds per step at each) of the ProPD program compiled for a `tree_size`-node tree.
+
+  The repeats run in rounds, each timing every size's short and long run once, and each run keeps its fastest
+  round: a slow spell of a shared machine then costs every size one round, not all of one size's repeats (a
+  size-major order once measured T(4) = 1.9 T(1) in one calibration and 1.1 T(1) in the next)."""
   rules, _ = rules_and_inputs(drafter, tree_size=tree_size, dynamic=True, latency=(1.0, 1.0))
-  run = lambda pinned, tokens, times: _best_run(model, ids, drafter, tree_size, pinned, tokens, times, prepare_kw)
+  preps = {(size, tokens): _pinned(model, ids, drafter, tree_size, size, rules.sizes, tokens, prepare_kw)
+           for size in rules.sizes for tokens in (steps, 2 * steps)}
   for tokens in (steps, 2 * steps):  # compile both programs (every pinned size runs the same two)
-    run({s: 1.0 for s in rules.sizes}, tokens, 1)
+    api.run_prepared(preps[rules.sizes[0], tokens])
+  best = dict.fromkeys(preps, (np.inf, 0))
+  for _ in range(max(repeats, 1)):
+    for key, prep in preps.items():
+      runs, seconds = api.run_prepared(prep)
+      best[key] = min(best[key], (seconds, max(r.steps for r in runs)))
   per_step = []
   for size in rules.sizes:
-    pinned = {s: 1.0 if s == size else 1e9 for s in rules.sizes}
-    short, long = run(pinned, steps, repeats), run(pinned, 2 * steps, repeats)
+    short, long = best[size, steps], best[size, 2 * steps]
     differs = long[1] > short[1] and long[0] > short[0]  # (else: ended early, or noise: whole-run average)
     per_step.append((long[0] - short[0]) / (long[1] - short[1]) if differs else long[0] / max(long[1], 1))
   return list(rules.sizes), per_step
 
 
-def _best_run(model, ids, drafter, tree_size, pinned, tokens, repeats, prepare_kw) -> tuple[float, int]:
-  """(seconds, steps) of the fastest of `repeats` runs of the pinned ProPD loop writing up to `tokens` tokens
-  (prefill included)."""
-  prep = api.prepare_method(model, ids, method="propd", heads=drafter, tree_size=tree_size, latency=pinned,
+def _pinned(model, ids, drafter, tree_size, size, sizes, tokens, prepare_kw):
+  """The ProPD loop writing up to `tokens` tokens with its tree size pinned to `size` (latency 1 there, 1e9
+  elsewhere: every size runs the same compiled program)."""
+  pinned = {s: 1.0 if s == size else 1e9 for s in sizes}
+  return api.prepare_method(model, ids, method="propd", heads=drafter, tree_size=tree_size, latency=pinned,
                             max_new_tokens=tokens, **prepare_kw)
-  best = (np.inf, 0)
-  for _ in range(max(repeats, 1)):
-    runs, seconds = api.run_prepared(prep)
-    best = min(best, (seconds, max(r.steps for r in runs)))
-  return best
