@@ -61,7 +61,7 @@ def timed(model, groups, runs: int, methods: dict[str, dict]) -> dict[str, dict]
   """Every method ({name: `prepare_method` options}) on every group (a batch of prompt ids), side by side: per
   group, each method's program is compiled and run once, then `runs` rounds run every method once in turn, and
   each method keeps its median. In rounds, a slow spell of a shared machine lands on every method alike instead
-  of on whichever was being timed (a method-major order once put medusa-4 at 1.05x plain and, on the next run,
+  of on whichever was being timed (a method-major order once put medusa-4 at 1.05x plain and, on another run,
   1.24x). The group's programs are dropped after it (kept, every group's exhaust the process's memory maps)."""
   outs, seconds = {name: [] for name in methods}, {name: [] for name in methods}
   for ids in groups:

@@ -49,8 +49,8 @@ def _time_sizes(model, ids, drafter, tree_size, steps, repeats, prepare_kw) -> t
   """(sizes, seconds per step at each) of the ProPD program compiled for a `tree_size`-node tree.
 
   The repeats run in rounds, each timing every size's short and long run once, and each run keeps its fastest
-  round: a slow spell of a shared machine then costs every size one round, not all of one size's repeats (a
-  size-major order once measured T(4) = 1.9 T(1) in one calibration and 1.1 T(1) in the next)."""
+  round: a slow spell of a shared machine then costs every size one round, not all of one size's repeats (timed
+  size by size, one bench run measured T(4) = 1.9 T(1) in one program and 1.1 T(1) in the other, minutes apart)."""
   rules, _ = rules_and_inputs(drafter, tree_size=tree_size, dynamic=True, latency=(1.0, 1.0))
   preps = {(size, tokens): _pinned(model, ids, drafter, tree_size, size, rules.sizes, tokens, prepare_kw)
            for size in rules.sizes for tokens in (steps, 2 * steps)}
