@@ -74,9 +74,13 @@ def timed(model, groups, runs: int, methods: dict[str, dict]) -> dict[str, dict]
         times[name].append(api.run_prepared(prep)[1])
     for name in methods:
       seconds[name].append(statistics.median(times[name]))
-    api.COMPILED.clear()
-    jax.clear_caches()
+    drop_programs()
   return {name: summary(outs[name], sum(seconds[name])) for name in methods}
+
+
+def drop_programs() -> None:
+  api.COMPILED.clear()
+  jax.clear_caches()
 
 
 def summary(results: list, seconds: float) -> dict:
@@ -113,8 +117,7 @@ def bench_batch(model, drafter, ids, batch: int, args) -> dict:
                                            **({"certify_head": True} if args.certify_head else {}))
     methods[name] = dict(method="propd", heads=drafter, tree_size=calibrations[name]["tree_size"],
                          latency=calibrations[name]["table"], prune=prune, **common)
-  api.COMPILED.clear()
-  jax.clear_caches()
+  drop_programs()  # the calibrations'
   rows = timed(model, groups, args.runs, methods)
   for name, calibration in calibrations.items():
     rows[name]["calibration"] = calibration
