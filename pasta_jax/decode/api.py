@@ -66,6 +66,7 @@ from pasta_jax.lang import tokens as tok
 from pasta_jax.lang.layout import answer_for_mode
 from pasta_jax.lang.tags import TagVocab, tag_vocab_for
 from pasta_jax.model import thread_attention
+from pasta_jax.model.head_plan import HeadPlan, measured_plan
 
 __all__ = ["GREEDY", "METHODS", "LangTokenizer", "PastaResult", "Result", "ThreadTrace", "chat_text", "content_ids",
            "generate", "generate_ids", "prompt_ids", "stream",
@@ -98,14 +99,25 @@ def rules_for(method: str, *, max_depth: int = 3, fan_out: int = 1, ignore_eos: 
 
 
 # --- model plumbing ----------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=8)
 def model_fn(config, dtype, attention: str = "xla", head_dtype: str | None = None) -> callable:
   """The decode-step model: Gemma in the decode layout, taking `decode_params`. One module per (config,
-  dtype, attention, head_dtype): its `apply` is a jit static argument, so it must be stable. attention: "xla"
-  (the default) or "pallas" (the kernel over the thread metadata, model/thread_attention.py). head_dtype: the
-  output head's narrower dtype (`check_head_dtype`), None: `dtype`."""
+  dtype, attention, head_dtype, this machine's head plan): its `apply` is a jit static argument, so it must be
+  stable. attention: "xla" (the default) or "pallas" (the kernel over the thread metadata,
+  model/thread_attention.py). head_dtype: the output head's narrower dtype (`check_head_dtype`), None: `dtype`."""
+  return _model_fn(config, jnp.dtype(dtype), attention, head_dtype, head_plan(config, dtype, head_dtype))
+
+
+@functools.lru_cache(maxsize=8)
+def _model_fn(config, dtype, attention: str, head_dtype: str | None, plan: HeadPlan) -> callable:
   from pasta_jax.model.gemma import Gemma
-  return Gemma(config, dtype=jnp.dtype(dtype), decode_layout=True, attention=attention, head_dtype=head_dtype).apply
+  return Gemma(config, dtype=dtype, decode_layout=True, attention=attention, head_dtype=head_dtype,
+               head_plan=plan).apply
+
+
+def head_plan(config, dtype, head_dtype: str | None = None) -> HeadPlan:
+  """The output head's form per row count for this model on this machine (model/head_plan.py): measured once
+  per process on a CPU, the same plan for the model and a certified head's own multiply."""
+  return measured_plan(config.vocab_size, config.embed_dim, jnp.dtype(dtype).name, head_dtype)
 
 
 def check_head_dtype(head_dtype: str | None, dtype) -> str | None:
@@ -277,7 +289,8 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
                             max_content=content_budget,
                             sampling=sampling, position_mode=position_mode, rules=rules, record_logits=record_logits,
                             lane_buckets=lane_buckets, sharding=None if mesh is None else DecodeSharding(mesh),
-                            certify_head=certify_head, final_softcap=model.config.final_logit_softcap)
+                            certify_head=certify_head, final_softcap=model.config.final_logit_softcap,
+                            head_plan=head_plan(model.config, dtype, head_dtype))
   except ValueError as err:
     raise PastaError(f"bad {rules.name} settings: {err}") from None
   loop.check_runnable(cfg, forced=scripts is not None)

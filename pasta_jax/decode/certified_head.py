@@ -17,7 +17,8 @@ a softcap), an argmax that lands on one of the K exact tokens is the float32 arg
 value lies below its bound, which lost. An argmax that lands on a bound is not certified: that step's rows are
 chosen again from the float32 head (`decode.step`). On the tuned 270M's answers 99% of positions have at most
 16 candidates, so the fallback is rare. One row alone (batch 1, one lane) takes the float32 head directly: its
-gemv reads the float32 head as fast as the narrow one.
+gemv reads the float32 head as fast as the narrow one. So do the row counts where this machine's float32 head is no
+slower than the narrow one (`model/head_plan.py`, `plan.exact`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pasta_jax.model.gemma import HEAD_COPY, output_head, softcap
+from pasta_jax.model.head_plan import FIXED, HeadPlan
 
 BOUNDS = "unembed_bounds"  # decode params: {"rounding": [V] |w_v - bf16(w_v)|, "norm": [V] |bf16(w_v)|}
 CANDIDATES = 16  # K: tokens whose exact logit is computed per row
@@ -39,13 +41,14 @@ def bound_rows(embedding: jax.Array, narrow: jax.Array) -> dict:
   return {"rounding": jnp.linalg.norm(embedding - wide, axis=-1), "norm": jnp.linalg.norm(wide, axis=-1)}
 
 
-def head_logits(params, x: jax.Array, cap: float | None, decode_layout: bool = True):
+def head_logits(params, x: jax.Array, cap: float | None, decode_layout: bool = True, plan: HeadPlan = FIXED):
   """x [B, Q, D] final-normed hidden -> (logits [B, Q, V], exact ids [B, Q, K] or None).
 
-  One row: the exact float32 head, ids None. More: mixed logits (exact at the K ids, upper bounds elsewhere)."""
+  At the row counts of `plan.exact` (one row, and wherever the narrow head is no faster on this machine): the
+  exact float32 head, ids None. Otherwise mixed logits (exact at the K ids, upper bounds elsewhere)."""
   tree = params["params"]
-  if x.shape[0] * x.shape[1] == 1:
-    return softcap(output_head(x, tree["embedder"], decode_layout), cap), None
+  if x.shape[0] * x.shape[1] in plan.exact:
+    return exact_logits(params, x, cap, decode_layout, plan), None
   narrow_x = x.astype(tree[HEAD_COPY].dtype)  # what output_head multiplies the narrow head with
   approx = output_head(x, tree[HEAD_COPY], decode_layout)  # [B, Q, V] float32
   x_norm = jnp.linalg.norm(x, axis=-1, keepdims=True)  # [B, Q, 1]
@@ -77,9 +80,10 @@ def top_ids(x: jax.Array, k: int, block: int = BLOCK) -> jax.Array:
   return jnp.take_along_axis(best, pos // block, axis=-1) * block + pos % block
 
 
-def exact_logits(params, x: jax.Array, cap: float | None, decode_layout: bool = True) -> jax.Array:
+def exact_logits(params, x: jax.Array, cap: float | None, decode_layout: bool = True,
+                 plan: HeadPlan = FIXED) -> jax.Array:
   """The float32 head: x [B, Q, D] -> logits [B, Q, V]."""
-  return softcap(output_head(x, params["params"]["embedder"], decode_layout), cap)
+  return softcap(output_head(x, params["params"]["embedder"], decode_layout, plan), cap)
 
 
 def certified(chosen: jax.Array, ids: jax.Array, row_ok: jax.Array) -> jax.Array:

@@ -10,6 +10,8 @@ from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.sharding import DecodeSharding
 from pasta_jax.lang import schema
 from pasta_jax.lang.tags import TagVocab
+from pasta_jax.model.head_plan import FIXED as FIXED_HEAD_PLAN
+from pasta_jax.model.head_plan import HeadPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +34,7 @@ class InterpreterConfig:
   # the float32 head, at the narrow head's cost; final_softcap: the model's final logit softcap, applied there.
   certify_head: bool = False
   final_softcap: float | None = None
+  head_plan: HeadPlan = FIXED_HEAD_PLAN  # the head's form per row count, as the model's (api.head_plan)
 
   def __post_init__(self):
     if self.max_content < 0:

@@ -82,12 +82,12 @@ def _choose_certified(params, head_input, rows_lane, row_ok, state: InterpState,
                       forced: bool, aux):
   """choose_from_model's certified head. Its logits out are None: they are bounds, and no one records them."""
   def again():
-    exact = certified_head.exact_logits(params, head_input, cfg.final_softcap)
+    exact = certified_head.exact_logits(params, head_input, cfg.final_softcap, plan=cfg.head_plan)
     return choose_tokens(exact, rows_lane, row_ok, state, cfg, forced, aux)
 
   if forced and cfg.rules.sample_after_script:  # scripted rows would fail the certificate: plain float32
     return (*again(), None)
-  logits, ids = certified_head.head_logits(params, head_input, cfg.final_softcap)
+  logits, ids = certified_head.head_logits(params, head_input, cfg.final_softcap, plan=cfg.head_plan)
   chosen = choose_tokens(logits, rows_lane, row_ok, state, cfg, forced, aux)
   if forced or ids is None:  # the scripts choose (the head only has to run); or the float32 head chose
     return (*chosen, None)

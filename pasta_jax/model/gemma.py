@@ -35,6 +35,8 @@ import jax.numpy as jnp
 
 from pasta_jax.model import thread_attention
 from pasta_jax.model.config import GemmaConfig
+from pasta_jax.model.head_plan import FIXED as FIXED_HEAD_PLAN
+from pasta_jax.model.head_plan import HeadPlan
 from pasta_jax.model.lora import A_SUFFIX, B_SUFFIX, ROWS, AdapterConfig
 from pasta_jax.visibility import ThreadMask, visible
 
@@ -161,26 +163,29 @@ def project(x: Array, w: Array, in_dims: str, out_dims: str, decode_layout: bool
   return jnp.einsum(f"bq{in_dims},{in_dims}{out_dims}->bq{out_dims}", x, w, **kw)
 
 
-# Rows (B * Q) for which the decode layout multiplies the output head token-major: on XLA:CPU 2-3 rows of the
-# 262k x 640 head cost 31 ms against 37 weight-major (YNNPACK's small-N matmul), while one row (the gemv
-# emitter) and 4+ rows are fastest weight-major (`python -m bench.step_cost`, columns head_wm_ms / head_tm_ms).
-TOKEN_MAJOR_HEAD_ROWS = (2, 3)
 HEAD_COPY = "unembed"  # decode layout with a narrow head: the tied head stored in `Gemma.head_dtype`
 
 
-def output_head(x: Array, unembed: Array, decode_layout: bool) -> Array:
+def narrow_head_product(x: Array, unembed: Array) -> Array:
+  """x [B, Q, D] times a head narrower than x: x rounded to the head's dtype, float32 accumulation, token-major,
+  one row padded to two (on XLA:CPU YNNPACK then reads half the bytes for any row count, where a single bfloat16
+  row would take a slow gemv; `python -m bench.head_precision`)."""
+  rows = x.shape[1]
+  narrow = x.astype(unembed.dtype)
+  if x.shape[0] * rows == 1:
+    narrow = jnp.concatenate([narrow, narrow], axis=1)
+  return jnp.einsum("bqd,vd->bqv", narrow, unembed, preferred_element_type=jnp.float32)[:, :rows]
+
+
+def output_head(x: Array, unembed: Array, decode_layout: bool, plan: HeadPlan = FIXED_HEAD_PLAN) -> Array:
   """x [B, Q, D] times the tied head unembed [V, D] -> float32 logits [B, Q, V].
 
-  An unembed narrower than x (`Gemma.head_dtype`) multiplies in its own dtype with float32 accumulation,
-  token-major, one row padded to two: on XLA:CPU YNNPACK then reads half the bytes for any row count, where a
-  single bfloat16 row would take a slow gemv (`python -m bench.head_precision`)."""
+  An unembed narrower than x (`Gemma.head_dtype`) multiplies as `narrow_head_product`. In full precision the
+  decode layout multiplies weight-major, or token-major at the row counts (B * Q) of `plan.token_major`: which
+  is faster depends on the machine (model/head_plan.py)."""
   if jnp.dtype(unembed.dtype).itemsize < jnp.dtype(x.dtype).itemsize:
-    rows = x.shape[1]
-    narrow = x.astype(unembed.dtype)
-    if x.shape[0] * rows == 1:
-      narrow = jnp.concatenate([narrow, narrow], axis=1)
-    return jnp.einsum("bqd,vd->bqv", narrow, unembed, preferred_element_type=jnp.float32)[:, :rows]
-  if decode_layout and x.shape[0] * x.shape[1] not in TOKEN_MAJOR_HEAD_ROWS:
+    return narrow_head_product(x, unembed)
+  if decode_layout and x.shape[0] * x.shape[1] not in plan.token_major:
     return project(x, unembed, "d", "v", True, preferred_element_type=jnp.float32)
   return jnp.einsum("bqd,vd->bqv", x, unembed, preferred_element_type=jnp.float32)
 
@@ -338,6 +343,7 @@ class Gemma(nn.Module):
   # Decode layout only: the output head reads a copy of the tied embedding stored in this narrower dtype (param
   # HEAD_COPY, written by `api.decode_params(head_dtype=)`); None: the embedding itself, in `dtype`.
   head_dtype: str | None = None
+  head_plan: HeadPlan = FIXED_HEAD_PLAN  # decode layout: the output head's form per row count (model/head_plan.py)
 
   @nn.compact
   def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None,
@@ -391,7 +397,7 @@ class Gemma(nn.Module):
       x = jnp.take_along_axis(x, logit_rows[..., None], axis=1)  # [B, R, D]
     if skip_head and row_delta is not None:
       raise ValueError("skip_head needs the adapter's embedding rows folded in (lora.fold)")
-    logits = x if skip_head else output_head(x, self._unembed(embedding), self.decode_layout)
+    logits = x if skip_head else output_head(x, self._unembed(embedding), self.decode_layout, self.head_plan)
     if row_delta is not None:  # the tied head's rows move with the embedding
       extra = jnp.einsum("bqd,nd->bqn", x, row_delta, preferred_element_type=jnp.float32)
       logits = logits.at[..., jnp.asarray(self.adapter.row_ids)].add(extra)

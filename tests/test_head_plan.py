@@ -1,0 +1,93 @@
+"""The output head's form per row count (model/head_plan.py): chosen from timings with a margin against noise,
+measured on a CPU unless pinned, and every form computes the same head, certified or not."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pasta_jax.decode import api, certified_head
+from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.model import head_plan
+from pasta_jax.model.gemma import output_head
+from pasta_jax.model.head_plan import FIXED, HeadPlan, choose
+from tests.tiny import tiny_model
+
+PROMPTS = ["hello there", "list three colours"]
+
+
+def timings(**ms) -> dict:
+  """{(rows, form): seconds} from keywords like wm2=36, tm2=63, nw2=31 (ms)."""
+  forms = {"wm": "weight_major", "tm": "token_major", "nw": "narrow"}
+  return {(int(key[2:]), forms[key[:2]]): value / 1e3 for key, value in ms.items()}
+
+
+def test_a_form_replaces_the_fixed_one_only_when_clearly_faster():
+  # 2 rows: token-major is fixed and clearly slower -> weight-major; 3 rows: weight-major 5% faster, within the
+  # margin -> stays token-major; 4 rows: weight-major is fixed, token-major 20% faster -> token-major.
+  plan = choose(timings(wm2=36, tm2=63, wm3=38, tm3=40, wm4=50, tm4=40), narrow=False)
+  assert plan.token_major == (3, 4)
+  assert plan.exact == (1,)
+  assert dict(plan.measured)["2:token_major"] == 63.0
+
+
+def test_a_certified_head_goes_exact_where_the_narrow_head_is_no_faster():
+  plan = choose(timings(wm2=36, tm2=63, nw2=31, wm4=34, tm4=64, nw4=38, wm8=44, tm8=67, nw8=44), narrow=True)
+  assert plan.exact == (1, 4, 8)  # 8 rows: a tie goes exact (the certificate would cost more)
+  assert plan.token_major == (3,)  # 3 rows were not measured: the fixed plan's form
+
+
+def test_without_a_narrow_head_nothing_goes_exact():
+  assert choose(timings(wm2=36, tm2=63), narrow=False).exact == FIXED.exact
+
+
+def test_the_plan_is_fixed_when_pinned_and_refuses_other_settings(monkeypatch):
+  head_plan.measured_plan.cache_clear()
+  monkeypatch.setenv(head_plan.ENV, "fixed")
+  assert head_plan.measured_plan(64, 16, "float32", None) == FIXED
+  monkeypatch.setenv(head_plan.ENV, "fastest")
+  head_plan.measured_plan.cache_clear()
+  with pytest.raises(ValueError, match="PASTA_HEAD_PLAN"):
+    head_plan.measured_plan(64, 16, "float32", None)
+  head_plan.measured_plan.cache_clear()
+
+
+def test_a_measured_plan_times_every_form_at_every_measured_row_count(monkeypatch):
+  monkeypatch.setenv(head_plan.ENV, "measured")
+  head_plan.measured_plan.cache_clear()
+  plan = head_plan.measured_plan(512, 32, "float32", "bfloat16")
+  head_plan.measured_plan.cache_clear()
+  measured = dict(plan.measured)
+  assert set(measured) == {f"{r}:{f}" for r in head_plan.MEASURED_ROWS for f in ("weight_major", "token_major",
+                                                                                   "narrow")}
+  assert all(ms > 0 for ms in measured.values())
+  assert 1 in plan.exact and set(plan.token_major) <= set(FIXED.token_major) | set(head_plan.MEASURED_ROWS)
+
+
+@pytest.mark.parametrize("plan", [HeadPlan(token_major=()), HeadPlan(token_major=(1, 2, 3, 4, 5, 6))])
+@pytest.mark.parametrize("batch,rows", [(1, 1), (1, 2), (1, 3), (2, 2), (1, 5)])
+def test_every_plan_computes_the_same_head(plan, batch, rows):
+  rng = np.random.default_rng(batch * 10 + rows)
+  x = jnp.asarray(rng.normal(size=(batch, rows, 16)), jnp.float32)
+  unembed = jnp.asarray(rng.normal(size=(50, 16)), jnp.float32)
+  want = np.einsum("bqd,vd->bqv", np.asarray(x, np.float64), np.asarray(unembed, np.float64))
+  np.testing.assert_allclose(output_head(x, unembed, True, plan), want, atol=1e-4, rtol=1e-4)
+
+
+def test_certified_decoding_with_exact_row_counts_writes_the_float32_tokens(monkeypatch):
+  """A plan that sends every row count of a batch of two (2 to 16 rows) to the float32 head: the narrow head and
+  its certificate never run, and greedy decoding still writes the float32 model's tokens."""
+  plan = HeadPlan(token_major=(), exact=(1, 2, 4, 8, 16))
+  monkeypatch.setattr(api, "measured_plan", lambda *args: plan)
+
+  def no_certificate(*args):
+    raise AssertionError("a row count of plan.exact reached the narrow head's certificate")
+
+  monkeypatch.setattr(certified_head, "certified", no_certificate)
+  model = tiny_model("tiny-gemma3", seed=3)
+  sampling = SamplingConfig(repetition_penalty=1.3)
+  plain = api.generate(model, PROMPTS, method="pasta", max_new_tokens=24, sampling=sampling)
+  certified = api.generate(model, PROMPTS, method="pasta", max_new_tokens=24, sampling=sampling, certify_head=True)
+  assert api.model_fn(model.config, jnp.float32).__self__.head_plan == plan  # the decode model is kept per plan
+  assert [list(r.records[:, 3]) for r in certified] == [list(r.records[:, 3]) for r in plain]
