@@ -2,8 +2,8 @@
 
 The tied head (262k x 640 on Gemma 3 270M) is most of a CPU decode step, and which matmul form reads it fastest
 for 2-8 rows depends on the machine: on session 9's CPU the token-major float32 form cost 31 ms at 2 rows against
-37 ms weight-major; on session 25's 2-core AMD EPYC (AVX2) it cost 63 ms against 36, and there the bfloat16 copy
-(40 ms) was no faster than the float32 head read weight-major. So on a CPU `measured_plan` times the forms once
+37 ms weight-major; on session 25's 2-core AMD EPYC (AVX2) it cost 63 ms against 36, and there from 4 rows on the
+bfloat16 copy (38-56 ms) was slower than the float32 head read weight-major (34-44 ms). So on a CPU `measured_plan` times the forms once
 per process, on the head's real shape, and the decoders compile the plan (a static field of `Gemma` and of the
 interpreter's config). Elsewhere, or with `PASTA_HEAD_PLAN=fixed`, the fixed plan below (session 9's) holds.
 
