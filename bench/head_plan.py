@@ -1,6 +1,6 @@
 """The output head's measured plan against the fixed one, in free decoding of the shipped model on this machine.
 
-`model/head_plan.py` times the head's matmul forms once per process and compiles the fastest per row count. This
+`model/head_timing.py` times the head's matmul forms once per process and compiles the fastest per row count. This
 decodes held-out prompts with the shipped default (PASTA, batch 1, greedy), under the fixed plan and under the
 measured one, with and without the certified head, in rounds (every configuration once per round, so a slow
 spell of a shared machine costs all alike), and prints each configuration's median seconds per prompt, its
@@ -22,7 +22,7 @@ from tqdm import tqdm
 from bench.common import held_out_prompt_ids, table
 from pasta_jax.decode import api
 from pasta_jax.decode.sampling import SamplingConfig
-from pasta_jax.model import head_plan
+from pasta_jax.model import head_plan, head_timing
 from pasta_jax.model.load import load_model
 
 CONFIGS = [("fixed", False), ("measured", False), ("fixed", True), ("measured", True)]
@@ -43,7 +43,7 @@ def plans_for(model) -> dict:
   for name, certified in CONFIGS:
     narrow = "bfloat16" if certified else None
     plans[name, certified] = (head_plan.FIXED if name == "fixed" else
-                              head_plan.choose(head_plan.time_forms(config.vocab_size, config.embed_dim,
+                              head_plan.choose(head_timing.time_forms(config.vocab_size, config.embed_dim,
                                                                     jnp.float32, narrow and jnp.bfloat16),
                                                certified))
   return plans

@@ -9,7 +9,7 @@ import pytest
 
 from pasta_jax.decode import api, certified_head
 from pasta_jax.decode.sampling import SamplingConfig
-from pasta_jax.model import head_plan
+from pasta_jax.model import head_timing
 from pasta_jax.model.gemma import output_head
 from pasta_jax.model.head_plan import FIXED, HeadPlan, choose
 from tests.tiny import tiny_model
@@ -43,26 +43,26 @@ def test_without_a_narrow_head_nothing_goes_exact():
 
 
 def test_the_plan_is_fixed_when_pinned_and_refuses_other_settings(monkeypatch):
-  head_plan.measured_plan.cache_clear()
-  monkeypatch.setenv(head_plan.ENV, "fixed")
-  assert head_plan.measured_plan(64, 16, "float32", None) == FIXED
-  monkeypatch.setenv(head_plan.ENV, "fastest")
-  head_plan.measured_plan.cache_clear()
+  head_timing.measured_plan.cache_clear()
+  monkeypatch.setenv(head_timing.ENV, "fixed")
+  assert head_timing.measured_plan(64, 16, "float32", None) == FIXED
+  monkeypatch.setenv(head_timing.ENV, "fastest")
+  head_timing.measured_plan.cache_clear()
   with pytest.raises(ValueError, match="PASTA_HEAD_PLAN"):
-    head_plan.measured_plan(64, 16, "float32", None)
-  head_plan.measured_plan.cache_clear()
+    head_timing.measured_plan(64, 16, "float32", None)
+  head_timing.measured_plan.cache_clear()
 
 
 def test_a_measured_plan_times_every_form_at_every_measured_row_count(monkeypatch):
-  monkeypatch.setenv(head_plan.ENV, "measured")
-  head_plan.measured_plan.cache_clear()
-  plan = head_plan.measured_plan(512, 32, "float32", "bfloat16")
-  head_plan.measured_plan.cache_clear()
+  monkeypatch.setenv(head_timing.ENV, "measured")
+  head_timing.measured_plan.cache_clear()
+  plan = head_timing.measured_plan(512, 32, "float32", "bfloat16")
+  head_timing.measured_plan.cache_clear()
   measured = dict(plan.measured)
-  assert set(measured) == {f"{r}:{f}" for r in head_plan.MEASURED_ROWS for f in ("weight_major", "token_major",
+  assert set(measured) == {f"{r}:{f}" for r in head_timing.MEASURED_ROWS for f in ("weight_major", "token_major",
                                                                                    "narrow")}
   assert all(ms > 0 for ms in measured.values())
-  assert 1 in plan.exact and set(plan.token_major) <= set(FIXED.token_major) | set(head_plan.MEASURED_ROWS)
+  assert 1 in plan.exact and set(plan.token_major) <= set(FIXED.token_major) | set(head_timing.MEASURED_ROWS)
 
 
 @pytest.mark.parametrize("plan", [HeadPlan(token_major=()), HeadPlan(token_major=(1, 2, 3, 4, 5, 6))])

@@ -66,7 +66,8 @@ from pasta_jax.lang import tokens as tok
 from pasta_jax.lang.layout import answer_for_mode
 from pasta_jax.lang.tags import TagVocab, tag_vocab_for
 from pasta_jax.model import thread_attention
-from pasta_jax.model.head_plan import HeadPlan, measured_plan
+from pasta_jax.model.head_plan import HeadPlan
+from pasta_jax.model.head_timing import measured_plan
 
 __all__ = ["GREEDY", "METHODS", "LangTokenizer", "PastaResult", "Result", "ThreadTrace", "chat_text", "content_ids",
            "generate", "generate_ids", "prompt_ids", "stream",

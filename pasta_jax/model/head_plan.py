@@ -3,9 +3,10 @@
 The tied head (262k x 640 on Gemma 3 270M) is most of a CPU decode step, and which matmul form reads it fastest
 for 2-8 rows depends on the machine: on session 9's CPU the token-major float32 form cost 31 ms at 2 rows against
 37 ms weight-major; on session 25's 2-core AMD EPYC (AVX2) it cost 63 ms against 36, and there from 4 rows on the
-bfloat16 copy (38-56 ms) was slower than the float32 head read weight-major (34-44 ms). So on a CPU `measured_plan` times the forms once
-per process, on the head's real shape, and the decoders compile the plan (a static field of `Gemma` and of the
-interpreter's config). Elsewhere, or with `PASTA_HEAD_PLAN=fixed`, the fixed plan below (session 9's) holds.
+bfloat16 copy (38-56 ms) was slower than the float32 head read weight-major (34-44 ms). So on a CPU
+`model/head_timing.py` times the forms once per process, on the head's real shape, `choose` makes the plan, and
+the decoders compile it (a static field of `Gemma` and of the interpreter's config). Elsewhere, or with
+`PASTA_HEAD_PLAN=fixed`, the fixed plan below (session 9's) holds.
 
 Every form computes the same function up to float32 rounding (`tests/test_head_plan.py`).
 """
@@ -13,16 +14,7 @@ Every form computes the same function up to float32 rounding (`tests/test_head_p
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
-import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-ENV = "PASTA_HEAD_PLAN"  # "measured" (default: measured on a CPU, fixed elsewhere) or "fixed"
-MEASURED_ROWS = (2, 3, 4, 8)  # the lane buckets of a step of several rows (decode/step.py), and batches of 3
 MARGIN = 0.9  # a form replaces the fixed plan's only when it takes under this share of its time (noise)
 
 
@@ -60,41 +52,3 @@ def choose(timings: dict[tuple[int, str], float], narrow: bool) -> HeadPlan:
       exact.add(rows)
   ms = tuple((f"{rows}:{form}", round(1e3 * s, 2)) for (rows, form), s in sorted(timings.items()))
   return HeadPlan(tuple(sorted(token_major)), tuple(sorted(exact)), ms)
-
-
-def time_forms(vocab: int, dim: int, dtype, narrow_dtype, rows=MEASURED_ROWS, rounds: int = 3) -> dict:
-  """{(rows, form): median seconds} of the head's forms on a [vocab, dim] head, timed in interleaved rounds."""
-  from pasta_jax.model.gemma import output_head  # here: gemma's module imports this one for HeadPlan
-
-  head = jnp.full((vocab, dim), 0.01, dtype)
-  heads = {"weight_major": head, "token_major": head}
-  if narrow_dtype is not None:
-    heads["narrow"] = head.astype(narrow_dtype)
-  runs = {}
-  for r in rows:
-    x = jnp.full((1, r, dim), 0.5, dtype)
-    for form, w in heads.items():  # each form exactly as the model computes it
-      plan = HeadPlan(token_major=(r,) if form == "token_major" else ())
-      run = jax.jit(functools.partial(output_head, decode_layout=True, plan=plan))
-      jax.block_until_ready(run(x, w))  # compile and warm up
-      runs[(r, form)] = functools.partial(run, x, w)
-  seconds = {key: [] for key in runs}
-  for _ in range(rounds):
-    for key, run in runs.items():
-      start = time.perf_counter()
-      jax.block_until_ready(run())
-      seconds[key].append(time.perf_counter() - start)
-  return {key: float(np.median(s)) for key, s in seconds.items()}
-
-
-@functools.lru_cache(maxsize=8)
-def measured_plan(vocab: int, dim: int, dtype: str, narrow_dtype: str | None) -> HeadPlan:
-  """This process's plan for a [vocab, dim] head: measured once on a CPU backend (a few seconds on a 262k head),
-  FIXED on other backends or when PASTA_HEAD_PLAN=fixed."""
-  setting = os.environ.get(ENV, "measured")
-  if setting not in ("measured", "fixed"):
-    raise ValueError(f"{ENV} must be 'measured' or 'fixed', got {setting!r}")
-  if setting == "fixed" or jax.default_backend() != "cpu":
-    return FIXED
-  return choose(time_forms(vocab, dim, jnp.dtype(dtype), narrow_dtype and jnp.dtype(narrow_dtype)),
-                narrow_dtype is not None)

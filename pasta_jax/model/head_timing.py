@@ -1,0 +1,53 @@
+"""The output head's forms timed on this machine (model/head_plan.py says why): once per process, on a CPU."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pasta_jax.model.gemma import output_head
+from pasta_jax.model.head_plan import FIXED, HeadPlan, choose
+
+ENV = "PASTA_HEAD_PLAN"  # "measured" (default: measured on a CPU, fixed elsewhere) or "fixed"
+MEASURED_ROWS = (2, 3, 4, 8)  # the lane buckets of a step of several rows (decode/step.py), and batches of 3
+
+
+def time_forms(vocab: int, dim: int, dtype, narrow_dtype, rows=MEASURED_ROWS, rounds: int = 3) -> dict:
+  """{(rows, form): median seconds} of the head's forms on a [vocab, dim] head, timed in interleaved rounds."""
+  head = jnp.full((vocab, dim), 0.01, dtype)
+  heads = {"weight_major": head, "token_major": head}
+  if narrow_dtype is not None:
+    heads["narrow"] = head.astype(narrow_dtype)
+  runs = {}
+  for r in rows:
+    x = jnp.full((1, r, dim), 0.5, dtype)
+    for form, w in heads.items():  # each form exactly as the model computes it
+      plan = HeadPlan(token_major=(r,) if form == "token_major" else ())
+      run = jax.jit(functools.partial(output_head, decode_layout=True, plan=plan))
+      jax.block_until_ready(run(x, w))  # compile and warm up
+      runs[(r, form)] = functools.partial(run, x, w)
+  seconds = {key: [] for key in runs}
+  for _ in range(rounds):
+    for key, run in runs.items():
+      start = time.perf_counter()
+      jax.block_until_ready(run())
+      seconds[key].append(time.perf_counter() - start)
+  return {key: float(np.median(s)) for key, s in seconds.items()}
+
+
+@functools.lru_cache(maxsize=8)
+def measured_plan(vocab: int, dim: int, dtype: str, narrow_dtype: str | None) -> HeadPlan:
+  """This process's plan for a [vocab, dim] head: measured once on a CPU backend (a few seconds on a 262k head),
+  FIXED on other backends or when PASTA_HEAD_PLAN=fixed."""
+  setting = os.environ.get(ENV, "measured")
+  if setting not in ("measured", "fixed"):
+    raise ValueError(f"{ENV} must be 'measured' or 'fixed', got {setting!r}")
+  if setting == "fixed" or jax.default_backend() != "cpu":
+    return FIXED
+  return choose(time_forms(vocab, dim, jnp.dtype(dtype), narrow_dtype and jnp.dtype(narrow_dtype)),
+                narrow_dtype is not None)
