@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import jax.numpy as jnp
 from tqdm import tqdm
 
 from bench.common import held_out_prompt_ids, table
@@ -38,15 +37,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def plans_for(model) -> dict:
-  """{(plan, certified): HeadPlan}: the fixed plan, and this machine's, measured once per head."""
-  config, plans = model.config, {}
-  for name, certified in CONFIGS:
-    narrow = "bfloat16" if certified else None
-    plans[name, certified] = (head_plan.FIXED if name == "fixed" else
-                              head_plan.choose(head_timing.time_forms(config.vocab_size, config.embed_dim,
-                                                                    jnp.float32, narrow and jnp.bfloat16),
-                                               certified))
-  return plans
+  """{(plan, certified): HeadPlan}: the fixed plan, and the one this process would measure for each head."""
+  config = model.config
+  return {(name, certified): head_plan.FIXED if name == "fixed" else
+          head_timing.measured_plan(config.vocab_size, config.embed_dim, "float32", "bfloat16" if certified else None)
+          for name, certified in CONFIGS}
 
 
 def use_plan(plan: head_plan.HeadPlan) -> None:
@@ -56,8 +51,8 @@ def use_plan(plan: head_plan.HeadPlan) -> None:
 
 
 def decode(model, ids, certify: bool, max_new_tokens: int) -> tuple[float, int, tuple]:
-  """Seconds, steps and tokens of one prompt (the compiled program is kept per plan, so only the first run of a
-  configuration compiles; `run` warms each up before timing)."""
+  """Seconds, steps and tokens of one prompt (the compiled program is kept per plan, so only a configuration's
+  first run, the warm-up, compiles)."""
   [r] = api.generate_ids(model, [ids], method="pasta", max_new_tokens=max_new_tokens, lanes=8,
                          sampling=SamplingConfig(repetition_penalty=1.1, distinct_topics=True), certify_head=certify)
   return r.seconds, r.steps, tuple(int(t) for t in r.records[:, 3])
