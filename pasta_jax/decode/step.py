@@ -20,9 +20,12 @@ from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.constraints import language_ids
 from pasta_jax.decode.sampling import first_max_index, penalize_repeats
 from pasta_jax.decode.state import CLOSING, InterpState
+from pasta_jax.model.gemma import KVPool
+from pasta_jax.model.kv_rows import FreshKV, write_fresh
 from pasta_jax.visibility import HIDDEN, ThreadMask, visible
 
-# (params, tokens, positions, mask, pool, slots, kv_positions[, token_weights=, logit_rows=]) -> (logits, pool)
+# (params, tokens, positions, mask, pool, slots, kv_positions[, token_weights=, logit_rows=, defer_writes=])
+#   -> (logits, pool or, with defer_writes, the new K/V rows: model/kv_rows.FreshKV)
 ModelFn = Callable
 
 
@@ -95,8 +98,9 @@ def _choose_certified(params, head_input, rows_lane, row_ok, state: InterpState,
 
 
 def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: InterpreterConfig,
-             num_q: int, forced: bool):
-  """Runs the model on the first `num_q` feeding lanes of each request; returns per-lane tokens."""
+             num_q: int, forced: bool, defer: bool = False):
+  """Runs the model on the first `num_q` feeding lanes of each request; returns per-lane tokens and the pool
+  updated, or with `defer` the pool only read and the new K/V rows by lane (`lane_rows`) in its place."""
   batch = feed.shape[0]
   b = jnp.arange(batch)[:, None]
   rows_lane = jnp.argsort(~feed, axis=1, stable=True)[:, :num_q].astype(jnp.int32)  # feeders first
@@ -110,9 +114,9 @@ def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: In
   extras = cfg.rules.model_extras(state, cfg, num_q)  # e.g. Medusa: return_hidden, for its heads
   if cfg.certify_head:
     extras = {**extras, "skip_head": True}  # the step multiplies the head (choose_from_model)
-  head_input, pool, *aux = model_fn(params, tokens, state.position[b, rows_lane], mask, state.pool,
-                                    jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos,
-                                    **mixed, **extras)
+  head_input, kv_out, *aux = model_fn(params, tokens, state.position[b, rows_lane], mask, state.pool,
+                                      jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos,
+                                      defer_writes=defer, **mixed, **extras)
   aux = None if not aux else aux[0] if len(aux) == 1 else tuple(aux)  # what model_extras asked for
   state, chosen, refused, logits = choose_from_model(params, head_input, rows_lane, row_ok, state, cfg, forced, aux)
   scatter_lane = jnp.where(row_ok, rows_lane, cfg.lanes)  # padding rows are dropped
@@ -121,19 +125,36 @@ def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: In
   lane_logits = None
   if cfg.record_logits:
     lane_logits = jnp.zeros((batch, cfg.lanes, logits.shape[-1])).at[b, scatter_lane].set(logits, mode="drop")
-  return sampled, refused, lane_logits, pool, state.rule_state
+  return sampled, refused, lane_logits, lane_rows(kv_out, scatter_lane, cfg) if defer else kv_out, state.rule_state
+
+
+def lane_rows(fresh: FreshKV, scatter_lane, cfg: InterpreterConfig) -> FreshKV:
+  """The model's new K/V rows [L, B, Q, ...] laid out by lane [L, B, T, ...] (every lane-count branch returns
+  the same shapes); a lane without a row goes to no slot."""
+  layers, batch = fresh.k.shape[:2]
+  at = (slice(None), jnp.arange(batch)[:, None], scatter_lane)
+  rows = lambda x: jnp.zeros((layers, batch, cfg.lanes) + x.shape[3:], x.dtype).at[at].set(x, mode="drop")
+  slots = jnp.full((layers, batch, cfg.lanes), cfg.pool_slots, jnp.int32).at[at].set(fresh.slots, mode="drop")
+  return FreshKV(rows(fresh.k), rows(fresh.v), slots)
 
 
 def model_on_feeders(model_fn, params, state, feed, slots, cfg: InterpreterConfig, forced: bool):
-  """Lane-count buckets: one compiled branch per Q in 1, 2, 4, ..., T; the step picks the smallest."""
+  """Lane-count buckets: one compiled branch per Q in 1, 2, 4, ..., T; the step picks the smallest.
+  Returns (sampled, refused, lane_logits, the pool with the step's K/V rows written, rule_state)."""
   sizes = [1 << i for i in range((cfg.lanes - 1).bit_length())] + [cfg.lanes]
   sizes = sorted(set(sizes)) if cfg.lane_buckets else [cfg.lanes]
-  branches = [functools.partial(run_rows, model_fn, params, num_q=q, forced=forced, cfg=cfg) for q in sizes]
-  if len(branches) == 1:
-    return branches[0](state, feed, slots)
+  if len(sizes) == 1:  # no switch: the model writes the pool as it goes, in place
+    return run_rows(model_fn, params, state, feed, slots, cfg, sizes[0], forced)
+  # Under a switch the branches only read the pool and the rows are written after it: a branch that wrote the
+  # pool would get XLA's copy of it, in and out (150 MB a step for ProPD at batch 8 on a CPU, model/kv_rows.py).
+  # Without a switch it is the other way round: a write after reads in the same computation costs two copies.
+  branches = [functools.partial(run_rows, model_fn, params, num_q=q, forced=forced, cfg=cfg, defer=True)
+              for q in sizes]
   need = jnp.max(feed.sum(axis=1))
   index = jnp.searchsorted(jnp.asarray(sizes), need).astype(jnp.int32)
-  return jax.lax.switch(jnp.minimum(index, len(sizes) - 1), branches, state, feed, slots)
+  sampled, refused, lane_logits, fresh, rule_state = jax.lax.switch(jnp.minimum(index, len(sizes) - 1), branches,
+                                                                    state, feed, slots)
+  return sampled, refused, lane_logits, KVPool(*write_fresh(state.pool.k, state.pool.v, fresh)), rule_state
 
 
 def advance_scripts(state: InterpState, feed: jax.Array, cfg: InterpreterConfig) -> InterpState:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.model.gemma import KVPool, write_slots
+from pasta_jax.model.kv_rows import FreshKV
 from pasta_jax.visibility import ThreadMask
 
 
@@ -39,10 +40,11 @@ def toy_params(cfg: ToyConfig, tag_bias: dict[int, float], seed: int = 0) -> dic
 
 
 def toy_apply(params, tokens, positions, mask, pool: KVPool | None = None, slots=None,
-              kv_positions=None, token_weights=None, logit_rows=None, return_hidden=False):
+              kv_positions=None, token_weights=None, logit_rows=None, return_hidden=False, defer_writes=False):
   """Same contract as `Gemma.apply(params, ...)`: returns (logits [B, Q, V], pool), and with return_hidden the
   rows' hidden states [B, Q, hd] (input row + attended context: what Medusa heads read). With token_weights
-  [B, Q, K], tokens are [B, Q, K] and each input row is their weighted mix."""
+  [B, Q, K], tokens are [B, Q, K] and each input row is their weighted mix. With defer_writes the new rows
+  (`kv_rows.FreshKV`) take the pool's place: it attends over its own written copy, which it drops."""
   del kv_positions
   if isinstance(mask, ThreadMask):
     mask = mask.dense()
@@ -53,7 +55,8 @@ def toy_apply(params, tokens, positions, mask, pool: KVPool | None = None, slots
     keys = rows
   else:
     new_k = write_slots(pool.k, 0, rows[:, :, None, :], slots)
-    pool = KVPool(new_k, new_k)
+    pool = FreshKV(rows[None, :, :, None], rows[None, :, :, None], slots[None]) if defer_writes else \
+        KVPool(new_k, new_k)
     keys = new_k[0, :, :, 0, :]  # [B, S, hd]
   weights = mask.astype(jnp.float32)
   context = jnp.einsum("bqs,bsd->bqd", weights, keys) / jnp.maximum(weights.sum(-1, keepdims=True), 1.0)

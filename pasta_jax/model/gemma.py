@@ -33,7 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pasta_jax.model import thread_attention
+from pasta_jax.model import kv_rows, thread_attention
 from pasta_jax.model.config import GemmaConfig
 from pasta_jax.model.head_plan import FIXED as FIXED_HEAD_PLAN
 from pasta_jax.model.head_plan import HeadPlan
@@ -222,16 +222,26 @@ def attend(q: Array, k: Array, v: Array, mask: Array, scale: float, cap: float |
   q: [B, Q, H, hd]; k, v: [B, S, K, hd]; mask: [B, Q, S] bool. Returns [B, Q, H, hd].
   A query row with no visible key (an inactive lane) returns zeros, never NaN.
   """
+  return attend_segments(q, ((k, v),), mask, scale, cap)
+
+
+def attend_segments(q: Array, segments, mask: Array, scale: float, cap: float | None) -> Array:
+  """`attend` over keys held in several arrays: segments ((k [B, S_i, K, hd], v), ...), mask [B, Q, sum S_i]
+  over their concatenation. One softmax over all of them; no key array is concatenated (the pool stays put)."""
   b, nq, h, hd = q.shape
-  kv_heads = k.shape[2]
+  kv_heads = segments[0][0].shape[2]
   q = q.reshape(b, nq, kv_heads, h // kv_heads, hd)
-  scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
-  scores = softcap(scores, cap)
+  scores = [jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) for k, _ in segments]
+  scores = softcap(jnp.concatenate(scores, axis=-1) * scale, cap)
   visible = mask[:, None, None, :, :]
   scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1)
-  probs = jnp.where(visible, probs, 0.0).astype(v.dtype)
-  out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+  probs = jnp.where(visible, probs, 0.0)
+  out, start = 0, 0
+  for k, v in segments:
+    part = probs[..., start:start + k.shape[1]].astype(v.dtype)
+    out = out + jnp.einsum("bkgqs,bskd->bqkgd", part, v)
+    start += k.shape[1]
   return out.reshape(b, nq, h, hd)
 
 
@@ -242,9 +252,13 @@ class Attention(nn.Module):
   decode_layout: bool = False
   adapter: AdapterConfig | None = None
   attention: str = "xla"  # "xla" (a dense mask) or a kernel over the thread metadata (thread_attention.CHOICES)
+  # The pool is read only; the layer returns its new rows' K/V in its place (model/kv_rows.py). With "xla" the
+  # mask is then [B, Q, S + Q] (`kv_rows.extend_mask`) and kv_positions [B, S + Q].
+  defer_writes: bool = False
 
   @nn.compact
   def __call__(self, x, positions, mask, kv_positions, pool_k, pool_v, slots):
+    """Returns (output [B, Q, D], the pool's K and V updated), or with defer_writes (output, k, v [B, Q, K, hd])."""
     cfg = self.config
     layout, ad = self.decode_layout, self.adapter
     model, heads, kv_heads = (cfg.embed_dim,), (cfg.num_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
@@ -259,24 +273,33 @@ class Attention(nn.Module):
     scale = 1.0 if is_local else cfg.rope_scale_global
     q = apply_rope(q, positions, base, scale)
     k = apply_rope(k, positions, base, scale)
+    project_out = lambda out: adapted_projection(self, "o", out, heads, model, "hk", "d", layout, ad)
+    if self.defer_writes and not isinstance(mask, ThreadMask):  # the pool's slots and the new rows, unwritten
+      if is_local:
+        mask = mask & (positions[:, :, None] - kv_positions[:, None, :] < cfg.sliding_window)
+      segments = ((pool_k[self.layer], pool_v[self.layer]), (k, v))
+      out = attend_segments(q, segments, mask, cfg.query_pre_attn_scalar**-0.5, cfg.attn_logit_softcap)
+      return project_out(out), k, v
     if pool_k is None:  # full sequence: the new rows are the whole key set
       keys, values = k, v
     else:
-      pool_k = write_slots(pool_k, self.layer, k, slots)
-      pool_v = write_slots(pool_v, self.layer, v, slots)
-      keys, values = pool_k[self.layer], pool_v[self.layer]
+      written_k = write_slots(pool_k, self.layer, k, slots)
+      written_v = write_slots(pool_v, self.layer, v, slots)
+      keys, values = written_k[self.layer], written_v[self.layer]
+      # Deferred under a kernel (it reads one key array): the written pool is this call's copy; the rows go back.
+      pool_k, pool_v = (k, v) if self.defer_writes else (written_k, written_v)
     if isinstance(mask, ThreadMask):  # a kernel computes the mask tile by tile from the metadata
       implementation, interpret = thread_attention.resolve(self.attention)
       spec = thread_attention.AttentionSpec(
           scale=cfg.query_pre_attn_scalar**-0.5, softcap=cfg.attn_logit_softcap,
           window=cfg.sliding_window if is_local else None, implementation=implementation, interpret=interpret)
       out = thread_attention.attention(q, keys, values, mask, positions, kv_positions, spec)
-      return adapted_projection(self, "o", out, heads, model, "hk", "d", layout, ad), pool_k, pool_v
+      return project_out(out), pool_k, pool_v
     if is_local:
       distance = positions[:, :, None] - kv_positions[:, None, :]
       mask = mask & (distance < cfg.sliding_window)
     out = attend(q, keys, values, mask, cfg.query_pre_attn_scalar**-0.5, cfg.attn_logit_softcap)
-    return adapted_projection(self, "o", out, heads, model, "hk", "d", layout, ad), pool_k, pool_v
+    return project_out(out), pool_k, pool_v
 
 
 class MLP(nn.Module):
@@ -302,6 +325,7 @@ class Block(nn.Module):
   decode_layout: bool = False
   adapter: AdapterConfig | None = None
   attention: str = "xla"
+  defer_writes: bool = False  # Attention's: the pool read only, the new rows' K/V returned in its place
 
   @nn.compact
   def __call__(self, x, positions, mask, kv_positions, pool_k, pool_v, slots):
@@ -309,7 +333,7 @@ class Block(nn.Module):
     eps = cfg.rms_norm_eps
     h = RMSNorm(eps, name="pre_attn_norm")(x)
     h, pool_k, pool_v = Attention(cfg, self.kind, self.layer, self.decode_layout, self.adapter, self.attention,
-                                  name="attn")(
+                                  self.defer_writes, name="attn")(
         h, positions, mask, kv_positions, pool_k, pool_v, slots)
     if cfg.use_post_attn_norm:
       h = RMSNorm(eps, name="post_attn_norm")(h)
@@ -328,7 +352,8 @@ class Gemma(nn.Module):
   once per call, "pallas" (or "pallas-tpu" / "pallas-gpu") computes it tile by tile in a kernel;
   pool: KVPool or None; slots: [B, Q] pool slots the new K/V go to (>= S drops the row);
   kv_positions: [B, S] positions of pool slots (for sliding-window layers).
-  Returns (logits [B, Q, V] float32, updated pool or None).
+  Returns (logits [B, Q, V] float32, updated pool or None); with defer_writes the pool is only read and its place
+  holds the new rows (`kv_rows.FreshKV`), which the caller writes (`kv_rows.write_fresh`).
   """
 
   config: GemmaConfig
@@ -349,7 +374,7 @@ class Gemma(nn.Module):
   def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None,
                kv_positions=None, return_hidden: bool = False, token_weights=None, logit_rows=None,
                hidden_only: bool = False, row_select: RowSelect | None = None, hidden_after: int | None = None,
-               skip_head: bool = False):
+               skip_head: bool = False, defer_writes: bool = False):
     """tokens: [B, Q] ids; or [B, Q, K] ids with token_weights [B, Q, K], when each input row is the
     weighted sum of K tokens' embeddings (a superposed input, as Superposed Decoding feeds).
     logit_rows: [B, R] query rows whose logits (and hidden states) are returned, [B, R, V]; None: all Q.
@@ -358,7 +383,9 @@ class Gemma(nn.Module):
     row_select: ProPD's early pruning (`RowSelect`): the outputs gain `kept` [B, Q] bool last.
     hidden_after: return the residual stream [B, Q, D] after that many layers alone (an early head's input).
     skip_head: the final-normed hidden states [B, R, D] take the logits' place in the outputs: the caller
-    multiplies the head itself (`decode.certified_head`)."""
+    multiplies the head itself (`decode.certified_head`).
+    defer_writes: with a pool, the pool is read only and the new rows come back instead (`kv_rows`): a decode
+    step inside a `lax.switch` then writes them after it, in place, instead of XLA copying the pool."""
     cfg = self.config
     embedding = self.param("embedder", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.embed_dim))
     row_delta, x = self._embed(embedding, tokens, token_weights)
@@ -370,25 +397,37 @@ class Gemma(nn.Module):
       kv_positions = positions
     pk = None if pool is None else pool.k
     pv = None if pool is None else pool.v
+    defer = defer_writes and pool is not None
     if isinstance(mask, ThreadMask) and self.attention == "xla":
       mask = mask.dense()  # once per call, not once per layer
     elif not isinstance(mask, ThreadMask) and self.attention != "xla":
       raise ValueError(f"attention={self.attention!r} reads the thread metadata: pass a visibility.ThreadMask, "
                        "not a dense mask")
+    num_slots = None if pool is None else pk.shape[2]
+    dense_defer = defer and not isinstance(mask, ThreadMask)
+    base_mask = mask  # [B, Q, S] (or the metadata); deferred, the layers read [B, Q, S + Q], the new rows last
+    mask = kv_rows.extend_mask(mask, slots) if dense_defer else mask
     block = nn.remat(Block) if self.remat else Block
-    num_q, kept_rows = x.shape[1], None
+    num_q, kept_rows, fresh, selected = x.shape[1], None, [], None
     if row_select is not None and (logit_rows is not None or pool is None or tokens.ndim != 2):
       raise ValueError("row_select prunes decode rows over a pool: not with logit_rows, a full sequence or mixes")
     if row_select is not None and not 0 < row_select.layer < cfg.num_layers:
       raise ValueError(f"row_select.layer must be in [1, {cfg.num_layers}), got {row_select.layer}")
     for i, kind in enumerate(cfg.layer_kinds):
       if row_select is not None and i == row_select.layer:
-        x, positions, mask, slots, *kept_rows = select_rows(row_select, x, tokens, positions, mask, slots,
-                                                            pk.shape[2])
+        x, positions, mask, slots, *kept_rows = select_rows(row_select, x, tokens, positions, base_mask, slots,
+                                                            num_slots)
+        selected = (i, *kept_rows)
+        mask = kv_rows.extend_mask(mask, slots) if dense_defer else mask
       if i == hidden_after:
         return x
-      layer = block(cfg, kind, i, self.decode_layout, self.adapter, self.attention, name=f"layer_{i}")
-      x, pk, pv = layer(x, positions, mask, kv_positions, pk, pv, slots)
+      layer = block(cfg, kind, i, self.decode_layout, self.adapter, self.attention, defer, name=f"layer_{i}")
+      layer_kv = jnp.concatenate([kv_positions, positions], axis=1) if dense_defer else kv_positions
+      if defer:
+        x, k_rows, v_rows = layer(x, positions, mask, layer_kv, pk, pv, slots)
+        fresh.append((k_rows, v_rows, slots))
+      else:
+        x, pk, pv = layer(x, positions, mask, layer_kv, pk, pv, slots)
       x = self._constrain(x)
     x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
     if hidden_only:
@@ -404,6 +443,8 @@ class Gemma(nn.Module):
     if not skip_head:
       logits = self._constrain(softcap(logits, cfg.final_logit_softcap), last="tensor")
     new_pool = None if pool is None else KVPool(pk, pv)
+    if defer:
+      new_pool = kv_rows.stack_layers(fresh, num_q, num_slots, selected)
     outputs = (logits, new_pool) + ((x,) if return_hidden else ())
     if row_select is None:
       return outputs
