@@ -35,6 +35,10 @@ class InterpreterConfig:
   certify_head: bool = False
   final_softcap: float | None = None
   head_plan: HeadPlan = FIXED_HEAD_PLAN  # the head's form per row count, as the model's (api.head_plan)
+  # Under the lane-count switch the model only reads the pool and the step writes the new K/V rows after it
+  # (model/kv_rows.py): written inside a branch, XLA copies the pool in and out each step. False: the old way,
+  # kept to be measured against (bench.kv_writes) on each backend.
+  defer_kv_writes: bool = True
 
   def __post_init__(self):
     if self.max_content < 0:

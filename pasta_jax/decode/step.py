@@ -143,18 +143,24 @@ def model_on_feeders(model_fn, params, state, feed, slots, cfg: InterpreterConfi
   Returns (sampled, refused, lane_logits, the pool with the step's K/V rows written, rule_state)."""
   sizes = [1 << i for i in range((cfg.lanes - 1).bit_length())] + [cfg.lanes]
   sizes = sorted(set(sizes)) if cfg.lane_buckets else [cfg.lanes]
-  if len(sizes) == 1:  # no switch: the model writes the pool as it goes, in place
-    return run_rows(model_fn, params, state, feed, slots, cfg, sizes[0], forced)
   # Under a switch the branches only read the pool and the rows are written after it: a branch that wrote the
   # pool would get XLA's copy of it, in and out (150 MB a step for ProPD at batch 8 on a CPU, model/kv_rows.py).
   # Without a switch it is the other way round: a write after reads in the same computation costs two copies.
-  branches = [functools.partial(run_rows, model_fn, params, num_q=q, forced=forced, cfg=cfg, defer=True)
+  defer = len(sizes) > 1 and cfg.defer_kv_writes
+  branches = [functools.partial(run_rows, model_fn, params, num_q=q, forced=forced, cfg=cfg, defer=defer)
               for q in sizes]
-  need = jnp.max(feed.sum(axis=1))
-  index = jnp.searchsorted(jnp.asarray(sizes), need).astype(jnp.int32)
-  sampled, refused, lane_logits, fresh, rule_state = jax.lax.switch(jnp.minimum(index, len(sizes) - 1), branches,
-                                                                    state, feed, slots)
-  return sampled, refused, lane_logits, KVPool(*write_fresh(state.pool.k, state.pool.v, fresh)), rule_state
+  if len(branches) == 1:
+    return branches[0](state, feed, slots)
+  sampled, refused, lane_logits, kv_out, rule_state = jax.lax.switch(bucket_index(feed, sizes), branches, state,
+                                                                     feed, slots)
+  pool = KVPool(*write_fresh(state.pool.k, state.pool.v, kv_out)) if defer else kv_out
+  return sampled, refused, lane_logits, pool, rule_state
+
+
+def bucket_index(feed: jax.Array, sizes: list[int]) -> jax.Array:
+  """The smallest lane-count bucket that holds every request's feeding lanes (feed [B, T])."""
+  index = jnp.searchsorted(jnp.asarray(sizes), jnp.max(feed.sum(axis=1))).astype(jnp.int32)
+  return jnp.minimum(index, len(sizes) - 1)
 
 
 def advance_scripts(state: InterpState, feed: jax.Array, cfg: InterpreterConfig) -> InterpState:

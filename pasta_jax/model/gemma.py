@@ -282,12 +282,14 @@ class Attention(nn.Module):
       return project_out(out), k, v
     if pool_k is None:  # full sequence: the new rows are the whole key set
       keys, values = k, v
+    elif self.defer_writes:  # under a kernel, which reads one key array: a copy of this layer, written
+      keys = write_slots(pool_k[self.layer][None], 0, k, slots)[0]
+      values = write_slots(pool_v[self.layer][None], 0, v, slots)[0]
+      pool_k, pool_v = k, v  # the rows go back (kv_rows)
     else:
-      written_k = write_slots(pool_k, self.layer, k, slots)
-      written_v = write_slots(pool_v, self.layer, v, slots)
-      keys, values = written_k[self.layer], written_v[self.layer]
-      # Deferred under a kernel (it reads one key array): the written pool is this call's copy; the rows go back.
-      pool_k, pool_v = (k, v) if self.defer_writes else (written_k, written_v)
+      pool_k = write_slots(pool_k, self.layer, k, slots)
+      pool_v = write_slots(pool_v, self.layer, v, slots)
+      keys, values = pool_k[self.layer], pool_v[self.layer]
     if isinstance(mask, ThreadMask):  # a kernel computes the mask tile by tile from the metadata
       implementation, interpret = thread_attention.resolve(self.attention)
       spec = thread_attention.AttentionSpec(
