@@ -77,7 +77,8 @@ def main(argv=None) -> None:
     for name, preps in configs.items():
       seconds[name].append(sum(api.run_prepared(p)[1] for p in preps))
   median = {name: statistics.median(s) for name, s in seconds.items()}
-  steps = {name: sum(o.steps for p in preps for o in api.run_prepared(p)[0]) for name, preps in configs.items()}
+  # Loop steps: a batch's requests step together, so a run takes as many steps as its longest request.
+  steps = {name: sum(max(o.steps for o in api.run_prepared(p)[0]) for p in preps) for name, preps in configs.items()}
   print(f"model {model.source}; {args.limit} PASTA prompts at batch 1 ({args.max_new_tokens} tokens), 8 prompts at "
         f"batch 8 ({args.propd_tokens} tokens); medians of {args.rounds} rounds")
   rows = [{"configuration": name, "seconds": median[name], "steps": steps[name],
