@@ -2,7 +2,7 @@
 
 Multi-lane methods run the model inside a `lax.switch` over lane-count buckets. Written there, the KV pool is
 copied by XLA into and out of the branch every step; deferred (the default, `InterpreterConfig.defer_kv_writes`,
-model/kv_rows.py) the branches only read it and the step writes the new rows after the switch. Two workloads:
+model/kv_rows.py) the branches only read it and the step writes the new rows after the switch. Workloads:
   - pasta:  the shipped default in free PASTA decoding, batch 1 (greedy, repetition penalty 1.1, distinct topics,
             certified head: `bench.learned`'s settings), one held-out prompt at a time;
   - propd:  ProPD at batch 8 on its 4-node tree with a step-time table that picks size 1 (the size it chose on 666
@@ -11,8 +11,9 @@ model/kv_rows.py) the branches only read it and the step writes the new rows aft
 Every program is compiled and run once first; then each of --rounds rounds runs every configuration once (a slow
 spell of a shared machine lands on all alike) and each keeps its median. Both ways write the same tokens (counted).
 
-  python -m bench.kv_writes [--limit 4] [--rounds 3] [--max-new-tokens 128]
+  python -m bench.kv_writes [--limit 4] [--rounds 3] [--max-new-tokens 128] [--pasta-batch 16]
 Last line: RESULT pasta_deferred_over_in_branch=... propd_b8_deferred_over_in_branch=... propd_size1_over_plain=...
+[pasta_bN_deferred_over_in_branch=...]
 (time ratios: in-branch seconds / deferred seconds, so above 1 is faster deferred; and ProPD's size-1 steps over
 plain decoding, deferred, in tokens/s).
 """
@@ -40,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--max-new-tokens", type=int, default=128)
   parser.add_argument("--propd-tokens", type=int, default=64, help="new tokens of the batch-8 runs")
+  parser.add_argument("--pasta-batch", type=int, default=0, help="also PASTA with this many prompts in one batch")
   parser.add_argument("--model", default=None, help="model (default: the shipped tuned default)")
   return parser.parse_args(argv)
 
@@ -50,7 +52,7 @@ def in_branch(prep: api.Prepared) -> api.Prepared:
 
 def configurations(model, args) -> dict[str, list[api.Prepared]]:
   """{name: the prepared runs it times}: each workload deferred and in-branch (and plain beside ProPD)."""
-  ids = held_out_prompt_ids(model, max(args.limit, 8))
+  ids = held_out_prompt_ids(model, max(args.limit, 8, args.pasta_batch))
   sampling = SamplingConfig(repetition_penalty=1.1, distinct_topics=True)
   pasta = [api.prepare_method(model, [p], method="pasta", max_new_tokens=args.max_new_tokens, lanes=8,
                               sampling=sampling, certify_head=True) for p in ids[:args.limit]]
@@ -58,8 +60,14 @@ def configurations(model, args) -> dict[str, list[api.Prepared]]:
   propd = api.prepare_method(model, ids[:8], method="propd", heads=load_drafter(model, None), tree_size=4,
                              latency=SIZE_ONE, prune=False, **common)
   plain = api.prepare_method(model, ids[:8], method="sequential", **common)
-  return {"pasta deferred": pasta, "pasta in-branch": [in_branch(p) for p in pasta],
-          "propd b8 deferred": [propd], "propd b8 in-branch": [in_branch(propd)], "plain b8": [plain]}
+  configs = {"pasta deferred": pasta, "pasta in-branch": [in_branch(p) for p in pasta],
+             "propd b8 deferred": [propd], "propd b8 in-branch": [in_branch(propd)], "plain b8": [plain]}
+  if args.pasta_batch:
+    wide = api.prepare_method(model, ids[:args.pasta_batch], method="pasta", max_new_tokens=args.max_new_tokens,
+                              lanes=8, sampling=sampling, certify_head=True)
+    name = f"pasta b{args.pasta_batch}"
+    configs.update({f"{name} deferred": [wide], f"{name} in-branch": [in_branch(wide)]})
+  return configs
 
 
 def tokens_of(outs) -> list[tuple]:
@@ -85,13 +93,14 @@ def main(argv=None) -> None:
            "ms/step": 1e3 * median[name] / steps[name], "runs": " ".join(f"{x:.1f}" for x in seconds[name])}
           for name in configs]
   print(table(rows, ("configuration", "seconds", "steps", "ms/step", "runs"), width=20))
-  same = {w: answers[f"{w} deferred"] == answers[f"{w} in-branch"] for w in ("pasta", "propd b8")}
-  same_plain = answers["propd b8 deferred"] == answers["plain b8"]
-  print(f"same tokens deferred and in-branch: pasta {same['pasta']}, propd {same['propd b8']}; "
-        f"propd = plain greedy: {same_plain}")
+  workloads = [n.removesuffix(" deferred") for n in configs if n.endswith(" deferred")]
+  same = {w: answers[f"{w} deferred"] == answers[f"{w} in-branch"] for w in workloads}
+  print("same tokens deferred and in-branch: " + ", ".join(f"{w} {same[w]}" for w in workloads)
+        + f"; propd = plain greedy: {answers['propd b8 deferred'] == answers['plain b8']}")
   ratio = lambda w: median[f"{w} in-branch"] / median[f"{w} deferred"]
   print(f"RESULT pasta_deferred_over_in_branch={ratio('pasta'):.3f} propd_b8_deferred_over_in_branch="
-        f"{ratio('propd b8'):.3f} propd_size1_over_plain={median['plain b8'] / median['propd b8 deferred']:.3f}")
+        f"{ratio('propd b8'):.3f} propd_size1_over_plain={median['plain b8'] / median['propd b8 deferred']:.3f}"
+        + "".join(f" {w.replace(' ', '_')}_deferred_over_in_branch={ratio(w):.3f}" for w in workloads[2:]))
 
 
 if __name__ == "__main__":
