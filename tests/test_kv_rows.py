@@ -83,11 +83,11 @@ def test_deferred_writes_equal_writing_in_place_under_early_pruning(seed):
     assert not np.array_equal(np.asarray(got[1].k[0, 0, slot]), np.asarray(call[3].k[0, 0, slot]))
 
 
-def pool_copies(method: str) -> list[str]:
+def pool_copies(method: str, **kw) -> list[str]:
   """Copies of the KV pool in the compiled decode loop of the tiny model, other than the entry's initial zeros."""
   model = MODELS["tiny-gemma3"]
   ids = [model.tokenizer.encode("a b c d")] * 2
-  prep = api.prepare_method(model, ids, method=method, max_new_tokens=8, lanes=4)
+  prep = api.prepare_method(model, ids, method=method, max_new_tokens=8, lanes=4, **kw)
   text = api.COMPILED.get(prep, loop.prefill_and_run).as_text()
   cfg = model.config
   shape = rf"f32\[{cfg.num_layers},2,{prep.cfg.pool_slots},{cfg.num_kv_heads},{cfg.head_dim}\]"
@@ -102,3 +102,15 @@ def test_the_decode_loop_never_copies_the_pool():
   one on a 2-core CPU, from 150 MB of copies a step)."""
   assert pool_copies("pasta") == []
   assert pool_copies("sequential") == []
+
+
+def test_writing_in_the_branch_copies_the_pool_on_a_cpu_and_is_the_default_elsewhere(monkeypatch):
+  """The setting is honoured: written inside the switch, the CPU loop copies the pool (what deferring removes).
+  Off a CPU writing in the branch is the default (an H100 measured a one-lane step 1.11x plain decoding written in
+  the branch, 1.73x deferred: bench.seq_cost --defer off,on)."""
+  assert pool_copies("pasta", defer_kv_writes=False) != []
+  model = MODELS["tiny-gemma3"]
+  prepare = lambda: api.prepare_method(model, [model.tokenizer.encode("a b")], method="pasta", max_new_tokens=8)
+  assert prepare().cfg.defer_kv_writes is True
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert prepare().cfg.defer_kv_writes is False

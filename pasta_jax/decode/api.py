@@ -68,6 +68,7 @@ from pasta_jax.lang.tags import TagVocab, tag_vocab_for
 from pasta_jax.model import thread_attention
 from pasta_jax.model.head_plan import HeadPlan
 from pasta_jax.model.head_timing import measured_plan
+from pasta_jax.model.kv_rows import defer_by_default
 
 __all__ = ["GREEDY", "METHODS", "LangTokenizer", "PastaResult", "Result", "ThreadTrace", "chat_text", "content_ids",
            "generate", "generate_ids", "prompt_ids", "stream",
@@ -244,7 +245,8 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
             max_new_tokens: int = 256, lanes: int = 8, max_threads: int = 64, sampling: SamplingConfig = GREEDY,
             position_mode: PositionMode = "pred", dtype=jnp.float32, scripts=None, record_logits: bool = False,
             lane_buckets: bool = True, rule_inputs=None, mesh=None, attention: str = "xla",
-            head_dtype: str | None = None, certify_head: bool = False, pool_tokens: int | None = None) -> Prepared:
+            head_dtype: str | None = None, certify_head: bool = False, pool_tokens: int | None = None,
+            defer_kv_writes: bool | None = None) -> Prepared:
   """Pads prompts (and scripts) and sizes the pool and step budget for `ids` (prompt token ids).
 
   max_new_tokens: in free decoding, the content-token budget of each answer (its text tokens, whatever
@@ -260,6 +262,9 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   "bfloat16"; decode/certified_head.py): the float32 model's tokens, faster on a CPU for 2+ rows.
   pool_tokens: size the pool for this many new tokens, not max_new_tokens (when larger): a short run then steps
   in the pool of a longer one, as ProPD's step-time calibration needs (`decode.latency`).
+  defer_kv_writes: `InterpreterConfig.defer_kv_writes`: whether the model's new K/V rows are written after the
+  lane-count switch (True) or inside it (False); None: the backend's choice (deferred on a CPU only), resolved
+  here so that the compiled programs' cache keys say which.
   """
   if certify_head and head_dtype is None:
     head_dtype = "bfloat16"
@@ -291,7 +296,8 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
                             sampling=sampling, position_mode=position_mode, rules=rules, record_logits=record_logits,
                             lane_buckets=lane_buckets, sharding=None if mesh is None else DecodeSharding(mesh),
                             certify_head=certify_head, final_softcap=model.config.final_logit_softcap,
-                            head_plan=head_plan(model.config, dtype, head_dtype))
+                            head_plan=head_plan(model.config, dtype, head_dtype),
+                            defer_kv_writes=defer_by_default() if defer_kv_writes is None else defer_kv_writes)
   except ValueError as err:
     raise PastaError(f"bad {rules.name} settings: {err}") from None
   loop.check_runnable(cfg, forced=scripts is not None)

@@ -36,9 +36,10 @@ class InterpreterConfig:
   final_softcap: float | None = None
   head_plan: HeadPlan = FIXED_HEAD_PLAN  # the head's form per row count, as the model's (api.head_plan)
   # Under the lane-count switch the model only reads the pool and the step writes the new K/V rows after it
-  # (model/kv_rows.py): written inside a branch, XLA copies the pool in and out each step. False: the old way,
-  # kept to be measured against (bench.kv_writes) on each backend.
-  defer_kv_writes: bool = True
+  # (model/kv_rows.py): written inside a branch, XLA:CPU copies the pool in and out each step. False: the model
+  # writes in the branch. None: the backend's choice (`kv_rows.defer_by_default`: deferred on a CPU only, where
+  # it pays; on an H100 writing in the branch is faster). bench.kv_writes and bench.seq_cost --defer measure both.
+  defer_kv_writes: bool | None = None
 
   def __post_init__(self):
     if self.max_content < 0:

@@ -7,6 +7,12 @@ the pool is only read, each layer attends over the pool's slots and over the cal
 writes the rows after the switch (`write_fresh`), in place. (Without a switch the model writes as it goes: a
 write after the reads in one computation costs XLA two copies of the pool instead.)
 
+Where it pays: on a CPU (XLA:CPU copies a conditional's written operand; deferred, PASTA at batch 16 is 1.16x
+faster and ProPD at batch 8 1.08x, bench.kv_writes). On an H100 the other way round: there XLA writes the pool in
+the branch without those copies, and the deferred layers' extra work (two key segments, the extended mask, the
+rows stacked and scattered after the switch) made a one-lane step 1.73x plain decoding against 1.11x written in the
+branch (Gemma 3 270M, bf16, bench.seq_cost --defer off,on, session 27). So `defer_by_default` defers on a CPU only.
+
 Masks: a row's slot already carries its metadata (the rules wrote owner, order, position before the call), so
 the dense mask [B, Q, S] says which new rows a query sees: the columns at their slots. Those slots still hold
 an earlier occupant's K/V in the pool, so the pool's columns there are hidden.
@@ -20,6 +26,12 @@ import jax
 import jax.numpy as jnp
 
 Array = jax.Array
+
+
+def defer_by_default(backend: str | None = None) -> bool:
+  """Whether the decode step defers its K/V writes when the configuration leaves it open (None): on a CPU only,
+  where it was measured to pay (see above); `backend` defaults to JAX's."""
+  return (backend or jax.default_backend()) == "cpu"
 
 
 @jax.tree_util.register_dataclass
