@@ -143,9 +143,10 @@ def report(batch: int, rows: dict) -> None:
     times = lambda c: " ".join(f"T({s})={t * 1e3:.1f}ms" for s, t in zip(c["sizes"], c["seconds"]))
     if cal.get("first_pass"):
       print(f"{name} latency calibration, {cal['first_pass']['tree_size']}-node program: {times(cal['first_pass'])}")
-    print(f"{name} latency calibration, {cal['tree_size']}-node program: {times(cal)}; fit "
-          f"alpha={cal['alpha'] * 1e3:.2f} ms/node beta={cal['beta'] * 1e3:.1f} ms; compiled tree "
-          f"{cal['tree_size']} nodes (speculation.compiled_size)")
+    compiled = (f"compiled tree {cal['tree_size']} nodes (speculation.compiled_size)" if cal["tree_pays"] else
+                "no tree pays: plain decoding's program (speculation.tree_pays)")
+    print(f"{name} latency calibration, {cal['timed_tree']}-node program: {times(cal)}; fit "
+          f"alpha={cal['alpha'] * 1e3:.2f} ms/node beta={cal['beta'] * 1e3:.1f} ms; {compiled}")
   medusa_key = max((k for k in rows if k.startswith("medusa-")), key=lambda k: rows[k]["accept"])
   top1, topk = head_rates(rows[medusa_key]["stats"])
   print(f"per-head acceptance ({medusa_key}): top-1 " + " ".join(f"{x:.3f}" for x in top1)

@@ -27,8 +27,9 @@ from pasta_jax.decode.speculation import (
   paying_size,
   rules_and_inputs,
   step_times,
+  tree_pays,
 )
-from pasta_jax.decode.tree import TokenTree
+from pasta_jax.decode.tree import TokenTree, node_probabilities
 from pasta_jax.errors import PastaError
 from pasta_jax.model import medusa
 from pasta_jax.model.gemma import Gemma, causal_mask
@@ -323,10 +324,53 @@ def test_paying_size_keeps_every_size_that_could_beat_a_plain_step(top1, slope, 
   assert 2 <= compiled <= size and compiled <= max(2, 2 * best) and min(best, size) <= compiled
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(0.0, 0.7), min_size=3, max_size=3), st.floats(1.0, 3.0), st.floats(0.0, 0.5))
+def test_no_tree_pays_exactly_when_propd_would_plan_none_with_heads_that_hit_more(top1, dear, slope):
+  """`tree_pays` (on the host, before compiling) against ProPD's own planner (on device): with hit rates of
+  RATE_ROOM times the prior, the planner takes a tree for its first step exactly when some tree size pays."""
+  from types import SimpleNamespace
+
+  from pasta_jax.decode.speculation import RATE_ROOM
+  prior = np.asarray(top1, np.float32)[:, None] * np.asarray([1.0, 0.4, 0.2, 0.1], np.float32)[None]
+  table = {1: 1.0, 2: dear, 4: dear + 2 * slope, 8: dear + 6 * slope}
+  rules, inputs = rules_and_inputs(drafter(top_k=4), tree_size=8, dynamic=True, latency=table)
+  inputs = {**inputs, "rates": jnp.minimum(jnp.asarray(prior) * RATE_ROOM, 1.0)}
+  d = rules.init_rule_state(jnp.zeros((1, 4), jnp.int32), jnp.array([4]), inputs, SimpleNamespace(lanes=8))
+  planned = int(rules.planned_size(d, jnp.array([True]))[0])
+  expected = np.cumsum(node_probabilities(rules.tree, np.minimum(prior * RATE_ROOM, 1.0)))
+  if abs(max(expected[s - 1] / table[s] for s in (2, 4, 8)) - 1.0) > 1e-4:  # not a tie with the plain step
+    assert tree_pays(rules.tree, table, prior) == (planned > 1)
+
+
+def test_propd_where_no_tree_can_pay_runs_plain_decodings_program(monkeypatch):
+  """A calibration in which every tree costs more than the tokens it could bring: ProPD's tree size is 1 and it
+  runs plain decoding's own program (no lanes, no heads, no tree bookkeeping): the same tokens, the same config."""
+  from types import SimpleNamespace
+
+  from pasta_jax.decode import latency
+  def prepare(model, ids, *, latency, max_new_tokens, tree_size, **kw):
+    return min(latency, key=latency.get), max_new_tokens
+  def run(prep):
+    size, steps = prep
+    return [SimpleNamespace(steps=steps)], steps * (0.01 if size == 1 else 0.05 * size)  # T(2) = 10 T(1)
+  with monkeypatch.context() as patch:
+    patch.setattr(latency.api, "prepare_method", prepare)
+    patch.setattr(latency.api, "run_prepared", run)
+    info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=4, steps=8, repeats=1)
+  assert info["tree_size"] == 1 and not info["tree_pays"]
+  propd = api.prepare_method(MODEL, PROMPTS, method="propd", heads=drafter(), tree_size=info["tree_size"],
+                             latency=info["table"], max_new_tokens=16)
+  plain = api.prepare_method(MODEL, PROMPTS, method="sequential", max_new_tokens=16)
+  assert propd.cfg == plain.cfg
+  assert [tokens_of(r) for r in api.run_prepared(propd)[0]] == [tokens_of(r) for r in api.run_prepared(plain)[0]]
+
+
 def test_calibration_times_every_size():
   info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=4, steps=4, repeats=1)
   first = info["first_pass"] or info  # when fewer nodes can pay, their program was timed again
-  assert first["sizes"] == [1, 2, 4] and info["sizes"] == [s for s in (1, 2, 4) if s <= info["tree_size"]]
+  assert first["sizes"] == [1, 2, 4] and info["sizes"] == [s for s in (1, 2, 4) if s <= info["timed_tree"]]
+  assert info["tree_size"] == (info["timed_tree"] if info["tree_pays"] else 1)
   assert all(s > 0 for s in info["seconds"]) and info["beta"] > 0
   assert info["table"][1] == info["seconds"][0]  # the plain step as measured
 
@@ -400,9 +444,11 @@ def test_calibration_times_a_smaller_tree_in_its_own_program(monkeypatch):
   monkeypatch.setattr(latency.api, "run_prepared", run)
   info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=8, steps=8, repeats=1, run_tokens=128)
   assert pools == {128}  # every program steps in the pool of the run it calibrates
-  assert info["tree_size"] == 2 and info["first_pass"]["tree_size"] == 8
+  assert info["first_pass"]["tree_size"] == 8
   assert info["first_pass"]["table"] == pytest.approx({1: 0.08, 2: 0.18, 4: 0.28, 8: 0.48})
   assert info["sizes"] == [1, 2] and info["table"] == pytest.approx({1: 0.02, 2: 0.12})
+  # T(2) = 6 T(1) in that program: no tree pays at any hit rate, so ProPD is plain decoding there
+  assert info["tree_size"] == 1 and not info["tree_pays"]
 
 
 def test_bad_requests_name_the_problem(tmp_path):

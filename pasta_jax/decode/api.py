@@ -450,6 +450,9 @@ def prepare_tree(model, ids, method: str, *, forced: bool, return_logits: bool, 
                                      choices=choices, softcap=model.config.final_logit_softcap)
     return prepare(model, ids, rules=rules, lanes=rules.thread_lanes * rules.tree.size,
                    max_threads=max_threads + rules.node_lanes, record_logits=return_logits, rule_inputs=inputs, **kw)
+  if method == "propd" and size == 1:  # the root alone every step: plain decoding (`speculation.tree_pays`)
+    return prepare(model, ids, rules=SequentialRules(ignore_eos=ignore_eos), lanes=1, max_threads=1,
+                   record_logits=return_logits, **kw)
   pruning = early_prune(method, prune, drafter)
   rules, inputs = rules_and_inputs(drafter, tree_size=size, dynamic=method == "propd", acceptance=acceptance,
                                    latency=latency, choices=choices, prune=pruning)

@@ -13,7 +13,14 @@ import time
 import numpy as np
 
 from pasta_jax.decode import api
-from pasta_jax.decode.speculation import DEFAULT_TREE, Drafter, compiled_size, rules_and_inputs, step_times
+from pasta_jax.decode.speculation import (
+    DEFAULT_TREE,
+    Drafter,
+    compiled_size,
+    rules_and_inputs,
+    step_times,
+    tree_pays,
+)
 
 
 def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_TREE, steps: int = 16,
@@ -31,7 +38,10 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
   smaller tree, the one ProPD then runs: every compiled lane costs bookkeeping on every step, so the big
   program's times overstate a small step's and understate what a tree adds to it (at batch 8 on a 2-core CPU,
   a size-1 step of the 64-node program cost 1.21x plain, of an 8-node one 0.96x). `first_pass` keeps the
-  big program's figures."""
+  big program's figures. When no tree of that program can pay even with heads hitting `speculation.RATE_ROOM`
+  times as often as on the calibration set (`speculation.tree_pays`, on the final table), "tree_size" is 1: ProPD
+  then picks size 1 on every step, and runs as plain decoding ("tree_pays": False); "timed_tree" is the tree whose
+  program the table was timed in."""
   prepare_kw = {**prepare_kw, "pool_tokens": max(run_tokens or 0, 2 * steps)}
   sizes, per_step = _time_sizes(model, ids, drafter, tree_size, steps, repeats, prepare_kw)
   table, (alpha, beta) = step_times(sizes, per_step)
@@ -41,8 +51,10 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
     first_pass = {"tree_size": tree_size, "sizes": sizes, "seconds": per_step, "table": table}
     sizes, per_step = _time_sizes(model, ids, drafter, compiled, steps, repeats, prepare_kw)
     table, (alpha, beta) = step_times(sizes, per_step)
+  pays = tree_pays(drafter.tree(compiled), table, drafter.hit_rates)
   return {"sizes": sizes, "seconds": per_step, "alpha": alpha, "beta": beta, "table": table,
-          "tree_size": compiled, "first_pass": first_pass, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+          "tree_size": compiled if pays else 1, "timed_tree": compiled, "tree_pays": pays, "first_pass": first_pass,
+          "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def _time_sizes(model, ids, drafter, tree_size, steps, repeats, prepare_kw) -> tuple[list[int], list[float]]:

@@ -31,6 +31,10 @@ THREAD_TREE = 4  # method "pasta+medusa"'s default: a tree on every live thread 
 # bucket before it fits. On a 2-core CPU no size above 8 paid at batch 1 or 8 (bench.medusa: T(16) >= 1.8 T(1)),
 # and one 64-node calibration chunk at batch 16 computes 1024 rows a step.
 SERVED_PROPD_TREE = 8
+# How much more often than on the calibration set a run's heads may hit before ProPD would take a tree: a tree
+# that cannot pay even then is not compiled (`tree_pays`). At batch 8 on a 2-core CPU a 2-node step cost 1.7-2.0
+# plain ones (bench.medusa), so it pays only when head 0 hits 70-100% of the time; the shipped heads' prior is 42%.
+RATE_ROOM = 1.5
 PROPD_PRUNE = EarlyPrune()  # ProPD's early pruning as the paper runs it: top 50 (layer: the trained head's)
 
 
@@ -149,6 +153,18 @@ def paying_size(tree: TokenTree, table: dict[int, float]) -> int:
   depth = tree.depth
   paying = [s for s, t in table.items() if 1 < s <= tree.size and t < (depth[:s].max() + 1) * table[1]]
   return max(paying, default=min(tree.size, 2))
+
+
+def tree_pays(tree: TokenTree, table: dict[int, float], hit_rates: np.ndarray, room: float = RATE_ROOM) -> bool:
+  """Whether ProPD could ever pick a tree of `tree`'s prefixes over a plain step: some size s > 1 in its step-time
+  `table` whose expected tokens over T(s) beat 1 / T(1) at hit rates `room` times the calibrated `hit_rates`
+  (capped at 1): heads hitting that much more often than on the calibration set. When none can, ProPD's choice is
+  size 1 on every step, which is plain decoding: it then runs plain decoding's program (`api.prepare_tree`), with
+  none of the tree's bookkeeping (at batch 8 on a 2-core CPU a 4-node ProPD choosing size 1 throughout ran 0.83x
+  plain, bench.medusa)."""
+  optimistic = np.minimum(np.asarray(hit_rates, np.float64) * room, 1.0)
+  expected = np.cumsum(node_probabilities(tree, optimistic))  # [N] E(prefix of i + 1 nodes)
+  return any(expected[s - 1] / t > 1.0 / table[1] for s, t in table.items() if 1 < s <= tree.size)
 
 
 def compiled_size(tree: TokenTree, table: dict[int, float], hit_rates: np.ndarray) -> int:

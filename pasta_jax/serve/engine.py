@@ -68,8 +68,9 @@ class ServeConfig:
                  "default_max_tokens", "max_batches", "drafts"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-    if self.tree_size is not None and self.tree_size < 1:
-      raise ValueError(f"tree_size must be at least 1, got {self.tree_size}")
+    if self.tree_size is not None and self.tree_size < 2:  # the root alone (api.prepare_tree: plain decoding)
+      raise ValueError(f"tree_size must be at least 2 (one node is plain decoding: method sequential), "
+                       f"got {self.tree_size}")
     if self.default_max_tokens > self.max_tokens:
       raise ValueError(f"default_max_tokens {self.default_max_tokens} > max_tokens {self.max_tokens}")
     if self.certify_head and self.dtype != "float32":
