@@ -146,7 +146,7 @@ def model_on_feeders(model_fn, params, state, feed, slots, cfg: InterpreterConfi
   # Under a switch the branches only read the pool and the rows are written after it: a branch that wrote the
   # pool would get XLA's copy of it, in and out (150 MB a step for ProPD at batch 8 on a CPU, model/kv_rows.py).
   # Without a switch it is the other way round: a write after reads in the same computation costs two copies.
-  # XLA:GPU writes in the branch without the copies; there deferring only adds work (kv_rows.defer_by_default).
+  # On an H100 writing in the branch measured faster than deferring (kv_rows.defer_by_default).
   defer = len(sizes) > 1 and (defer_by_default() if cfg.defer_kv_writes is None else cfg.defer_kv_writes)
   branches = [functools.partial(run_rows, model_fn, params, num_q=q, forced=forced, cfg=cfg, defer=defer)
               for q in sizes]
