@@ -1,8 +1,9 @@
 """Deferred K/V writes against writes inside the lane-count switch, on the shipped model, side by side.
 
 Multi-lane methods run the model inside a `lax.switch` over lane-count buckets. Written there, the KV pool is
-copied by XLA into and out of the branch every step; deferred (the default, `InterpreterConfig.defer_kv_writes`,
-model/kv_rows.py) the branches only read it and the step writes the new rows after the switch. Workloads:
+copied by XLA:CPU into and out of the branch every step; deferred (`InterpreterConfig.defer_kv_writes`, the default
+on a CPU, model/kv_rows.py) the branches only read it and the step writes the new rows after the switch. Both are
+set explicitly here, on any backend. Workloads:
   - pasta:  the shipped default in free PASTA decoding, batch 1 (greedy, repetition penalty 1.1, distinct topics,
             certified head: `bench.learned`'s settings), one held-out prompt at a time;
   - propd:  ProPD at batch 8 on its 4-node tree with a step-time table that picks size 1 (the size it chose on 666
@@ -50,6 +51,10 @@ def in_branch(prep: api.Prepared) -> api.Prepared:
   return dataclasses.replace(prep, cfg=dataclasses.replace(prep.cfg, defer_kv_writes=False))
 
 
+def deferred(prep: api.Prepared) -> api.Prepared:  # explicit: the default defers on a CPU only
+  return dataclasses.replace(prep, cfg=dataclasses.replace(prep.cfg, defer_kv_writes=True))
+
+
 def configurations(model, args) -> dict[str, list[api.Prepared]]:
   """{name: the prepared runs it times}: each workload deferred and in-branch (and plain beside ProPD)."""
   ids = held_out_prompt_ids(model, max(args.limit, 8, args.pasta_batch))
@@ -60,13 +65,13 @@ def configurations(model, args) -> dict[str, list[api.Prepared]]:
   propd = api.prepare_method(model, ids[:8], method="propd", heads=load_drafter(model, None), tree_size=4,
                              latency=SIZE_ONE, prune=False, **common)
   plain = api.prepare_method(model, ids[:8], method="sequential", **common)
-  configs = {"pasta deferred": pasta, "pasta in-branch": [in_branch(p) for p in pasta],
-             "propd b8 deferred": [propd], "propd b8 in-branch": [in_branch(propd)], "plain b8": [plain]}
+  configs = {"pasta deferred": [deferred(p) for p in pasta], "pasta in-branch": [in_branch(p) for p in pasta],
+             "propd b8 deferred": [deferred(propd)], "propd b8 in-branch": [in_branch(propd)], "plain b8": [plain]}
   if args.pasta_batch:
     wide = api.prepare_method(model, ids[:args.pasta_batch], method="pasta", max_new_tokens=args.max_new_tokens,
                               lanes=8, sampling=sampling, certify_head=True)
     name = f"pasta b{args.pasta_batch}"
-    configs.update({f"{name} deferred": [wide], f"{name} in-branch": [in_branch(wide)]})
+    configs.update({f"{name} deferred": [deferred(wide)], f"{name} in-branch": [in_branch(wide)]})
   return configs
 
 
