@@ -366,6 +366,20 @@ def test_propd_where_no_tree_can_pay_runs_plain_decodings_program(monkeypatch):
   assert [tokens_of(r) for r in api.run_prepared(propd)[0]] == [tokens_of(r) for r in api.run_prepared(plain)[0]]
 
 
+def test_pasta_generate_says_when_propd_decodes_plainly(monkeypatch, capsys):
+  """`pasta generate --method propd` names the fallback and its step times, rather than printing no tree line."""
+  from types import SimpleNamespace
+
+  from pasta_jax.commands import generate
+  from pasta_jax.decode import latency
+  cal = {"table": {1: 0.1, 2: 0.2}, "tree_size": 1, "timed_tree": 2, "tree_pays": False}
+  monkeypatch.setattr(latency, "calibrate_latency", lambda *a, **kw: cal)
+  args = SimpleNamespace(heads=drafter(), tree_size=None, certify_head=False, max_new_tokens=16)
+  options = generate.tree_options(MODEL, PROMPTS[0], args, "propd")
+  assert options["tree_size"] == 1 and options["latency"] == cal["table"]
+  assert "no tree of 2 nodes can beat a plain step here (T(1) 100.0 ms, T(2) 200.0 ms" in capsys.readouterr().err
+
+
 def test_calibration_times_every_size():
   info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=4, steps=4, repeats=1)
   first = info["first_pass"] or info  # when fewer nodes can pay, their program was timed again

@@ -126,6 +126,10 @@ def tree_options(model, prompt_ids: list[int], args, method: str) -> dict:
     cal = calibrate_latency(model, [prompt_ids], drafter, tree_size=options["tree_size"], steps=8, repeats=1,
                             run_tokens=args.max_new_tokens, **certify)
     options["latency"], options["tree_size"] = cal["table"], cal["tree_size"]
+    if not cal["tree_pays"]:
+      print(f"[propd: no tree of {cal['timed_tree']} nodes can beat a plain step here (T(1) "
+            f"{1e3 * cal['table'][1]:.1f} ms, T(2) {1e3 * cal['table'][2]:.1f} ms; speculation.tree_pays): "
+            "decoding plainly]", file=sys.stderr)
   return options
 
 
