@@ -47,12 +47,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
+def writes(prep: api.Prepared, defer: bool) -> api.Prepared:  # explicit: the default defers on a CPU only
+  return dataclasses.replace(prep, cfg=dataclasses.replace(prep.cfg, defer_kv_writes=defer))
+
+
 def in_branch(prep: api.Prepared) -> api.Prepared:
-  return dataclasses.replace(prep, cfg=dataclasses.replace(prep.cfg, defer_kv_writes=False))
+  return writes(prep, False)
 
 
-def deferred(prep: api.Prepared) -> api.Prepared:  # explicit: the default defers on a CPU only
-  return dataclasses.replace(prep, cfg=dataclasses.replace(prep.cfg, defer_kv_writes=True))
+def deferred(prep: api.Prepared) -> api.Prepared:
+  return writes(prep, True)
 
 
 def configurations(model, args) -> dict[str, list[api.Prepared]]:
