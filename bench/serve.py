@@ -18,6 +18,8 @@ against the same prompts one at a time (content tokens / s), no server at all.
 Last line: RESULT throughput_16_over_1=... ttft_p99_s=... (16 clients) lost=... mixed_up=... batch1_over_generate=...
           ceiling_16_over_1=...
 `--certify-head`: the server, `generate` alone and the ceiling choose through the certified bfloat16 head.
+`--waiting-chunks 2,8`: the levels on one server per chunk length while requests wait (`--waiting-chunk`), side by
+  side; the first one's figures make the RESULT's main ones, and it adds ttft_p99_s_waitingW=... throughput_waitingW=...
 `--ceiling-only`: no server; the ceiling with the float32 head and with the certified head, side by side:
   RESULT ceiling_16_over_1=... ceiling_certified_16_over_1=... certified_over_float32_batched=... same_answers=...
 """
@@ -51,13 +53,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(args, batch: int, log: Path, chunk: int | None = None):
+def server(args, batch: int, log: Path, chunk: int | None = None, waiting_chunk: int | None = None):
   """`pasta serve` as a subprocess on a free loopback port; yields (url, process); SIGTERM at the end."""
   port = free_port()
   cmd = [sys.executable, "-m", "pasta_jax.cli", "serve", "--port", str(port), "--batch", str(batch),
          "--chunk", str(chunk or args.chunk), "--max-tokens", str(args.max_tokens), "--max-queue", "256",
          "--pool", str(args.pool), "--warmup", "pasta,sequential", "--lanes", str(args.lanes)]
   cmd += ["--certify-head"] if args.certify_head else []
+  cmd += ["--waiting-chunk", str(waiting_chunk)] if waiting_chunk is not None else []
   proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
   url = f"http://127.0.0.1:{port}"
   try:
@@ -225,6 +228,20 @@ def generate_rate(model, prompt: str, method: str, max_tokens: int, certify_head
   return result.content_tokens / (time.perf_counter() - start)
 
 
+def load_levels(url: str, levels: list[int], prompts: list[str], methods: list[str], args) -> list[dict]:
+  """Each concurrency level's report (its answers under "answers"): a warm-up wave, then the measured one."""
+  reports = []
+  for i, clients in enumerate(levels):
+    n = min(max(4, int(clients * args.per_client)), args.max_requests)
+    start = sum(min(max(4, int(c * args.per_client)), args.max_requests) for c in levels[:i])
+    jobs = [(prompts[(start + j) % len(prompts)], methods[j % len(methods)]) for j in range(n)]
+    for measured in (False, True):  # the warm-up wave sends the same prompts: it compiles their shapes
+      with tqdm(total=n, desc=f"{clients} clients {'measured' if measured else 'warm-up'}", unit="req") as bar:
+        answers, seconds = asyncio.run(wave(url, clients, jobs, args.max_tokens, bar))
+    reports.append({**level_report(clients, answers, seconds), "answers": answers})
+  return reports
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="bench.serve", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -237,6 +254,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--chunk", type=int, default=8)
   parser.add_argument("--batch1-chunks", default="", help="more chunk sizes K for the batch-1 overhead (e.g. 4,16)")
   parser.add_argument("--pool", type=int, default=512)
+  parser.add_argument("--waiting-chunks", default="",
+                      help="chunk lengths while requests wait, one server each, side by side (e.g. 2,8; "
+                           "default: the server's); the first one's figures make the RESULT's")
   parser.add_argument("--lanes", type=int, default=8, help="PASTA / APAR lanes, SoT's fan-out")
   parser.add_argument("--methods", default="pasta,sequential",
                       help="methods the requests take in turn (pasta, sequential, apar, pasta-v0, medusa, propd, sot)")
@@ -260,19 +280,16 @@ def main(argv=None) -> None:
   prompts = [r["instruction"] for r in sources.read_records(args.prompts, max_records=200)]
   if args.ceiling_only:
     return ceiling_only(args, prompts)
-  reports, answers_all, peak = [], [], float("nan")
-  with server(args, args.batch, out / "server.log") as (url, proc):
-    for i, clients in enumerate(levels):
-      n = min(max(4, int(clients * args.per_client)), args.max_requests)
-      start = sum(min(max(4, int(c * args.per_client)), args.max_requests) for c in levels[:i])
-      jobs = [(prompts[(start + j) % len(prompts)], methods[j % len(methods)]) for j in range(n)]
-      for measured in (False, True):  # the warm-up wave sends the same prompts: it compiles their shapes
-        with tqdm(total=n, desc=f"{clients} clients {'measured' if measured else 'warm-up'}", unit="req") as bar:
-          answers, seconds = asyncio.run(wave(url, clients, jobs, args.max_tokens, bar))
-      reports.append(level_report(clients, answers, seconds))
-      answers_all += answers
-    (out / "metrics.txt").write_text(httpx.get(f"{url}/metrics").text)
-    peak = peak_rss_mib(proc.pid)
+  answers_all, peaks, by_setting = [], [], {}
+  settings = [int(w) for w in args.waiting_chunks.split(",") if w] or [None]
+  for waiting in settings:  # one server per chunk length while requests wait, side by side
+    name = "server.log" if waiting is None else f"server_waiting{waiting}.log"
+    with server(args, args.batch, out / name, waiting_chunk=waiting) as (url, proc):
+      by_setting[waiting] = load_levels(url, levels, prompts, methods, args)
+      answers_all += [a for r in by_setting[waiting] for a in r.pop("answers")]
+      (out / name.replace("server", "metrics").replace(".log", ".txt")).write_text(httpx.get(f"{url}/metrics").text)
+      peaks.append(peak_rss_mib(proc.pid))
+  reports, peak = by_setting[settings[0]], max(peaks)
   # the batch-1 overhead compares with `generate` alone: methods it runs as one call
   alone_jobs = [(a["prompt"], a["method"]) for a in answers_all if a["method"] not in ("sot", "propd")][:4]
   chunks = sorted({args.chunk, *(int(k) for k in args.batch1_chunks.split(",") if k)})
@@ -310,8 +327,9 @@ def main(argv=None) -> None:
   by = {r["clients"]: r for r in reports}
   top = by.get(16, reports[-1])
   base = max(by.get(1, reports[0])["throughput"], generate_tps)
-  lost = sum(r["lost"] for r in reports)
+  lost = sum(r["lost"] for rows in by_setting.values() for r in rows)
   (out / "report.json").write_text(json.dumps({"levels": reports, "mixed_up": mixed, "differing": differing,
+                                               "levels_by_waiting_chunk": {str(w): r for w, r in by_setting.items()},
                                                "peak_mib": peak,
                                                "batch1_over_generate": ratio, "generate_tps": generate_tps,
                                                "batch1_over_generate_by_chunk": by_chunk,
@@ -329,8 +347,16 @@ def main(argv=None) -> None:
         f"{by.get(1, reports[0])['throughput']:.1f} tok/s")
   print(f"the device's ceiling, no server: plain generate of {args.ceiling} prompts in one batch {batched_tps:.1f} "
         f"tok/s, one at a time {one_by_one_tps:.1f} tok/s ({batched_tps / one_by_one_tps:.2f}x)")
+  extra = ""
+  if len(settings) > 1:  # every setting's busiest level, the first setting's in the RESULT's main figures
+    for waiting, rows in by_setting.items():
+      r = {x["clients"]: x for x in rows}.get(top["clients"], rows[-1])
+      print(f"chunks of {waiting} steps while requests wait: {r['clients']} clients {r['throughput']:.1f} tok/s, "
+            f"TTFT p50 {r['ttft_p50']:.2f}s p99 {r['ttft_p99']:.2f}s, lost {r['lost']}")
+      extra += f" ttft_p99_s_waiting{waiting}={r['ttft_p99']:.2f} throughput_waiting{waiting}={r['throughput']:.1f}"
   print(f"RESULT throughput_16_over_1={top['throughput'] / base:.2f} ttft_p99_s={top['ttft_p99']:.2f} lost={lost} "
-        f"mixed_up={mixed} batch1_over_generate={ratio:.2f} ceiling_16_over_1={batched_tps / one_by_one_tps:.2f}")
+        f"mixed_up={mixed} batch1_over_generate={ratio:.2f} ceiling_16_over_1={batched_tps / one_by_one_tps:.2f}"
+        + extra)
 
 
 if __name__ == "__main__":

@@ -294,6 +294,41 @@ def test_a_newcomers_first_text_streams_after_a_short_chunk():
     engine.stop(grace_s=0)
 
 
+def test_chunks_are_short_while_a_request_waits(monkeypatch):
+  """While a request waits for a row, every chunk runs `waiting_chunk_steps` steps (the waiting request is
+  admitted when a chunk ends, so those chunks are its time in the queue); with nobody waiting, a chunk runs
+  `first_chunk_steps` after an admission and `chunk_steps` otherwise. The answers stay `generate`'s."""
+  import queue
+
+  from pasta_jax.decode import batching
+  from pasta_jax.serve.engine import Request
+  engine = Engine(MODEL, ServeConfig(batch=1, pool_slots=256, chunk_steps=8, first_chunk_steps=4,
+                                     waiting_chunk_steps=2, max_tokens=24))
+  chunks = []  # (steps, requests waiting) of every chunk
+  run = batching.RowBatch.run
+  monkeypatch.setattr(batching.RowBatch, "run", lambda self, steps: (chunks.append((steps, len(engine.waiting))),
+                                                                    run(self, steps)))
+  prompts = ["Tea?", "Why blue sky?"]
+  done: queue.Queue = queue.Queue()
+  for i, prompt in enumerate(prompts):  # both queued before the engine starts: the second waits for the one row
+    ids = [2] + [100 + ord(c) for c in prompt]
+    engine.submit(Request(ids=ids, method="sequential", max_tokens=24, sink=lambda u, i=i: done.put((i, u))))
+  engine.start()
+  try:
+    texts, finished = collections.defaultdict(str), 0
+    while finished < len(prompts):
+      i, update = done.get(timeout=300)
+      texts[i] += update.delta
+      finished += update.done
+  finally:
+    engine.stop(grace_s=0)
+  assert [texts[i] for i in range(len(prompts))] == [reference(p, "sequential", 24, chat=False) for p in prompts]
+  assert {steps for steps, waiting in chunks if waiting} == {2}, chunks
+  alone = [steps for steps, waiting in chunks if not waiting]
+  assert alone[0] == 4 and set(alone[1:]) <= {8}, chunks  # the second request's first chunk, then whole ones
+  assert 'pasta_chunks_total{length="short"}' in engine.metrics.text().decode()
+
+
 @pytest.mark.parametrize("method", ["pasta", "propd"])
 def test_a_certified_head_serves_the_float32_answers(method):
   """`certify_head`: greedy batches choose through the certified bfloat16 head and answer exactly as the float32

@@ -26,6 +26,7 @@ def test_online_latency_pins_each_size_then_fits():
   first = latency.table(4)
   latency.observe(4, 100.0, 8)  # the compiling chunk: not a step time
   pinned = []
+  assert latency.calibrating(4) and latency.calibrating(2)  # its chunks must run whole (`Engine.chunk_length`)
   while 4 not in latency.fits():
     table = latency.table(4)
     assert sorted(table) == [1.0] + [PINNED_ELSEWHERE] * (len(SIZES) - 1)  # one size may be chosen
@@ -38,6 +39,7 @@ def test_online_latency_pins_each_size_then_fits():
   alpha, beta = latency.fits()[4]
   assert alpha == pytest.approx(0.003) and beta == pytest.approx(0.05)
   np.testing.assert_allclose(latency.table(4), [step_time(s) for s in SIZES])
+  assert not latency.calibrating(4) and latency.calibrating(2)
   assert 2 not in latency.fits() and sorted(latency.table(2)).count(1.0) == 1  # each rows bucket on its own
 
 

@@ -2,7 +2,10 @@
 
 Each turn of the engine thread runs one chunk of `chunk_steps` steps on every batch with live rows. Before
 each chunk, waiting requests are admitted into free rows (prefill of the newcomers only), and a batch that
-just took newcomers runs a short chunk (`first_chunk_steps`), so their first text streams soon. After each
+just took newcomers runs a short chunk (`first_chunk_steps`), so their first text streams soon. While a
+request waits, every chunk is short (`waiting_chunk_steps`): a newcomer is admitted at a chunk's end, so the
+chunks that run while it waits are its time in the queue, and a row that ends mid-chunk is refilled sooner.
+After each
 chunk the host copies the batch's records and hands each request its new settled text
 (`streaming.settled_text`). A finished, cut or cancelled request leaves its row at the end of the chunk; the
 row is reused by the next newcomer. Requests reach the engine from any thread (`submit`); updates go back
@@ -44,6 +47,8 @@ class ServeConfig:
   # after an admission, the batch's next chunk: newcomers' first text streams after this many steps, not K
   # (the last token is held back one chunk, `streaming`), at the cost of one more host visit
   first_chunk_steps: int = 2
+  # while requests wait in the queue, every batch's chunk (they are admitted between chunks); None: first_chunk_steps
+  waiting_chunk_steps: int | None = None
   max_queue: int = 64  # waiting requests before 429
   max_tokens: int = 512  # the largest max_tokens a request may ask
   default_max_tokens: int | None = None  # for a request without max_tokens (None: min(256, max_tokens))
@@ -64,7 +69,10 @@ class ServeConfig:
   def __post_init__(self):
     if self.default_max_tokens is None:
       object.__setattr__(self, "default_max_tokens", min(256, self.max_tokens))
-    for name in ("batch", "pool_slots", "lanes", "chunk_steps", "first_chunk_steps", "max_queue", "max_tokens",
+    if self.waiting_chunk_steps is None:
+      object.__setattr__(self, "waiting_chunk_steps", self.first_chunk_steps)
+    for name in ("batch", "pool_slots", "lanes", "chunk_steps", "first_chunk_steps", "waiting_chunk_steps",
+                 "max_queue", "max_tokens",
                  "default_max_tokens", "max_batches", "drafts"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -374,7 +382,7 @@ class Engine:
     rows, step = batch.rows_to_run(), int(batch.state.step)
     if entry.latency is not None:
       batch.state = entry.prep.cfg.rules.with_latency(batch.state, entry.latency.table(rows))
-    steps = min(self.cfg.first_chunk_steps, self.cfg.chunk_steps) if entry.fresh else self.cfg.chunk_steps
+    steps = self.chunk_length(entry, rows)
     begin = time.perf_counter()
     batch.run(steps)
     entry.fresh = False
@@ -386,6 +394,22 @@ class Engine:
       for fitted_rows, (alpha, beta) in entry.latency.fits().items():
         self.metrics.propd_latency.labels(str(fitted_rows), "alpha").set(alpha)
         self.metrics.propd_latency.labels(str(fitted_rows), "beta").set(beta)
+
+  def chunk_length(self, entry: MethodBatch, rows: int) -> int:
+    """Steps of the batch's next chunk: short right after an admission (the newcomers' first text) and while any
+    request waits (it is admitted when a chunk ends; not while ProPD times this rows bucket's whole chunks),
+    else `chunk_steps`."""
+    with self.lock:
+      waiting = any(not r.dropped for r in self.waiting)
+    if entry.latency is not None and entry.latency.calibrating(rows):
+      waiting = False
+    steps = self.cfg.chunk_steps
+    if entry.fresh:
+      steps = min(steps, self.cfg.first_chunk_steps)
+    if waiting:
+      steps = min(steps, self.cfg.waiting_chunk_steps)
+    self.metrics.chunks.labels("short" if steps < self.cfg.chunk_steps else "full").inc()
+    return steps
 
   def _visit(self, entry: MethodBatch, rows: list[int]) -> batching.HostView:
     """Copies the batch's records to the host, hands the requests in `rows` their new text, and frees the

@@ -48,6 +48,11 @@ class OnlineLatency:
     bucket.pinned = next(s for s in self.sizes if len(bucket.times.get(s, ())) < self.samples)
     return np.asarray([1.0 if s == bucket.pinned else PINNED_ELSEWHERE for s in self.sizes])
 
+  def calibrating(self, rows: int) -> bool:
+    """Whether chunks of `rows` rows are still timed to fit T(s) (they must then run whole: `Engine.chunk_length`)."""
+    bucket = self.buckets.get(rows)
+    return bucket is None or bucket.fitted is None
+
   def observe(self, rows: int, seconds: float, steps: int) -> None:
     """The chunk that ran with `table(rows)` took `seconds` for `steps` steps."""
     bucket = self.buckets[rows]
