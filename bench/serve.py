@@ -18,8 +18,8 @@ against the same prompts one at a time (content tokens / s), no server at all.
 Last line: RESULT throughput_16_over_1=... ttft_p99_s=... (16 clients) lost=... mixed_up=... batch1_over_generate=...
           ceiling_16_over_1=...
 `--certify-head`: the server, `generate` alone and the ceiling choose through the certified bfloat16 head.
-`--waiting-chunks 2,8`: the levels on one server per chunk length while requests wait (`--waiting-chunk`), side by
-  side; the first one's figures make the RESULT's main ones, and it adds ttft_p99_s_waitingW=... throughput_waitingW=...
+`--chunk-seconds 0.5,0`: the levels on one server per `pasta serve --chunk-seconds` value, side by side; the first
+  one's figures make the RESULT's main ones, and it adds ttft_p99_s_chunkSs=... throughput_chunkSs=...
 `--ceiling-only`: no server; the ceiling with the float32 head and with the certified head, side by side:
   RESULT ceiling_16_over_1=... ceiling_certified_16_over_1=... certified_over_float32_batched=... same_answers=...
 """
@@ -53,14 +53,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(args, batch: int, log: Path, chunk: int | None = None, waiting_chunk: int | None = None):
+def server(args, batch: int, log: Path, chunk: int | None = None, chunk_seconds: float | None = None):
   """`pasta serve` as a subprocess on a free loopback port; yields (url, process); SIGTERM at the end."""
   port = free_port()
   cmd = [sys.executable, "-m", "pasta_jax.cli", "serve", "--port", str(port), "--batch", str(batch),
          "--chunk", str(chunk or args.chunk), "--max-tokens", str(args.max_tokens), "--max-queue", "256",
          "--pool", str(args.pool), "--warmup", "pasta,sequential", "--lanes", str(args.lanes)]
   cmd += ["--certify-head"] if args.certify_head else []
-  cmd += ["--waiting-chunk", str(waiting_chunk)] if waiting_chunk is not None else []
+  cmd += ["--chunk-seconds", str(chunk_seconds)] if chunk_seconds is not None else []
   proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
   url = f"http://127.0.0.1:{port}"
   try:
@@ -254,8 +254,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--chunk", type=int, default=8)
   parser.add_argument("--batch1-chunks", default="", help="more chunk sizes K for the batch-1 overhead (e.g. 4,16)")
   parser.add_argument("--pool", type=int, default=512)
-  parser.add_argument("--waiting-chunks", default="",
-                      help="chunk lengths while requests wait, one server each, side by side (e.g. 2,8; "
+  parser.add_argument("--chunk-seconds", default="",
+                      help="the server's --chunk-seconds, one server each, side by side (e.g. 0.5,0; "
                            "default: the server's); the first one's figures make the RESULT's")
   parser.add_argument("--lanes", type=int, default=8, help="PASTA / APAR lanes, SoT's fan-out")
   parser.add_argument("--methods", default="pasta,sequential",
@@ -281,12 +281,12 @@ def main(argv=None) -> None:
   if args.ceiling_only:
     return ceiling_only(args, prompts)
   answers_all, peaks, by_setting = [], [], {}
-  settings = [int(w) for w in args.waiting_chunks.split(",") if w] or [None]
-  for waiting in settings:  # one server per chunk length while requests wait, side by side
-    name = "server.log" if waiting is None else f"server_waiting{waiting}.log"
-    with server(args, args.batch, out / name, waiting_chunk=waiting) as (url, proc):
-      by_setting[waiting] = load_levels(url, levels, prompts, methods, args)
-      answers_all += [a for r in by_setting[waiting] for a in r.pop("answers")]
+  settings = [float(x) for x in args.chunk_seconds.split(",") if x] or [None]
+  for seconds in settings:  # one server per chunk time target, side by side
+    name = "server.log" if seconds is None else f"server_chunk{seconds:g}s.log"
+    with server(args, args.batch, out / name, chunk_seconds=seconds) as (url, proc):
+      by_setting[seconds] = load_levels(url, levels, prompts, methods, args)
+      answers_all += [a for r in by_setting[seconds] for a in r.pop("answers")]
       (out / name.replace("server", "metrics").replace(".log", ".txt")).write_text(httpx.get(f"{url}/metrics").text)
       peaks.append(peak_rss_mib(proc.pid))
   reports, peak = by_setting[settings[0]], max(peaks)
@@ -329,7 +329,7 @@ def main(argv=None) -> None:
   base = max(by.get(1, reports[0])["throughput"], generate_tps)
   lost = sum(r["lost"] for rows in by_setting.values() for r in rows)
   (out / "report.json").write_text(json.dumps({"levels": reports, "mixed_up": mixed, "differing": differing,
-                                               "levels_by_waiting_chunk": {str(w): r for w, r in by_setting.items()},
+                                               "levels_by_chunk_seconds": {str(w): r for w, r in by_setting.items()},
                                                "peak_mib": peak,
                                                "batch1_over_generate": ratio, "generate_tps": generate_tps,
                                                "batch1_over_generate_by_chunk": by_chunk,
@@ -349,11 +349,11 @@ def main(argv=None) -> None:
         f"tok/s, one at a time {one_by_one_tps:.1f} tok/s ({batched_tps / one_by_one_tps:.2f}x)")
   extra = ""
   if len(settings) > 1:  # every setting's busiest level, the first setting's in the RESULT's main figures
-    for waiting, rows in by_setting.items():
+    for seconds, rows in by_setting.items():
       r = {x["clients"]: x for x in rows}.get(top["clients"], rows[-1])
-      print(f"chunks of {waiting} steps while requests wait: {r['clients']} clients {r['throughput']:.1f} tok/s, "
+      print(f"--chunk-seconds {seconds:g}: {r['clients']} clients {r['throughput']:.1f} tok/s, "
             f"TTFT p50 {r['ttft_p50']:.2f}s p99 {r['ttft_p99']:.2f}s, lost {r['lost']}")
-      extra += f" ttft_p99_s_waiting{waiting}={r['ttft_p99']:.2f} throughput_waiting{waiting}={r['throughput']:.1f}"
+      extra += f" ttft_p99_s_chunk{seconds:g}s={r['ttft_p99']:.2f} throughput_chunk{seconds:g}s={r['throughput']:.1f}"
   print(f"RESULT throughput_16_over_1={top['throughput'] / base:.2f} ttft_p99_s={top['ttft_p99']:.2f} lost={lost} "
         f"mixed_up={mixed} batch1_over_generate={ratio:.2f} ceiling_16_over_1={batched_tps / one_by_one_tps:.2f}"
         + extra)

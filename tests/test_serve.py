@@ -294,39 +294,34 @@ def test_a_newcomers_first_text_streams_after_a_short_chunk():
     engine.stop(grace_s=0)
 
 
-def test_chunks_are_short_while_a_request_waits(monkeypatch):
-  """While a request waits for a row, every chunk runs `waiting_chunk_steps` steps (the waiting request is
-  admitted when a chunk ends, so those chunks are its time in the queue); with nobody waiting, a chunk runs
-  `first_chunk_steps` after an admission and `chunk_steps` otherwise. The answers stay `generate`'s."""
+def test_a_chunk_lasts_about_chunk_seconds(monkeypatch):
+  """A chunk's steps are at most `chunk_seconds` over the batch's last measured step time (a request that arrives
+  mid-chunk waits for its end): with a target below any step's time, every chunk after the first is one step;
+  with 0, every chunk is `chunk_steps` after the short first one. The answers stay `generate`'s."""
   import queue
 
   from pasta_jax.decode import batching
   from pasta_jax.serve.engine import Request
-  engine = Engine(MODEL, ServeConfig(batch=1, pool_slots=256, chunk_steps=8, first_chunk_steps=4,
-                                     waiting_chunk_steps=2, max_tokens=24))
-  chunks = []  # (steps, requests waiting) of every chunk
+  chunks = []
   run = batching.RowBatch.run
-  monkeypatch.setattr(batching.RowBatch, "run", lambda self, steps: (chunks.append((steps, len(engine.waiting))),
-                                                                    run(self, steps)))
-  prompts = ["Tea?", "Why blue sky?"]
-  done: queue.Queue = queue.Queue()
-  for i, prompt in enumerate(prompts):  # both queued before the engine starts: the second waits for the one row
-    ids = [2] + [100 + ord(c) for c in prompt]
-    engine.submit(Request(ids=ids, method="sequential", max_tokens=24, sink=lambda u, i=i: done.put((i, u))))
-  engine.start()
-  try:
-    texts, finished = collections.defaultdict(str), 0
-    while finished < len(prompts):
-      i, update = done.get(timeout=300)
-      texts[i] += update.delta
-      finished += update.done
-  finally:
-    engine.stop(grace_s=0)
-  assert [texts[i] for i in range(len(prompts))] == [reference(p, "sequential", 24, chat=False) for p in prompts]
-  assert {steps for steps, waiting in chunks if waiting} == {2}, chunks
-  alone = [steps for steps, waiting in chunks if not waiting]
-  assert alone[0] == 4 and set(alone[1:]) <= {8}, chunks  # the second request's first chunk, then whole ones
-  assert 'pasta_chunks_total{length="short"}' in engine.metrics.text().decode()
+  monkeypatch.setattr(batching.RowBatch, "run", lambda self, steps: (chunks.append(steps), run(self, steps)))
+  want = reference("Tea?", "sequential", 24, chat=False)
+  for seconds, later in ((1e-6, {1}), (0.0, {8})):
+    chunks.clear()
+    engine = Engine(MODEL, ServeConfig(batch=2, pool_slots=256, chunk_steps=8, first_chunk_steps=4,
+                                       chunk_seconds=seconds, max_tokens=24)).start()
+    try:
+      done: queue.Queue = queue.Queue()
+      engine.submit(Request(ids=[2] + [100 + ord(c) for c in "Tea?"], method="sequential", max_tokens=24,
+                            sink=done.put))
+      updates = [done.get(timeout=300)]
+      while not updates[-1].done:
+        updates.append(done.get(timeout=300))
+    finally:
+      engine.stop(grace_s=0)
+    assert "".join(u.delta for u in updates) == want
+    assert chunks[0] == 4 and set(chunks[1:]) == later, (seconds, chunks)
+    assert f'pasta_chunks_total{{length="short"}} {sum(c < 8 for c in chunks)}.0' in engine.metrics.text().decode()
 
 
 @pytest.mark.parametrize("method", ["pasta", "propd"])

@@ -19,9 +19,9 @@ def add_serve_parser(subparsers) -> None:
   serve.add_argument("--chunk", type=int, default=8, help="decode steps per device call between host visits")
   serve.add_argument("--first-chunk", type=int, default=2,
                      help="steps of a batch's chunk right after an admission (newcomers' first text streams sooner)")
-  serve.add_argument("--waiting-chunk", type=int, default=None,
-                     help="steps of every chunk while requests wait in the queue (they are admitted between chunks); "
-                          "default: --first-chunk; --chunk turns it off")
+  serve.add_argument("--chunk-seconds", type=float, default=0.5,
+                     help="a chunk's steps are at most this over the batch's measured step time, so a request that "
+                          "arrives mid-chunk waits about this long to be admitted (0: always --chunk steps)")
   serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
   serve.add_argument("--max-tokens", type=int, default=512, help="the largest max_tokens a request may ask")
   serve.add_argument("--warmup", default="pasta,sequential",
@@ -51,7 +51,7 @@ def run_serve(args: argparse.Namespace) -> int:
   try:
     cfg = ServeConfig(batch=args.batch, pool_slots=args.pool, lanes=args.lanes, chunk_steps=args.chunk,
                       first_chunk_steps=args.first_chunk,
-                      waiting_chunk_steps=args.waiting_chunk, max_queue=args.max_queue, max_tokens=args.max_tokens,
+                      chunk_seconds=args.chunk_seconds, max_queue=args.max_queue, max_tokens=args.max_tokens,
                       dtype=args.dtype, heads=args.heads, tree_size=args.tree_size, drafts=args.drafts,
                       ngram=None if args.ngram == "none" else args.ngram, certify_head=args.certify_head)
   except ValueError as err:

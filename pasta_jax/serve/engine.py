@@ -2,10 +2,10 @@
 
 Each turn of the engine thread runs one chunk of `chunk_steps` steps on every batch with live rows. Before
 each chunk, waiting requests are admitted into free rows (prefill of the newcomers only), and a batch that
-just took newcomers runs a short chunk (`first_chunk_steps`), so their first text streams soon. While a
-request waits, every chunk is short (`waiting_chunk_steps`): a newcomer is admitted at a chunk's end, so the
-chunks that run while it waits are its time in the queue, and a row that ends mid-chunk is refilled sooner.
-After each
+just took newcomers runs a short chunk (`first_chunk_steps`), so their first text streams soon. A request that
+arrives mid-chunk is admitted when the chunk ends, so a chunk lasts at most about `chunk_seconds`: its steps
+come from the batch's measured step time (at 16 rows on 2 CPU cores a step takes ~0.2 s, and 8 of them would
+keep a newcomer out for up to 1.5 s, and as long again behind the other method's batch). After each
 chunk the host copies the batch's records and hands each request its new settled text
 (`streaming.settled_text`). A finished, cut or cancelled request leaves its row at the end of the chunk; the
 row is reused by the next newcomer. Requests reach the engine from any thread (`submit`); updates go back
@@ -47,8 +47,8 @@ class ServeConfig:
   # after an admission, the batch's next chunk: newcomers' first text streams after this many steps, not K
   # (the last token is held back one chunk, `streaming`), at the cost of one more host visit
   first_chunk_steps: int = 2
-  # while requests wait in the queue, every batch's chunk (they are admitted between chunks); None: first_chunk_steps
-  waiting_chunk_steps: int | None = None
+  # a chunk's steps are at most chunk_seconds / the batch's measured step time (at least 1); 0: chunk_steps always
+  chunk_seconds: float = 0.5
   max_queue: int = 64  # waiting requests before 429
   max_tokens: int = 512  # the largest max_tokens a request may ask
   default_max_tokens: int | None = None  # for a request without max_tokens (None: min(256, max_tokens))
@@ -69,10 +69,9 @@ class ServeConfig:
   def __post_init__(self):
     if self.default_max_tokens is None:
       object.__setattr__(self, "default_max_tokens", min(256, self.max_tokens))
-    if self.waiting_chunk_steps is None:
-      object.__setattr__(self, "waiting_chunk_steps", self.first_chunk_steps)
-    for name in ("batch", "pool_slots", "lanes", "chunk_steps", "first_chunk_steps", "waiting_chunk_steps",
-                 "max_queue", "max_tokens",
+    if self.chunk_seconds < 0:
+      raise ValueError(f"chunk_seconds must be at least 0, got {self.chunk_seconds}")
+    for name in ("batch", "pool_slots", "lanes", "chunk_steps", "first_chunk_steps", "max_queue", "max_tokens",
                  "default_max_tokens", "max_batches", "drafts"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -152,6 +151,7 @@ class MethodBatch:
   holders: dict[int, Request] = dataclasses.field(default_factory=dict)
   latency: OnlineLatency | None = None  # ProPD: its step-time model, measured from these chunks
   fresh: bool = False  # newcomers since the last chunk: the next one is short, so their first text streams soon
+  step_seconds: dict[int, float] = dataclasses.field(default_factory=dict)  # rows bucket -> last chunk's s/step
 
 
 class Engine:
@@ -387,7 +387,10 @@ class Engine:
     batch.run(steps)
     entry.fresh = False
     view = self._visit(entry, list(entry.holders))
-    self.metrics.chunk_seconds.observe(time.perf_counter() - begin)
+    seconds = time.perf_counter() - begin
+    self.metrics.chunk_seconds.observe(seconds)
+    if view.step > step:  # the step time that sizes this rows bucket's next chunks (host visit included)
+      entry.step_seconds[rows] = seconds / (view.step - step)
     whole = steps == self.cfg.chunk_steps  # ProPD times whole chunks: a short one's host visit weighs on few steps
     if entry.latency is not None and whole:
       entry.latency.observe(rows, time.perf_counter() - begin, view.step - step)
@@ -396,18 +399,16 @@ class Engine:
         self.metrics.propd_latency.labels(str(fitted_rows), "beta").set(beta)
 
   def chunk_length(self, entry: MethodBatch, rows: int) -> int:
-    """Steps of the batch's next chunk: short right after an admission (the newcomers' first text) and while any
-    request waits (it is admitted when a chunk ends; not while ProPD times this rows bucket's whole chunks),
-    else `chunk_steps`."""
-    with self.lock:
-      waiting = any(not r.dropped for r in self.waiting)
-    if entry.latency is not None and entry.latency.calibrating(rows):
-      waiting = False
+    """Steps of the batch's next chunk: `chunk_steps`, at most `first_chunk_steps` right after an admission (the
+    newcomers' first text), and at most `chunk_seconds` of this rows bucket's last measured step time (a newcomer
+    waits for the chunk that runs when it arrives), except while ProPD times this bucket's whole chunks."""
     steps = self.cfg.chunk_steps
     if entry.fresh:
       steps = min(steps, self.cfg.first_chunk_steps)
-    if waiting:
-      steps = min(steps, self.cfg.waiting_chunk_steps)
+    step_s = entry.step_seconds.get(rows)
+    calibrating = entry.latency is not None and entry.latency.calibrating(rows)
+    if self.cfg.chunk_seconds and step_s and not calibrating:
+      steps = min(steps, max(1, int(self.cfg.chunk_seconds / step_s)))
     self.metrics.chunks.labels("short" if steps < self.cfg.chunk_steps else "full").inc()
     return steps
 
