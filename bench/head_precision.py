@@ -29,7 +29,7 @@ from tqdm import tqdm
 from bench.common import median_time, table
 from pasta_jax.data import sources
 from pasta_jax.eval.quality import answer_layout
-from pasta_jax.model.gemma import Gemma, output_head
+from pasta_jax.model.gemma import Gemma, narrow_head, output_head
 from pasta_jax.model.load import load_model
 
 
@@ -38,7 +38,7 @@ def head_timings(unembed, rows: int, runs: int) -> dict:
   x = jnp.ones((1, rows, unembed.shape[1]), jnp.float32)
   head = jax.jit(lambda x, e: output_head(x, e, True))
   out = {}
-  for name, e in (("f32_ms", unembed), ("bf16_ms", unembed.astype(jnp.bfloat16))):
+  for name, e in (("f32_ms", unembed), ("bf16_ms", narrow_head(unembed, jnp.bfloat16))):
     jax.block_until_ready(head(x, e))
     out[name] = 1e3 * median_time(lambda e=e: jax.block_until_ready(head(x, e)), runs)[0]
   return out
@@ -49,7 +49,7 @@ def greedy_agreement(model, records) -> tuple[list[float], list[int], list[float
   position where it is not (the answer length if none), the largest logit difference)."""
   hidden_fn = jax.jit(lambda p, t, pos, m: Gemma(model.config).apply(p, t, pos, m, hidden_only=True))
   unembed = model.params["params"]["embedder"]
-  unembed_bf16 = unembed.astype(jnp.bfloat16)
+  unembed_bf16 = narrow_head(unembed, jnp.bfloat16)
   agree, first, worst = [], [], []
   for record in tqdm(records, desc="teacher-forced answers"):
     batch = answer_layout(model, record["instruction"], record.get("reference") or record["output"])

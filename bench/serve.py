@@ -343,8 +343,8 @@ def main(argv=None) -> None:
   print("batch-1 server tokens/s over generate alone by chunk K: "
         + ", ".join(f"K={k}: {r:.2f}" for k, r in by_chunk.items()))
   print(f"one request at a time: generate alone {generate_tps:.1f} tok/s; a --batch 1 server {ratio:.2f}x that "
-        f"(median of {len(alone)}); the --batch {args.batch} server at 1 client "
-        f"{by.get(1, reports[0])['throughput']:.1f} tok/s")
+        f"(median of {len(alone)}); the --batch {args.batch} server at {by.get(1, reports[0])['clients']} "
+        f"client(s) {by.get(1, reports[0])['throughput']:.1f} tok/s")
   print(f"the device's ceiling, no server: plain generate of {args.ceiling} prompts in one batch {batched_tps:.1f} "
         f"tok/s, one at a time {one_by_one_tps:.1f} tok/s ({batched_tps / one_by_one_tps:.2f}x)")
   extra = ""

@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 from pasta_jax.decode import api, certified_head
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.errors import PastaError
-from pasta_jax.model.gemma import HEAD_COPY
+from pasta_jax.model.gemma import HEAD_COPY, narrow_head
 from tests.tiny import tiny_model
 
 PROMPTS = ["hello there", "list three colours"]
 
 
 def head_params(embedding: jax.Array) -> dict:
-  narrow = embedding.astype(jnp.bfloat16)
+  narrow = narrow_head(embedding, jnp.bfloat16)
   return {"params": {"embedder": embedding, HEAD_COPY: narrow,
                      certified_head.BOUNDS: certified_head.bound_rows(embedding, narrow)}}
 

@@ -20,6 +20,7 @@ from pasta_jax.model.gemma import (
   Gemma,
   KVPool,
   causal_mask,
+  narrow_head,
   output_head,
   to_decode_layout,
 )
@@ -117,9 +118,9 @@ def test_a_narrow_head_is_the_product_of_the_rounded_inputs(batch, rows):
   count (one row is padded to two and cut back)."""
   rng = np.random.default_rng(batch * 10 + rows)
   x = jnp.asarray(rng.normal(size=(batch, rows, 16)), jnp.float32)
-  unembed = jnp.asarray(rng.normal(size=(50, 16)), jnp.bfloat16)
+  unembed = jnp.asarray(rng.normal(size=(16, 50)), jnp.bfloat16)  # [D, V]: `narrow_head`'s layout
   rounded = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
-  want = np.einsum("bqd,vd->bqv", rounded, np.asarray(unembed.astype(jnp.float32), np.float64))
+  want = np.einsum("bqd,dv->bqv", rounded, np.asarray(unembed.astype(jnp.float32), np.float64))
   got = output_head(x, unembed, True)
   assert got.shape == (batch, rows, 50) and got.dtype == jnp.float32
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
@@ -131,7 +132,7 @@ def test_decode_params_with_a_narrow_head_keep_the_embedding_and_add_its_copy():
   narrow = api.decode_params(model.params, jnp.float32, head_dtype="bfloat16")["params"]
   assert HEAD_COPY not in wide and narrow[HEAD_COPY].dtype == jnp.bfloat16
   np.testing.assert_array_equal(narrow["embedder"], wide["embedder"])  # the input lookup stays float32
-  np.testing.assert_array_equal(narrow[HEAD_COPY], wide["embedder"].astype(jnp.bfloat16))
+  np.testing.assert_array_equal(narrow[HEAD_COPY], wide["embedder"].T.astype(jnp.bfloat16))  # [D, V]
 
 
 @pytest.mark.parametrize("head_dtype,dtype", [("float32", jnp.float32), ("int8", jnp.float32),
@@ -153,7 +154,7 @@ def test_generate_with_a_bfloat16_head_follows_the_rounded_logits():
   ids = jnp.asarray([prompt + answer], jnp.int32)
   length = ids.shape[1]
   hidden = Gemma(cfg).apply(model.params, ids, jnp.arange(length)[None], causal_mask(1, length), hidden_only=True)
-  head = model.params["params"]["embedder"].astype(jnp.bfloat16)
+  head = narrow_head(model.params["params"]["embedder"], jnp.bfloat16)
   rows = hidden[:, len(prompt) - 1: length - 1]
   chosen = np.asarray(jnp.argmax(output_head(rows, head, True), -1))[0]
   np.testing.assert_array_equal(chosen, answer[: len(chosen)])

@@ -150,7 +150,7 @@ def decode_params(params, dtype, sharding: DecodeSharding | None = None, head_dt
   mesh by the trainer's rules when `sharding` is given; with `head_dtype`, plus the tied head's copy in it
   (`gemma.HEAD_COPY`) and the per-token norms of its rounding (`certified_head.BOUNDS`). Cached for the last
   model (a 270M conversion costs ~1 s)."""
-  from pasta_jax.model.gemma import HEAD_COPY, to_decode_layout
+  from pasta_jax.model.gemma import HEAD_COPY, narrow_head, to_decode_layout
   key = (id(params), jnp.dtype(dtype).name, sharding, head_dtype)
   hit = _PARAMS_CACHE.get(key)
   if hit is not None and hit[0] is params:
@@ -160,7 +160,7 @@ def decode_params(params, dtype, sharding: DecodeSharding | None = None, head_dt
   converted = jax.jit(to_decode_layout)(jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
   if head_dtype is not None:
     tree = dict(converted["params"])
-    tree[HEAD_COPY] = tree["embedder"].astype(head_dtype)
+    tree[HEAD_COPY] = jax.jit(narrow_head, static_argnums=1)(tree["embedder"], head_dtype)
     tree[certified_head.BOUNDS] = jax.jit(certified_head.bound_rows)(tree["embedder"], tree[HEAD_COPY])
     converted = {**converted, "params": tree}
   if sharding is not None:

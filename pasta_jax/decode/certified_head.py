@@ -36,8 +36,8 @@ ACCUMULATION = 2.0**-23  # float32's unit roundoff, per accumulated product (a l
 
 
 def bound_rows(embedding: jax.Array, narrow: jax.Array) -> dict:
-  """The per-token norms of the bound: embedding [V, D] float32 and its narrow copy [V, D]."""
-  wide = narrow.astype(jnp.float32)
+  """The per-token norms of the bound: embedding [V, D] float32 and its narrow copy [D, V] (`gemma.narrow_head`)."""
+  wide = narrow.astype(jnp.float32).T
   return {"rounding": jnp.linalg.norm(embedding - wide, axis=-1), "norm": jnp.linalg.norm(wide, axis=-1)}
 
 

@@ -163,26 +163,33 @@ def project(x: Array, w: Array, in_dims: str, out_dims: str, decode_layout: bool
   return jnp.einsum(f"bq{in_dims},{in_dims}{out_dims}->bq{out_dims}", x, w, **kw)
 
 
-HEAD_COPY = "unembed"  # decode layout with a narrow head: the tied head stored in `Gemma.head_dtype`
+HEAD_COPY = "unembed"  # decode layout with a narrow head: the tied head [D, V] in `Gemma.head_dtype` (`narrow_head`)
+
+
+def narrow_head(embedding: Array, dtype) -> Array:
+  """The tied head's narrow copy: embedding [V, D] -> [D, V] in `dtype`. Stored [in, out] because that is the layout
+  XLA:CPU's small-row matmul (YNNPACK) reads: from a [V, D] copy, every call of a compiled decode loop first
+  transposed the whole head (335 MB for the 270M's bfloat16 copy, ~0.2 s on 2 CPU cores), hoisted out of the loop."""
+  return embedding.T.astype(dtype)
 
 
 def narrow_head_product(x: Array, unembed: Array) -> Array:
-  """x [B, Q, D] times a head narrower than x: x rounded to the head's dtype, float32 accumulation, token-major,
-  one row padded to two (on XLA:CPU YNNPACK then reads half the bytes for any row count, where a single bfloat16
-  row would take a slow gemv; `python -m bench.head_precision`)."""
+  """x [B, Q, D] times a narrow head unembed [D, V] (`narrow_head`): x rounded to the head's dtype, float32
+  accumulation, token-major, one row padded to two (on XLA:CPU YNNPACK then reads half the bytes for any row count,
+  where a single bfloat16 row would take a slow gemv; `python -m bench.head_precision`)."""
   rows = x.shape[1]
   narrow = x.astype(unembed.dtype)
   if x.shape[0] * rows == 1:
     narrow = jnp.concatenate([narrow, narrow], axis=1)
-  return jnp.einsum("bqd,vd->bqv", narrow, unembed, preferred_element_type=jnp.float32)[:, :rows]
+  return jnp.einsum("bqd,dv->bqv", narrow, unembed, preferred_element_type=jnp.float32)[:, :rows]
 
 
 def output_head(x: Array, unembed: Array, decode_layout: bool, plan: HeadPlan = FIXED_HEAD_PLAN) -> Array:
   """x [B, Q, D] times the tied head unembed [V, D] -> float32 logits [B, Q, V].
 
-  An unembed narrower than x (`Gemma.head_dtype`) multiplies as `narrow_head_product`. In full precision the
-  decode layout multiplies weight-major, or token-major at the row counts (B * Q) of `plan.token_major`: which
-  is faster depends on the machine (model/head_plan.py)."""
+  An unembed narrower than x (`Gemma.head_dtype`: [D, V], `narrow_head`) multiplies as `narrow_head_product`. In
+  full precision the decode layout multiplies weight-major, or token-major at the row counts (B * Q) of
+  `plan.token_major`: which is faster depends on the machine (model/head_plan.py)."""
   if jnp.dtype(unembed.dtype).itemsize < jnp.dtype(x.dtype).itemsize:
     return narrow_head_product(x, unembed)
   if decode_layout and x.shape[0] * x.shape[1] not in plan.token_major:
@@ -455,12 +462,12 @@ class Gemma(nn.Module):
     return tuple(o if o is new_pool else scatter_rows(o, rows, ok, num_q) for o in outputs) + (kept,)
 
   def _unembed(self, embedding):
-    """The tied head [V, D] (already [out, in], so in both layouts): the embedding, or its narrow copy."""
+    """The tied head: the embedding [V, D] (already [out, in], so in both layouts), or its narrow copy [D, V]."""
     if self.head_dtype is None:
       return embedding.astype(self.dtype)
     if not self.decode_layout:
       raise ValueError("head_dtype is a decode-layout option (api.decode_params writes the narrow head)")
-    return self.param(HEAD_COPY, nn.initializers.normal(1.0), embedding.shape, jnp.dtype(self.head_dtype))
+    return self.param(HEAD_COPY, nn.initializers.normal(1.0), embedding.shape[::-1], jnp.dtype(self.head_dtype))
 
   def _embed(self, embedding, tokens, token_weights):
     """(row_delta or None, input rows [B, Q, D] before the sqrt(D) scale)."""

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pasta_jax.model.gemma import output_head
+from pasta_jax.model.gemma import narrow_head, output_head
 from pasta_jax.model.head_plan import FIXED, HeadPlan, choose
 
 ENV = "PASTA_HEAD_PLAN"  # "measured" (default: measured on a CPU, fixed elsewhere) or "fixed"
@@ -22,7 +22,7 @@ def time_forms(vocab: int, dim: int, dtype, narrow_dtype, rows=MEASURED_ROWS, ro
   head = jnp.full((vocab, dim), 0.01, dtype)
   heads = {"weight_major": head, "token_major": head}
   if narrow_dtype is not None:
-    heads["narrow"] = head.astype(narrow_dtype)
+    heads["narrow"] = narrow_head(head, narrow_dtype)
   runs = {}
   for r in rows:
     x = jnp.full((1, r, dim), 0.5, dtype)
