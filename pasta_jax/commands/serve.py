@@ -50,8 +50,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
   try:
     cfg = ServeConfig(batch=args.batch, pool_slots=args.pool, lanes=args.lanes, chunk_steps=args.chunk,
-                      first_chunk_steps=args.first_chunk,
-                      chunk_seconds=args.chunk_seconds, max_queue=args.max_queue, max_tokens=args.max_tokens,
+                      first_chunk_steps=args.first_chunk, chunk_seconds=args.chunk_seconds,
+                      max_queue=args.max_queue, max_tokens=args.max_tokens,
                       dtype=args.dtype, heads=args.heads, tree_size=args.tree_size, drafts=args.drafts,
                       ngram=None if args.ngram == "none" else args.ngram, certify_head=args.certify_head)
   except ValueError as err:

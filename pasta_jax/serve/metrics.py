@@ -30,8 +30,8 @@ class ServeMetrics:
                                   buckets=LATENCY_BUCKETS, registry=r)
     self.chunk_seconds = prom.Histogram("pasta_chunk_seconds", "one device chunk and its host visit",
                                         buckets=LATENCY_BUCKETS, registry=r)
-    self.chunks = prom.Counter("pasta_chunks", "device chunks run, by length: short (after an admission, or while "
-                               "requests wait) or full (--chunk steps)", ["length"], registry=r)
+    self.chunks = prom.Counter("pasta_chunks", "device chunks run, by length: short (after an admission, or cut to "
+                               "--chunk-seconds) or full (--chunk steps)", ["length"], registry=r)
     self.propd_latency = prom.Gauge("pasta_propd_step_seconds", "ProPD's fitted step time T(s) = alpha s + beta "
                                     "per rows bucket, measured online", ["rows", "coefficient"], registry=r)
     self.stream_seams = prom.Counter("pasta_stream_seams", "answers whose final text did not extend the "
