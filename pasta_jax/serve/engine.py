@@ -393,7 +393,7 @@ class Engine:
       entry.step_seconds[rows] = seconds / (view.step - step)
     whole = steps == self.cfg.chunk_steps  # ProPD times whole chunks: a short one's host visit weighs on few steps
     if entry.latency is not None and whole:
-      entry.latency.observe(rows, time.perf_counter() - begin, view.step - step)
+      entry.latency.observe(rows, seconds, view.step - step)
       for fitted_rows, (alpha, beta) in entry.latency.fits().items():
         self.metrics.propd_latency.labels(str(fitted_rows), "alpha").set(alpha)
         self.metrics.propd_latency.labels(str(fitted_rows), "beta").set(beta)
