@@ -5,12 +5,13 @@ twice with the second run timed (`pasta eval`'s runner: resumable, a report and 
 --out). Realized speedup per prompt = Baseline-SFT seconds / PASTA seconds (different answers, as the
 paper measures it); theoretical = Baseline-SFT content tokens / the PASTA answer's critical path.
 Then what the model wrote: fork rate, well-formed tags, truncation, duplicate blocks, and quality
-proxies (ROUGE-L against the reference answer, log p per token under Baseline-SFT; `--judge local`
-adds the local pairwise judge, which is weak: see the report's note), plotted against the realized
-speedup in quality_pareto.png.
+proxies (ROUGE-L against the reference answer, log p per token under Baseline-SFT, or under --scorer:
+Baseline-SFT's own greedy answers are its mode, so a third model, the base one, gives a second reading;
+`--judge local` adds the local pairwise judge, which is weak: see the report's note), plotted against the
+realized speedup in quality_pareto.png.
 
   python -m bench.learned [--limit 100] [--prompts alpaca_eval_805|mt_bench_questions|FILE]
-                          [--model pasta] [--baseline baseline-sft] [--out runs/learned]
+                          [--model pasta] [--baseline baseline-sft] [--scorer base] [--out runs/learned]
 """
 
 from __future__ import annotations
@@ -20,16 +21,19 @@ import functools
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 from tqdm import tqdm
 
 from pasta_jax.commands.eval import make_judge
 from pasta_jax.data import sources
+from pasta_jax.decode import api
 from pasta_jax.eval import methods as M
 from pasta_jax.eval.learned import figure_lines, learned_figures, result_line
 from pasta_jax.eval.learned_plot import plot_quality_pareto
 from pasta_jax.eval.quality import answer_logprob
 from pasta_jax.eval.report import speed_table, write_outputs
 from pasta_jax.eval.runner import evaluate
+from pasta_jax.model.head_plan import describe as describe_head_plan
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="both models' greedy choices certified against the float32 head at the bfloat16 head's "
                            "cost (decode/certified_head.py): the float32 tokens, faster")
   parser.add_argument("--judge", default="none", metavar="none|local[:MODEL]|http")
+  parser.add_argument("--scorer", default=None, metavar="MODEL",
+                      help="the model whose log p per token scores every answer (default: the baseline)")
   parser.add_argument("--no-logprob", dest="logprob", action="store_false",
                       help="skip the log-likelihood proxy (one Baseline-SFT forward per answer)")
   parser.add_argument("--out", default="runs/learned", help="run folder (resumed if it holds the same run)")
@@ -79,21 +85,32 @@ def main(argv=None) -> int:
   results["settings"].update(baseline=baseline.name, methods=[m.name for m in methods], limit=args.limit)
   paths = write_outputs(results, out)
   scorer = None
+  scorer_name = args.scorer or args.baseline
   if args.logprob:
-    bar = tqdm(total=(2 + len(methods)) * len(records), desc="log p under Baseline-SFT")
+    scoring = M.cached_model(args.scorer) if args.scorer else baseline_model
+    bar = tqdm(total=(2 + len(methods)) * len(records), desc=f"log p under {scorer_name}")
     # cached: the baseline's answers and the references are scored once, however many PASTA models are compared
     scorer = functools.lru_cache(maxsize=None)(
-        lambda prompt, text: (bar.update(1), answer_logprob(baseline_model, prompt, text)[0])[1])
-  figures = {m.name: learned_figures(results, records, m.name, baseline.name, scorer) for m in methods}
+        lambda prompt, text: (bar.update(1), answer_logprob(scoring, prompt, text)[0])[1])
+  figures = {m.name: {**learned_figures(results, records, m.name, baseline.name, scorer), "scorer": scorer_name}
+             for m in methods}
   (out / "learned.json").write_text(json.dumps(figures, indent=1))
   pareto = plot_quality_pareto(figures, out / "quality_pareto.png")
   lines = [line for name, f in figures.items() for line in [f"## {name}", "", *figure_lines(f), ""]]
+  lines += [head_plan_line(baseline_model, args), ""]
   (out / "learned.md").write_text("\n".join(["# bench.learned", "", *lines]))
   print("\n".join(speed_table(results)))
   print("\n".join(lines))
   print("wrote " + ", ".join(str(p) for p in [*paths, out / "learned.md", pareto]))
   print(result_line(figures[methods[0].name]))
   return 0
+
+
+def head_plan_line(model, args) -> str:
+  """What this machine's measured head plan ran (model/head_plan.py): a certified head may skip its certificate
+  at every row count where the float32 head is no slower, which decides what --certify-head measured."""
+  narrow = args.head_dtype or ("bfloat16" if args.certify_head else None)
+  return describe_head_plan(api.head_plan(model.config, jnp.float32, narrow), narrow=args.certify_head)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pasta_jax.decode import api, certified_head
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.model import head_timing
 from pasta_jax.model.gemma import output_head
-from pasta_jax.model.head_plan import FIXED, HeadPlan, choose
+from pasta_jax.model.head_plan import FIXED, HeadPlan, choose, describe
 from tests.tiny import tiny_model
 
 PROMPTS = ["hello there", "list three colours"]
@@ -37,6 +37,29 @@ def test_a_certified_head_goes_exact_where_the_narrow_head_is_no_faster():
   plan = choose(timings(wm2=36, tm2=63, nw2=31, wm4=34, tm4=64, nw4=38, wm8=44, tm8=67, nw8=44), narrow=True)
   assert plan.exact == (1, 4, 8)  # 8 rows: a tie goes exact (the certificate would cost more)
   assert plan.token_major == (3,)  # 3 rows were not measured: the fixed plan's form
+
+
+def test_the_plan_says_where_a_certified_head_skips_its_certificate():
+  plan = choose(timings(wm2=32, tm2=60, nw2=50, wm4=35, tm4=62, nw4=30), narrow=True)
+  line = describe(plan, narrow=True)
+  assert "no certificate, at rows 1, 2;" in line  # 4 rows: the narrow copy is faster there
+  assert "2:narrow 50 ms" in line and "4:weight_major 35 ms" in line
+  assert "certificate" not in describe(plan, narrow=False)
+  assert "token-major at rows none; timed: none (the fixed plan)" in describe(HeadPlan(token_major=()), False)
+
+
+def test_pasta_generate_says_what_its_certified_head_runs(monkeypatch, capsys):
+  from pasta_jax import cli
+  from pasta_jax.commands import generate
+
+  model = tiny_model()
+  monkeypatch.setattr(generate, "load_model", lambda _: model)
+  plan = HeadPlan(token_major=(), exact=(1, 2), measured=(("2:narrow", 9.0),))
+  monkeypatch.setattr(api, "head_plan", lambda *args: plan)
+  args = cli.build_parser().parse_args(["generate", "hi", "--certify-head", "--max-new-tokens", "2", "--no-chat"])
+  assert generate.run_generate(args) == 0
+  assert "float32 head, no certificate, at rows 1, 2; token-major at rows none; timed: 2:narrow 9 ms" in (
+      capsys.readouterr().err)
 
 
 def test_without_a_narrow_head_nothing_goes_exact():

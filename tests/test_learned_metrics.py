@@ -94,6 +94,7 @@ def test_answer_figures_and_aggregates():
   assert figures["reference"] == {"logprob": -3.0, "n": 2} and sorted(scored).count("Eat more fruit") == 1
   table = "\n".join(figure_lines(figures))
   assert "| log p per token under Baseline-SFT | -1.0000 | -1.0000 | -3.0000 |" in table
+  assert "| log p per token under base | -1.0000 |" in "\n".join(figure_lines({**figures, "scorer": "base"}))
   assert "| fork rate | 1.000 | 0.000 | - |" in table
 
 

@@ -12,6 +12,7 @@ from pasta_jax.commands.pasta_view import speculation_line
 from pasta_jax.decode import api
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.errors import PastaError
+from pasta_jax.model.head_plan import describe as describe_head_plan
 from pasta_jax.model.load import GENERATION_FILE, generation_defaults, load_model
 
 
@@ -89,6 +90,8 @@ def run_generate(args) -> int:
   extra = tree_options(model, prompt_ids, args, method) if method in api.TREE_METHODS else {}
   if args.certify_head:
     extra["certify_head"] = True
+    # the plan measured here may skip the certificate where this machine's float32 head is no slower: say so
+    print(f"[{describe_head_plan(api.head_plan(model.config, dtype, 'bfloat16'), narrow=True)}]", file=sys.stderr)
   if method in ("pasta", "pasta-v0", "pasta+medusa"):
     from pasta_jax.commands.pasta_view import run_pasta
 

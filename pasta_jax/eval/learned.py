@@ -129,7 +129,7 @@ def figure_lines(figures: Mapping) -> list[str]:
           ("duplicate-block rate", "duplicate_rate", 3), ("repeated list items (clean text)", "repeated_items", 3),
           ("misnumbered lists (of answers with a numbered list)", "misnumbered", 3),
           ("ROUGE-L vs reference", "rouge_l", 4),
-          ("log p per token under Baseline-SFT", "logprob", 4)]
+          (f"log p per token under {figures.get('scorer', 'Baseline-SFT')}", "logprob", 4)]
   lines = [f"Prompts: {figures['n']}. Realized speedup (geo) {figures['realized']:.3f} "
            f"(arithmetic {figures['realized_arithmetic']:.3f}), theoretical {figures['theoretical']:.3f}, "
            f"realized/theoretical {figures['realized_over_theoretical']:.3f}.", "",

@@ -24,7 +24,9 @@ def plot_quality_pareto(figures: Mapping[str, Mapping], path: str | os.PathLike,
     raise ValueError("no models to plot")
   fig, axes = plt.subplots(1, len(PANELS), figsize=(11, 4.2))
   baseline = next(iter(figures.values()))["baseline"]
+  scorer = next(iter(figures.values())).get("scorer", "Baseline-SFT")  # bench.learned --scorer
   for ax, (key, label) in zip(axes, PANELS):
+    label = label.replace("Baseline-SFT", scorer) if key == "logprob" else label
     if math.isfinite(baseline.get(key, math.nan)):
       ax.scatter([1.0], [baseline[key]], marker="s", color="black", zorder=3)
       ax.annotate("Baseline-SFT", (1.0, baseline[key]), textcoords="offset points", xytext=(6, -12), fontsize=8)

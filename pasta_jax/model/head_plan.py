@@ -36,6 +36,18 @@ class HeadPlan:
 FIXED = HeadPlan()
 
 
+def describe(plan: HeadPlan, narrow: bool) -> str:
+  """One line for logs and reports: what this machine's plan multiplies at each row count, and the timings behind
+  it. narrow: a certified head's plan (where `exact` says the certificate is skipped)."""
+  timed = ", ".join(f"{key} {ms:g} ms" for key, ms in plan.measured) or "none (the fixed plan)"
+  exact = f"float32 head, no certificate, at rows {_rows(plan.exact)}; " if narrow else ""
+  return f"head plan: {exact}token-major at rows {_rows(plan.token_major)}; timed: {timed}"
+
+
+def _rows(counts: tuple[int, ...]) -> str:
+  return ", ".join(map(str, counts)) or "none"
+
+
 def choose(timings: dict[tuple[int, str], float], narrow: bool) -> HeadPlan:
   """The plan from timings {(rows, form): seconds}, form in "weight_major", "token_major", "narrow" (the narrow
   copy as `gemma.output_head` multiplies it). At each measured row count the fixed plan's form is kept unless the
