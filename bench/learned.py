@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--scorer", default=None, metavar="MODEL",
                       help="the model whose log p per token scores every answer (default: the baseline)")
   parser.add_argument("--no-logprob", dest="logprob", action="store_false",
-                      help="skip the log-likelihood proxy (one Baseline-SFT forward per answer)")
+                      help="skip the log-likelihood proxy (one scorer forward per answer)")
   parser.add_argument("--out", default="runs/learned", help="run folder (resumed if it holds the same run)")
   return parser.parse_args(argv)
 
