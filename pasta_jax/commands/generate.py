@@ -90,8 +90,8 @@ def run_generate(args) -> int:
   extra = tree_options(model, prompt_ids, args, method) if method in api.TREE_METHODS else {}
   if args.certify_head:
     extra["certify_head"] = True
-    if dtype == jnp.float32:  # (another dtype is refused by name in generate) the plan measured here may skip
-      # the certificate where this machine's float32 head is no slower: say so
+    if dtype == jnp.float32:  # another dtype is refused by generate; here the measured plan may skip the
+      # certificate at the row counts where this machine's float32 head is no slower: say so
       print(f"[{describe_head_plan(api.head_plan(model.config, dtype, 'bfloat16'), narrow=True)}]", file=sys.stderr)
   if method in ("pasta", "pasta-v0", "pasta+medusa"):
     from pasta_jax.commands.pasta_view import run_pasta
