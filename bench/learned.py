@@ -33,7 +33,6 @@ from pasta_jax.eval.learned_plot import plot_quality_pareto
 from pasta_jax.eval.quality import answer_logprob
 from pasta_jax.eval.report import speed_table, write_outputs
 from pasta_jax.eval.runner import evaluate
-from pasta_jax.model.head_plan import describe as describe_head_plan
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -97,20 +96,13 @@ def main(argv=None) -> int:
   (out / "learned.json").write_text(json.dumps(figures, indent=1))
   pareto = plot_quality_pareto(figures, out / "quality_pareto.png")
   lines = [line for name, f in figures.items() for line in [f"## {name}", "", *figure_lines(f), ""]]
-  lines += [head_plan_line(baseline_model, args), ""]
+  lines += [api.head_plan_line(baseline_model.config, jnp.float32, args.head_dtype, args.certify_head), ""]
   (out / "learned.md").write_text("\n".join(["# bench.learned", "", *lines]))
   print("\n".join(speed_table(results)))
   print("\n".join(lines))
   print("wrote " + ", ".join(str(p) for p in [*paths, out / "learned.md", pareto]))
   print(result_line(figures[methods[0].name]))
   return 0
-
-
-def head_plan_line(model, args) -> str:
-  """What this machine's measured head plan ran (model/head_plan.py): a certified head may skip its certificate
-  at every row count where the float32 head is no slower, which decides what --certify-head measured."""
-  narrow = args.head_dtype or ("bfloat16" if args.certify_head else None)
-  return describe_head_plan(api.head_plan(model.config, jnp.float32, narrow), narrow=args.certify_head)
 
 
 if __name__ == "__main__":

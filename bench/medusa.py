@@ -35,7 +35,6 @@ from bench.common import held_out_prompt_ids
 from pasta_jax.decode import api
 from pasta_jax.decode.latency import calibrate_latency
 from pasta_jax.decode.speculation import load_drafter
-from pasta_jax.model.head_plan import describe as describe_head_plan
 from pasta_jax.model.load import load_model
 
 
@@ -165,8 +164,7 @@ def main(argv=None) -> None:
         f"early head: {early}); "
         f"{len(ids)} prompts, {args.new_tokens} new tokens, greedy"
         f"{' (certified bfloat16 head)' if args.certify_head else ''}; medians of {args.runs} runs")
-  narrow = "bfloat16" if args.certify_head else None  # the plan every method's program compiles (model/head_plan.py)
-  print(describe_head_plan(api.head_plan(model.config, jnp.float32, narrow), narrow=args.certify_head))
+  print(api.head_plan_line(model.config, jnp.float32, certify_head=args.certify_head))  # every method's program
   results = {}
   for batch in tqdm([int(b) for b in args.batches.split(",")], desc="batch sizes"):
     results[batch] = bench_batch(model, drafter, ids, batch, args)

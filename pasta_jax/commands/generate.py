@@ -12,7 +12,6 @@ from pasta_jax.commands.pasta_view import speculation_line
 from pasta_jax.decode import api
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.errors import PastaError
-from pasta_jax.model.head_plan import describe as describe_head_plan
 from pasta_jax.model.load import GENERATION_FILE, generation_defaults, load_model
 
 
@@ -92,7 +91,7 @@ def run_generate(args) -> int:
     extra["certify_head"] = True
     if dtype == jnp.float32:  # another dtype is refused by generate; here the measured plan may skip the
       # certificate at the row counts where this machine's float32 head is no slower: say so
-      print(f"[{describe_head_plan(api.head_plan(model.config, dtype, 'bfloat16'), narrow=True)}]", file=sys.stderr)
+      print(f"[{api.head_plan_line(model.config, dtype, certify_head=True)}]", file=sys.stderr)
   if method in ("pasta", "pasta-v0", "pasta+medusa"):
     from pasta_jax.commands.pasta_view import run_pasta
 

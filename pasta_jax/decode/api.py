@@ -66,7 +66,7 @@ from pasta_jax.lang import tokens as tok
 from pasta_jax.lang.layout import answer_for_mode
 from pasta_jax.lang.tags import TagVocab, tag_vocab_for
 from pasta_jax.model import thread_attention
-from pasta_jax.model.head_plan import HeadPlan
+from pasta_jax.model.head_plan import HeadPlan, describe
 from pasta_jax.model.head_timing import measured_plan
 from pasta_jax.model.kv_rows import defer_by_default
 
@@ -120,6 +120,17 @@ def head_plan(config, dtype, head_dtype: str | None = None) -> HeadPlan:
   """The output head's form per row count for this model on this machine (model/head_plan.py): measured once
   per process on a CPU, the same plan for the model and a certified head's own multiply."""
   return measured_plan(config.vocab_size, config.embed_dim, jnp.dtype(dtype).name, head_dtype)
+
+
+def head_plan_line(config, dtype, head_dtype: str | None = None, certify_head: bool = False) -> str:
+  """`head_plan`'s plan for a decode with these settings, as one line (`head_plan.describe`): where a certified
+  head skips its certificate on this machine, which decides what `certify_head` buys here."""
+  return describe(head_plan(config, dtype, narrow_head_dtype(head_dtype, certify_head)), narrow=certify_head)
+
+
+def narrow_head_dtype(head_dtype: str | None, certify_head: bool) -> str | None:
+  """The narrow head a decode compiles: `head_dtype`, or bfloat16 for a certified head that names none."""
+  return "bfloat16" if certify_head and head_dtype is None else head_dtype
 
 
 def check_head_dtype(head_dtype: str | None, dtype) -> str | None:
@@ -266,9 +277,7 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   lane-count switch (True) or inside it (False); None: the backend's choice (deferred on a CPU only), resolved
   here so that the compiled programs' cache keys say which.
   """
-  if certify_head and head_dtype is None:
-    head_dtype = "bfloat16"
-  head_dtype = check_head_dtype(head_dtype, dtype)
+  head_dtype = check_head_dtype(narrow_head_dtype(head_dtype, certify_head), dtype)
   if attention not in thread_attention.CHOICES:
     raise PastaError(f"attention must be one of {', '.join(thread_attention.CHOICES)}, got {attention!r}")
   if max_new_tokens < 1:
