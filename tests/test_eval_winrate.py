@@ -7,9 +7,17 @@ import math
 import warnings
 
 import numpy as np
+import pandas as pd
 import pytest
+from sklearn import model_selection as sklearn_model_selection  # dev dependencies: these checks always run
 
 from pasta_jax.eval import winrate as W
+
+# The libraries load their native code at collection, before any test starts XLA's thread pools: imported later,
+# in a worker already running JAX, they crashed it (a segfault inside the import, or "failed to map segment").
+with warnings.catch_warnings():
+  warnings.simplefilter("ignore")
+  from alpaca_eval.metrics import glm_winrate
 
 # A fixed annotation table: P(method beats baseline) per prompt, answer lengths in characters, and a
 # per-instruction difficulty (for the library's fuller GLM variants). Preferences lean to the method
@@ -72,7 +80,6 @@ def test_lc_discounts_a_win_that_comes_from_length():
 
 
 def test_group_folds_follow_sklearn_group_kfold():
-  from sklearn import model_selection as sklearn_model_selection  # a dev dependency: this check always runs
   n = 13
   folds = np.zeros(n, int)
   for k, (_, test) in enumerate(sklearn_model_selection.GroupKFold(n_splits=5).split(np.zeros(n), groups=range(n))):
@@ -83,15 +90,10 @@ def test_group_folds_follow_sklearn_group_kfold():
 @pytest.fixture(scope="module")
 def alpaca_glm():
   """The library's GLM module, reading our gamed rows and difficulties instead of the hub's CSV."""
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    from alpaca_eval.metrics import glm_winrate as glm  # a dev dependency: the reference value always exists
-  return glm
+  return glm_winrate
 
 
 def library_metrics(glm, spec: W.GlmSpec, tmp_path, monkeypatch) -> dict:
-  import pandas as pd
-
   n = len(P)
   gamed = pd.DataFrame({"model": ["gamed_a"] * n + ["gamed_b"] * n, "index": list(range(n)) * 2,
                         "instruction_difficulty": DIFFICULTY * 2, "preference": GAMED_P,
