@@ -53,8 +53,8 @@ def parse_args(argv=None):
   parser.add_argument("--model", default=None, help="default: the tuned default model")
   parser.add_argument("--heads", default=None, help="Medusa heads folder (default: the model's shipped heads)")
   parser.add_argument("--certify-head", action="store_true",
-                      help="every method's greedy choices certified against the float32 head at the bfloat16 "
-                           "head's cost (decode/certified_head.py): the same tokens, cheaper tree steps")
+                      help="every method's greedy choices certified against the float32 head at a narrow head's "
+                           "cost (int8 on a CPU; decode/certified_head.py): the same tokens, cheaper tree steps")
   return parser.parse_args(argv)
 
 
@@ -163,7 +163,8 @@ def main(argv=None) -> None:
   print(f"model {model.source}; heads {drafter.source} ({drafter.config.num_heads} heads, top-{drafter.top_k}, "
         f"early head: {early}); "
         f"{len(ids)} prompts, {args.new_tokens} new tokens, greedy"
-        f"{' (certified bfloat16 head)' if args.certify_head else ''}; medians of {args.runs} runs")
+        f"{f' (certified {api.narrow_head_dtype(None, True)} head)' if args.certify_head else ''}; "
+        f"medians of {args.runs} runs")
   print(api.head_plan_line(model.config, jnp.float32, certify_head=args.certify_head))  # every method's program
   results = {}
   for batch in tqdm([int(b) for b in args.batches.split(",")], desc="batch sizes"):

@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--lanes", type=int, default=8, help="parallel lanes for --pasta (lane 0 is main)")
   gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
   gen.add_argument("--certify-head", action="store_true",
-                   help="greedy: multiply the output head in bfloat16 and certify each choice against float32 "
-                        "(the float32 tokens; faster on a CPU when a step has 2+ rows: PASTA's forks, trees)")
+                   help="greedy: multiply the output head in int8 (bfloat16 off a CPU) and certify each choice "
+                        "against float32 (the float32 tokens; faster on a CPU when a step has 2-3 rows: PASTA's "
+                        "forks, trees)")
   gen.add_argument("--mesh", default=None,
                    help="decode sharded on data,fsdp,tensor devices (e.g. 1,1,4: the weights split 4 ways; "
                         "docs/tpu.md); default: one device")

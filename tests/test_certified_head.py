@@ -13,25 +13,27 @@ from hypothesis import strategies as st
 from pasta_jax.decode import api, certified_head
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.errors import PastaError
-from pasta_jax.model.gemma import HEAD_COPY, narrow_head
 from tests.tiny import tiny_model
 
 PROMPTS = ["hello there", "list three colours"]
 
 
-def head_params(embedding: jax.Array) -> dict:
-  narrow = narrow_head(embedding, jnp.bfloat16)
-  return {"params": {"embedder": embedding, HEAD_COPY: narrow,
-                     certified_head.BOUNDS: certified_head.bound_rows(embedding, narrow)}}
+NARROW = ["bfloat16", "int8"]
 
 
-@settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 2**16), scale=st.sampled_from([0.05, 1.0, 30.0]), rows=st.sampled_from([(1, 2), (2, 3)]))
-def test_mixed_logits_are_exact_at_their_ids_and_bound_every_other_token(seed, scale, rows):
+def head_params(embedding: jax.Array, head_dtype: str = "bfloat16") -> dict:
+  return {"params": {"embedder": embedding, **certified_head.narrow_params(embedding, head_dtype)}}
+
+
+@settings(max_examples=16, deadline=None)
+@given(seed=st.integers(0, 2**16), scale=st.sampled_from([0.05, 1.0, 30.0]), rows=st.sampled_from([(1, 2), (2, 3)]),
+       head_dtype=st.sampled_from(NARROW), outlier=st.sampled_from([1.0, 40.0]))
+def test_mixed_logits_are_exact_at_their_ids_and_bound_every_other_token(seed, scale, rows, head_dtype, outlier):
+  """outlier: one hidden dimension that large (Gemma's final-normed states have such), which sets the int8 scale."""
   keys = jax.random.split(jax.random.key(seed), 2)
   embedding = jax.random.normal(keys[0], (700, 48)) * scale
-  x = jax.random.normal(keys[1], (*rows, 48)) * 3.0
-  mixed, ids = certified_head.head_logits(head_params(embedding), x, None)
+  x = (jax.random.normal(keys[1], (*rows, 48)) * 3.0).at[..., 5].multiply(outlier)
+  mixed, ids = certified_head.head_logits(head_params(embedding, head_dtype), x, None)
   truth = np.einsum("bqd,vd->bqv", np.asarray(x, np.float64), np.asarray(embedding, np.float64))
   at_ids = np.take_along_axis(truth, np.asarray(ids), axis=-1)
   np.testing.assert_allclose(np.take_along_axis(np.asarray(mixed), np.asarray(ids), axis=-1), at_ids,
@@ -54,10 +56,11 @@ def test_top_ids_finds_the_k_largest_values_in_two_levels(seed, vocab, k, block,
                                 np.sort(np.asarray(jax.lax.top_k(x, k)[0]), -1))
 
 
-def test_one_row_takes_the_float32_head():
+@pytest.mark.parametrize("head_dtype", NARROW)
+def test_one_row_takes_the_float32_head(head_dtype):
   embedding = jax.random.normal(jax.random.key(0), (300, 32))
   x = jax.random.normal(jax.random.key(1), (1, 1, 32))
-  logits, ids = certified_head.head_logits(head_params(embedding), x, None)
+  logits, ids = certified_head.head_logits(head_params(embedding, head_dtype), x, None)
   assert ids is None
   np.testing.assert_allclose(logits, x @ embedding.T, rtol=1e-5, atol=1e-5)
 
@@ -66,32 +69,35 @@ def tokens_of(results) -> list[list[int]]:
   return [[int(t) for t in r.records[:, 3]] for r in results]
 
 
-@pytest.mark.parametrize("name,method", [("tiny-gemma3", "sequential"), ("tiny-gemma3", "pasta"),
-                                         ("tiny-gemma2", "sequential")])  # Gemma 2: a final logit softcap
-def test_certified_greedy_decoding_writes_the_float32_tokens(name, method):
+@pytest.mark.parametrize("name,method,head_dtype", [
+    ("tiny-gemma3", "sequential", None), ("tiny-gemma3", "pasta", None), ("tiny-gemma3", "pasta", "bfloat16"),
+    ("tiny-gemma2", "sequential", None), ("tiny-gemma2", "sequential", "bfloat16")])  # Gemma 2: a final softcap
+def test_certified_greedy_decoding_writes_the_float32_tokens(name, method, head_dtype):
   """A batch of two (every step multiplies 2+ rows, so the narrow head and its certificate decide), under a
   repetition penalty the certificate must hold through."""
   model = tiny_model(name, seed=3)
   assert (model.config.final_logit_softcap is not None) == (name == "tiny-gemma2")
   sampling = SamplingConfig(repetition_penalty=1.3)
   plain = api.generate(model, PROMPTS, method=method, max_new_tokens=24, sampling=sampling)
-  certified = api.generate(model, PROMPTS, method=method, max_new_tokens=24, sampling=sampling, certify_head=True)
+  certified = api.generate(model, PROMPTS, method=method, max_new_tokens=24, sampling=sampling, certify_head=True,
+                           head_dtype=head_dtype)
   assert tokens_of(certified) == tokens_of(plain)
   assert [r.text for r in certified] == [r.text for r in plain]
 
 
-def test_the_float32_head_decides_where_the_certificate_fails(monkeypatch):
+@pytest.mark.parametrize("head_dtype", NARROW)
+def test_the_float32_head_decides_where_the_certificate_fails(monkeypatch, head_dtype):
   """One exact token per row and bounds made 1000x looser: the argmax nearly always lands on a bound, so nearly
   every step must be chosen again from the float32 head (without that fallback the tokens differ)."""
   monkeypatch.setattr(certified_head, "CANDIDATES", 1)
   loose = certified_head.bound_rows
-  monkeypatch.setattr(certified_head, "bound_rows", lambda wide, narrow: jax.tree.map(lambda b: 1e3 * b,
-                                                                                      loose(wide, narrow)))
+  monkeypatch.setattr(certified_head, "bound_rows", lambda embedding, wide: jax.tree.map(lambda b: 1e3 * b,
+                                                                                          loose(embedding, wide)))
   model = tiny_model("tiny-gemma3", seed=3)
   sampling = SamplingConfig(repetition_penalty=1.3)
   plain = api.generate(model, PROMPTS, method="sequential", max_new_tokens=24, sampling=sampling)
   certified = api.generate(model, PROMPTS, method="sequential", max_new_tokens=24, sampling=sampling,
-                           certify_head=True)
+                           certify_head=True, head_dtype=head_dtype)
   assert tokens_of(certified) == tokens_of(plain)
 
 
@@ -116,6 +122,16 @@ def test_a_forced_replay_with_a_certified_head_replays_the_same_records():
   for a, b in zip(plain, certified):
     np.testing.assert_array_equal(a.records, b.records)
     assert a.annotated == b.annotated
+
+
+def test_an_int8_head_runs_only_certified():
+  model = tiny_model("tiny-gemma3", seed=3)
+  with pytest.raises(PastaError, match="int8.*certif"):
+    api.generate(model, PROMPTS[:1], max_new_tokens=4, head_dtype="int8")
+  assert api.check_head_dtype("int8", jnp.float32, certify_head=True) == "int8"
+  assert api.narrow_head_dtype(None, certify_head=True) == "int8"  # a CPU's default certified head
+  assert api.narrow_head_dtype("bfloat16", certify_head=True) == "bfloat16"
+  assert api.narrow_head_dtype(None, certify_head=False) is None
 
 
 def test_certify_head_is_part_of_an_eval_runs_identity_only_when_set():

@@ -44,8 +44,8 @@ def build_eval_parser(subparsers) -> argparse.ArgumentParser:
   parser.add_argument("--distinct-topics", action="store_true",
                       help="PASTA's main may not close a promise on a topic it already used (decode.sampling)")
   parser.add_argument("--certify-head", action="store_true",
-                      help="every method's greedy choices certified against the float32 head at the bfloat16 head's "
-                           "cost (decode/certified_head.py): the same answers, faster steps of several rows")
+                      help="every method's greedy choices certified against the float32 head at a narrow head's "
+                           "cost (int8 on a CPU; decode/certified_head.py): the same answers, faster steps of 2-3 rows")
   parser.add_argument("--judge", default="auto", metavar="auto|none|http|local[:MODEL]",
                       help=f"pairwise judge for quality; auto = http if {JUDGE_URL_ENV} is set, else none")
   parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")

@@ -36,8 +36,8 @@ def add_serve_parser(subparsers) -> None:
                      help="Medusa's fixed tree size, ProPD's largest (default: 16 for medusa, 8 for propd: "
                           "a served ProPD times every size of its tree online)")
   serve.add_argument("--certify-head", action="store_true",
-                     help="greedy requests choose from a bfloat16 head copy certified against the float32 head: "
-                          "the same tokens, a cheaper step at 2-8 rows, none at 16 (float32 only)")
+                     help="greedy requests choose from a narrow head copy (int8 on a CPU) certified against the "
+                          "float32 head: the same tokens, a cheaper step where the head plan says (float32 only)")
   serve.add_argument("--drafts", type=int, default=3, help="Superposed Decoding's k (a request's n takes the best n)")
   serve.add_argument("--ngram", default="default",
                      help="Superposed Decoding's n-gram index folder ('default': `pasta ngram build`'s; 'none': off)")

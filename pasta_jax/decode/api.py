@@ -129,23 +129,35 @@ def head_plan_line(config, dtype, head_dtype: str | None = None, certify_head: b
 
 
 def narrow_head_dtype(head_dtype: str | None, certify_head: bool) -> str | None:
-  """The narrow head a decode compiles: `head_dtype`, or bfloat16 for a certified head that names none."""
-  return "bfloat16" if certify_head and head_dtype is None else head_dtype
+  """The narrow head a decode compiles: `head_dtype`; for a certified head that names none, int8 on a CPU (on
+  the 2-core AMD EPYC of sessions 24-30 its 2-3 row product costs ~25% under float32's, where the bfloat16 copy
+  costs more than float32 at every row count: `model/int8_head.py`), bfloat16 elsewhere. The head plan still
+  sends each row count where the narrow product is not clearly faster to the float32 head."""
+  if not certify_head or head_dtype is not None:
+    return head_dtype
+  return "int8" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def check_head_dtype(head_dtype: str | None, dtype) -> str | None:
+def check_head_dtype(head_dtype: str | None, dtype, certify_head: bool = False) -> str | None:
   """None, or the name of a float dtype narrower than `dtype` for the output head (e.g. "bfloat16" under float32:
   on a CPU the head then costs the same for 1 to 8 rows, `python -m bench.head_precision`; greedy tokens change
-  where the top two logits are closer than its rounding)."""
+  where the top two logits are closer than its rounding), or "int8" for a certified head only (its rounding would
+  change far more tokens; `model/int8_head.py`)."""
   if head_dtype is None:
     return None
   try:
     narrow = jnp.dtype(head_dtype)
   except TypeError:
-    raise PastaError(f"head_dtype must be a float dtype name such as 'bfloat16', got {head_dtype!r}") from None
+    raise PastaError(f"head_dtype must be a float dtype name such as 'bfloat16', or 'int8', "
+                     f"got {head_dtype!r}") from None
+  if narrow == jnp.int8:
+    if not certify_head:
+      raise PastaError("head_dtype='int8' runs only as a certified head (certify_head=True): uncertified, its "
+                       "rounding changes greedy tokens")
+    return narrow.name
   if not jnp.issubdtype(narrow, jnp.floating) or narrow.itemsize >= jnp.dtype(dtype).itemsize:
     raise PastaError(f"head_dtype must be a float dtype narrower than the model's {jnp.dtype(dtype).name}, "
-                     f"got {narrow.name}")
+                     f"or 'int8' with certify_head, got {narrow.name}")
   return narrow.name
 
 
@@ -161,7 +173,7 @@ def decode_params(params, dtype, sharding: DecodeSharding | None = None, head_dt
   mesh by the trainer's rules when `sharding` is given; with `head_dtype`, plus the tied head's copy in it
   (`gemma.HEAD_COPY`) and the per-token norms of its rounding (`certified_head.BOUNDS`). Cached for the last
   model (a 270M conversion costs ~1 s)."""
-  from pasta_jax.model.gemma import HEAD_COPY, narrow_head, to_decode_layout
+  from pasta_jax.model.gemma import to_decode_layout
   key = (id(params), jnp.dtype(dtype).name, sharding, head_dtype)
   hit = _PARAMS_CACHE.get(key)
   if hit is not None and hit[0] is params:
@@ -170,10 +182,9 @@ def decode_params(params, dtype, sharding: DecodeSharding | None = None, head_dt
     raise PastaError("head_dtype is a single-device option: the mesh's sharding rules do not place the head copy")
   converted = jax.jit(to_decode_layout)(jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
   if head_dtype is not None:
-    tree = dict(converted["params"])
-    tree[HEAD_COPY] = jax.jit(narrow_head, static_argnums=1)(tree["embedder"], head_dtype)
-    tree[certified_head.BOUNDS] = jax.jit(certified_head.bound_rows)(tree["embedder"], tree[HEAD_COPY])
-    converted = {**converted, "params": tree}
+    tree = converted["params"]
+    added = jax.jit(certified_head.narrow_params, static_argnums=1)(tree["embedder"], head_dtype)
+    converted = {**converted, "params": {**tree, **added}}
   if sharding is not None:
     converted = sharding.put_params(converted)
   _PARAMS_CACHE.clear()
@@ -270,14 +281,14 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   interpret mode: correct and slow, for tests).
   head_dtype: the output head in a narrower float dtype, float32 accumulation (`check_head_dtype`); None: `dtype`.
   certify_head: greedy choices certified against the float32 head at the narrow head's cost (head_dtype, default
-  "bfloat16"; decode/certified_head.py): the float32 model's tokens, faster on a CPU for 2+ rows.
+  `narrow_head_dtype`'s; decode/certified_head.py): the float32 model's tokens, faster on a CPU for 2-3 rows.
   pool_tokens: size the pool for this many new tokens, not max_new_tokens (when larger): a short run then steps
   in the pool of a longer one, as ProPD's step-time calibration needs (`decode.latency`).
   defer_kv_writes: `InterpreterConfig.defer_kv_writes`: whether the model's new K/V rows are written after the
   lane-count switch (True) or inside it (False); None: the backend's choice (deferred on a CPU only), resolved
   here so that the compiled programs' cache keys say which.
   """
-  head_dtype = check_head_dtype(narrow_head_dtype(head_dtype, certify_head), dtype)
+  head_dtype = check_head_dtype(narrow_head_dtype(head_dtype, certify_head), dtype, certify_head)
   if attention not in thread_attention.CHOICES:
     raise PastaError(f"attention must be one of {', '.join(thread_attention.CHOICES)}, got {attention!r}")
   if max_new_tokens < 1:
@@ -528,7 +539,7 @@ def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_to
   head_dtype: the output head in a narrower float dtype such as "bfloat16" (float32 accumulation; `check_head_dtype`):
   faster on a CPU for several rows a step, and greedy tokens may change where the top two logits nearly tie.
   certify_head: the narrow head's speed and the float32 head's greedy tokens (decode/certified_head.py; head_dtype
-  defaults to "bfloat16"): greedy decoding only, without return_logits.
+  "bfloat16" or "int8", default `narrow_head_dtype`'s): greedy decoding only, without return_logits.
   method "pasta+medusa" (PASTA x trees): PASTA on `lanes` thread lanes, every live thread with its own `tree_size`-node
   tree (default 4) from `heads`, greedy; the answer is PASTA's (`Result.speculation`: tokens per thread per tree step).
   """

@@ -190,6 +190,9 @@ def output_head(x: Array, unembed: Array, decode_layout: bool, plan: HeadPlan = 
   An unembed narrower than x (`Gemma.head_dtype`: [D, V], `narrow_head`) multiplies as `narrow_head_product`. In
   full precision the decode layout multiplies weight-major, or token-major at the row counts (B * Q) of
   `plan.token_major`: which is faster depends on the machine (model/head_plan.py)."""
+  if jnp.issubdtype(unembed.dtype, jnp.integer):
+    raise ValueError("an int8 head multiplies only inside the certified head (decode/certified_head.py), which "
+                     "holds its scales: call the model with skip_head")
   if jnp.dtype(unembed.dtype).itemsize < jnp.dtype(x.dtype).itemsize:
     return narrow_head_product(x, unembed)
   if decode_layout and x.shape[0] * x.shape[1] not in plan.token_major:

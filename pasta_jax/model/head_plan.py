@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-MARGIN = 0.9  # a form replaces the fixed plan's only when it takes under this share of its time (noise)
+MARGIN = 0.9  # a form replaces the fixed plan's (or the float32 head) only when it takes under this share of its time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +51,8 @@ def _rows(counts: tuple[int, ...]) -> str:
 def choose(timings: dict[tuple[int, str], float], narrow: bool) -> HeadPlan:
   """The plan from timings {(rows, form): seconds}, form in "weight_major", "token_major", "narrow" (the narrow
   copy as `gemma.output_head` multiplies it). At each measured row count the fixed plan's form is kept unless the
-  other is faster by the MARGIN; the certified head goes exact where the float32 head is no slower than the
-  narrow one (the certificate's own work then saves nothing)."""
+  other is faster by the MARGIN; the certified head goes exact unless the narrow product is faster by the MARGIN
+  (the certificate adds its own work, the bound and the candidates' exact logits, and sometimes a float32 pass)."""
   token_major, exact = set(FIXED.token_major), set(FIXED.exact)
   for rows in sorted({r for r, _ in timings}):
     wm, tm = timings[(rows, "weight_major")], timings[(rows, "token_major")]
@@ -60,7 +60,7 @@ def choose(timings: dict[tuple[int, str], float], narrow: bool) -> HeadPlan:
     kept, other = (tm, wm) if fixed_tm else (wm, tm)
     if other < MARGIN * kept:
       token_major ^= {rows}
-    if narrow and min(wm, tm) <= timings[(rows, "narrow")]:
+    if narrow and timings[(rows, "narrow")] >= MARGIN * min(wm, tm):
       exact.add(rows)
   ms = tuple((f"{rows}:{form}", round(1e3 * s, 2)) for (rows, form), s in sorted(timings.items()))
   return HeadPlan(tuple(sorted(token_major)), tuple(sorted(exact)), ms)

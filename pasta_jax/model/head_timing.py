@@ -12,25 +12,29 @@ import numpy as np
 
 from pasta_jax.model.gemma import narrow_head, output_head
 from pasta_jax.model.head_plan import FIXED, HeadPlan, choose
+from pasta_jax.model.int8_head import int8_logits, quantize_head
 
 ENV = "PASTA_HEAD_PLAN"  # "measured" (default: measured on a CPU, fixed elsewhere) or "fixed"
 MEASURED_ROWS = (2, 3, 4, 8)  # the lane buckets of a step of several rows (decode/step.py), and batches of 3
 
 
-def time_forms(vocab: int, dim: int, dtype, narrow_dtype, rows=MEASURED_ROWS, rounds: int = 3) -> dict:
+def time_forms(vocab: int, dim: int, dtype, narrow_dtype, rows=MEASURED_ROWS, rounds: int = 5) -> dict:
   """{(rows, form): median seconds} of the head's forms on a [vocab, dim] head, timed in interleaved rounds."""
   head = jnp.full((vocab, dim), 0.01, dtype)
-  heads = {"weight_major": head, "token_major": head}
+  heads = {"weight_major": (head,), "token_major": (head,)}
   if narrow_dtype is not None:
-    heads["narrow"] = narrow_head(head, narrow_dtype)
+    int8 = jnp.dtype(narrow_dtype) == jnp.int8
+    heads["narrow"] = quantize_head(head) if int8 else (narrow_head(head, narrow_dtype),)
   runs = {}
   for r in rows:
     x = jnp.full((1, r, dim), 0.5, dtype)
-    for form, w in heads.items():  # each form exactly as the model computes it
+    for form, w in heads.items():  # each form exactly as the model (or the certified head) computes it
       plan = HeadPlan(token_major=(r,) if form == "token_major" else ())
-      run = jax.jit(functools.partial(output_head, decode_layout=True, plan=plan))
-      jax.block_until_ready(run(x, w))  # compile and warm up
-      runs[(r, form)] = functools.partial(run, x, w)
+      head_fn = (lambda x, q, s: int8_logits(x, q, s)[0]) if len(w) == 2 else functools.partial(
+          output_head, decode_layout=True, plan=plan)
+      run = jax.jit(head_fn)
+      jax.block_until_ready(run(x, *w))  # compile and warm up
+      runs[(r, form)] = functools.partial(run, x, *w)
   seconds = {key: [] for key in runs}
   for _ in range(rounds):
     for key, run in runs.items():
