@@ -97,6 +97,9 @@ def main(argv=None) -> int:
   pareto = plot_quality_pareto(figures, out / "quality_pareto.png")
   lines = [line for name, f in figures.items() for line in [f"## {name}", "", *figure_lines(f), ""]]
   lines += [api.head_plan_line(baseline_model.config, jnp.float32, args.head_dtype, args.certify_head), ""]
+  if args.certify_head:  # how often the certificate failed and a step chose again from the float32 head
+    lines += [f"- `{m['name']}`: the certified head fell back to float32 at {m['totals']['head_fallbacks']} of "
+              f"{m['totals']['steps']} steps" for m in results["methods"]] + [""]
   (out / "learned.md").write_text("\n".join(["# bench.learned", "", *lines]))
   print("\n".join(speed_table(results)))
   print("\n".join(lines))

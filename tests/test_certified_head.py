@@ -83,6 +83,7 @@ def test_certified_greedy_decoding_writes_the_float32_tokens(name, method, head_
                            head_dtype=head_dtype)
   assert tokens_of(certified) == tokens_of(plain)
   assert [r.text for r in certified] == [r.text for r in plain]
+  assert all(0 <= r.head_fallbacks <= r.steps for r in certified) and not any(r.head_fallbacks for r in plain)
 
 
 @pytest.mark.parametrize("head_dtype", NARROW)
@@ -99,6 +100,7 @@ def test_the_float32_head_decides_where_the_certificate_fails(monkeypatch, head_
   certified = api.generate(model, PROMPTS, method="sequential", max_new_tokens=24, sampling=sampling,
                            certify_head=True, head_dtype=head_dtype)
   assert tokens_of(certified) == tokens_of(plain)
+  assert all(r.head_fallbacks > r.steps // 2 for r in certified)  # counted: nearly every step fell back
 
 
 @pytest.mark.parametrize("options,match", [
@@ -138,3 +140,4 @@ def test_certify_head_is_part_of_an_eval_runs_identity_only_when_set():
   from pasta_jax.eval.methods import DecodeSettings
   assert "certify_head" not in DecodeSettings().identity()  # runs stored before the option still resume
   assert DecodeSettings(certify_head=True).identity()["certify_head"] is True
+  assert DecodeSettings(certify_head=True).identity()["head_dtype"] == "int8"  # the copy a CPU compiles

@@ -112,7 +112,7 @@ def test_certified_decoding_with_exact_row_counts_writes_the_float32_tokens(monk
   def no_certificate(*args):
     raise AssertionError("a row count of plan.exact reached the narrow head's certificate")
 
-  monkeypatch.setattr(certified_head, "certified", no_certificate)
+  monkeypatch.setattr(certified_head, "certified_requests", no_certificate)
   model = tiny_model("tiny-gemma3", seed=3)
   sampling = SamplingConfig(repetition_penalty=1.3)
   plain = api.generate(model, PROMPTS, method="pasta", max_new_tokens=24, sampling=sampling)

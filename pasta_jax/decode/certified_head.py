@@ -19,7 +19,7 @@ a softcap), an argmax that lands on one of the K exact tokens is the float32 arg
 value lies below its bound, which lost. An argmax that lands on a bound is not certified: that step's rows are
 chosen again from the float32 head (`decode.step`). On reference answers teacher-forced through the tuned 270M,
 every position has at most 16 candidates under the bfloat16 bound, and 96% under the int8 one (99.3% at most 32,
-all at most 64; `runs/s30_int8_bound.py` in session 30), so the fallback is rare. One row alone (batch 1, one
+all at most 64; `python -m bench.head_precision`), so the fallback is rare. One row alone (batch 1, one
 lane) takes the float32 head directly: its gemv reads the float32 head as fast as the narrow one. So do the row
 counts where this machine's narrow head is not clearly faster (`model/head_plan.py`, `plan.exact`).
 """
@@ -63,6 +63,16 @@ def narrow_logits(tree: dict, x: jax.Array, decode_layout: bool) -> tuple[jax.Ar
   return output_head(x, tree[HEAD_COPY], decode_layout), narrow_x
 
 
+def upper_bounds(tree: dict, x: jax.Array, decode_layout: bool = True) -> jax.Array:
+  """x [B, Q, D] final-normed hidden -> [B, Q, V] l~ + b: above every float32 logit x . w_v (before a softcap)."""
+  approx, narrow_x = narrow_logits(tree, x, decode_layout)  # [B, Q, V], [B, Q, D]
+  x_norm = jnp.linalg.norm(x, axis=-1, keepdims=True)  # [B, Q, 1]
+  x_error = jnp.linalg.norm(x - narrow_x, axis=-1, keepdims=True)
+  bounds = tree[BOUNDS]
+  bound = x_norm * bounds["rounding"] + (x_error + x.shape[-1] * ACCUMULATION * x_norm) * bounds["norm"]
+  return approx + bound
+
+
 def head_logits(params, x: jax.Array, cap: float | None, decode_layout: bool = True, plan: HeadPlan = FIXED):
   """x [B, Q, D] final-normed hidden -> (logits [B, Q, V], exact ids [B, Q, K] or None).
 
@@ -71,12 +81,7 @@ def head_logits(params, x: jax.Array, cap: float | None, decode_layout: bool = T
   tree = params["params"]
   if x.shape[0] * x.shape[1] in plan.exact:
     return exact_logits(params, x, cap, decode_layout, plan), None
-  approx, narrow_x = narrow_logits(tree, x, decode_layout)  # [B, Q, V], [B, Q, D]
-  x_norm = jnp.linalg.norm(x, axis=-1, keepdims=True)  # [B, Q, 1]
-  x_error = jnp.linalg.norm(x - narrow_x, axis=-1, keepdims=True)
-  bounds = tree[BOUNDS]
-  bound = x_norm * bounds["rounding"] + (x_error + x.shape[-1] * ACCUMULATION * x_norm) * bounds["norm"]
-  upper = approx + bound
+  upper = upper_bounds(tree, x, decode_layout)
   ids = top_ids(upper, CANDIDATES)  # [B, Q, K]
   exact = jnp.einsum("bqd,bqkd->bqk", x, tree["embedder"][ids], preferred_element_type=jnp.float32)
   b, q = jnp.arange(x.shape[0])[:, None, None], jnp.arange(x.shape[1])[None, :, None]
@@ -107,6 +112,7 @@ def exact_logits(params, x: jax.Array, cap: float | None, decode_layout: bool = 
   return softcap(output_head(x, params["params"]["embedder"], decode_layout, plan), cap)
 
 
-def certified(chosen: jax.Array, ids: jax.Array, row_ok: jax.Array) -> jax.Array:
-  """Scalar bool: every row that fed chose one of its exact tokens. chosen, row_ok: [B, Q]; ids [B, Q, K]."""
-  return jnp.all(~row_ok | jnp.any(ids == chosen[..., None], axis=-1))
+def certified_requests(chosen: jax.Array, ids: jax.Array, row_ok: jax.Array) -> jax.Array:
+  """[B] bool: every row of the request that fed chose one of its exact tokens. chosen, row_ok: [B, Q]; ids
+  [B, Q, K]."""
+  return jnp.all(~row_ok | jnp.any(ids == chosen[..., None], axis=-1), axis=-1)

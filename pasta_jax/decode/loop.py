@@ -115,6 +115,7 @@ def init_state(pool: KVPool, prompt_tokens: jax.Array, lengths: jax.Array, first
       budget_spent=jnp.zeros((batch,), bool),
       content=is_content(token[:, :k], jnp.zeros((batch, k), bool), cfg.vocab).sum(axis=1).astype(jnp.int32),
       stalls=jnp.zeros((batch,), jnp.int32), fork_refusals=jnp.zeros((batch,), jnp.int32),
+      head_fallbacks=jnp.zeros((batch,), jnp.int32),
       last_fed_step=jnp.zeros((batch,), jnp.int32),
       content_budget=jnp.full((batch,), cfg.max_content, jnp.int32),
       step_limit=jnp.full((batch,), cfg.max_steps, jnp.int32),
@@ -216,6 +217,7 @@ class RunOutput:
   budget_spent: bool = False  # truncated at the content-token budget (cfg.max_content)
   content: int = 0  # content tokens recorded (no tags, topics or end ids), counted on device
   fork_refusals: int = 0  # APAR: forks the depth limit or a full lane table refused (sample_constrained)
+  head_fallbacks: int = 0  # steps whose certified head chose again from the float32 head (decode/certified_head.py)
   peak_live_slots: int = 0  # most pool slots valid at once (the prompt included)
   parents: np.ndarray | None = None  # [U] the thread that spawned each thread (-1: main / never spawned)
   slot_table: np.ndarray | None = None  # [S, 4] final (owner, write order, position, valid) per pool slot
@@ -284,6 +286,7 @@ def unpack(final: InterpState, cfg: InterpreterConfig) -> list[RunOutput]:
         records=np.asarray(final.records[b, :n]),
         logits=np.asarray(final.record_logits[b, :n]) if cfg.record_logits else None,
         steps=int(final.last_fed_step[b]), stalls=int(final.stalls[b]), fork_refusals=int(final.fork_refusals[b]),
+        head_fallbacks=int(final.head_fallbacks[b]),
         finished=bool(final.finished[b]), truncated=bool(final.truncated[b]), pool_full=bool(final.pool_full[b]),
         budget_spent=bool(final.budget_spent[b]), content=int(final.content[b]),
         peak_live_slots=int(final.peak_live[b]), parents=np.asarray(final.parent[b]),

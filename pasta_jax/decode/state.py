@@ -51,6 +51,7 @@ class InterpState:
   content: jax.Array  # [B] int32 content tokens recorded (no tags, topics or end ids)
   stalls: jax.Array  # [B] int32
   fork_refusals: jax.Array  # [B] int32 APAR: most likely token was [Fork], refused by a limit
+  head_fallbacks: jax.Array  # [B] int32 steps a certified head chose again from float32 (a row went uncertified)
   last_fed_step: jax.Array  # [B] int32
   # Per-request budgets (cfg's for every row in `generate`; a server sets each request's own).
   content_budget: jax.Array  # [B] int32 content tokens at which the request is cut (0: none; needs cfg.max_content)

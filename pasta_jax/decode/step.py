@@ -94,13 +94,17 @@ def _choose_certified(params, head_input, rows_lane, row_ok, state: InterpState,
   chosen = choose_tokens(logits, rows_lane, row_ok, state, cfg, forced, aux)
   if forced or ids is None:  # the scripts choose (the head only has to run); or the float32 head chose
     return (*chosen, None)
-  return (*jax.lax.cond(certified_head.certified(chosen[1], ids, row_ok), lambda: chosen, again), None)
+  held = certified_head.certified_requests(chosen[1], ids, row_ok)  # [B]
+  state, tokens, refused = jax.lax.cond(jnp.all(held), lambda: chosen, again)
+  state = dataclasses.replace(state, head_fallbacks=state.head_fallbacks + (~held).astype(jnp.int32))
+  return state, tokens, refused, None
 
 
 def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: InterpreterConfig,
              num_q: int, forced: bool, defer: bool = False):
-  """Runs the model on the first `num_q` feeding lanes of each request; returns per-lane tokens and the pool
-  updated, or with `defer` the pool only read and the new K/V rows by lane (`lane_rows`) in its place."""
+  """Runs the model on the first `num_q` feeding lanes of each request; returns per-lane tokens, the pool
+  updated, or with `defer` the pool only read and the new K/V rows by lane (`lane_rows`) in its place, and what
+  choosing changed in the state: (rule_state, head_fallbacks)."""
   batch = feed.shape[0]
   b = jnp.arange(batch)[:, None]
   rows_lane = jnp.argsort(~feed, axis=1, stable=True)[:, :num_q].astype(jnp.int32)  # feeders first
@@ -125,7 +129,8 @@ def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: In
   lane_logits = None
   if cfg.record_logits:
     lane_logits = jnp.zeros((batch, cfg.lanes, logits.shape[-1])).at[b, scatter_lane].set(logits, mode="drop")
-  return sampled, refused, lane_logits, lane_rows(kv_out, scatter_lane, cfg) if defer else kv_out, state.rule_state
+  kv_out = lane_rows(kv_out, scatter_lane, cfg) if defer else kv_out
+  return sampled, refused, lane_logits, kv_out, (state.rule_state, state.head_fallbacks)
 
 
 def lane_rows(fresh: FreshKV, scatter_lane, cfg: InterpreterConfig) -> FreshKV:
@@ -140,7 +145,8 @@ def lane_rows(fresh: FreshKV, scatter_lane, cfg: InterpreterConfig) -> FreshKV:
 
 def model_on_feeders(model_fn, params, state, feed, slots, cfg: InterpreterConfig, forced: bool):
   """Lane-count buckets: one compiled branch per Q in 1, 2, 4, ..., T; the step picks the smallest.
-  Returns (sampled, refused, lane_logits, the pool with the step's K/V rows written, rule_state)."""
+  Returns (sampled, refused, lane_logits, the pool with the step's K/V rows written, (rule_state,
+  head_fallbacks))."""
   sizes = [1 << i for i in range((cfg.lanes - 1).bit_length())] + [cfg.lanes]
   sizes = sorted(set(sizes)) if cfg.lane_buckets else [cfg.lanes]
   # Under a switch the branches only read the pool and the rows are written after it: a branch that wrote the
@@ -152,10 +158,10 @@ def model_on_feeders(model_fn, params, state, feed, slots, cfg: InterpreterConfi
               for q in sizes]
   if len(branches) == 1:
     return branches[0](state, feed, slots)
-  sampled, refused, lane_logits, kv_out, rule_state = jax.lax.switch(bucket_index(feed, sizes), branches, state,
-                                                                     feed, slots)
+  sampled, refused, lane_logits, kv_out, carried = jax.lax.switch(bucket_index(feed, sizes), branches, state,
+                                                                  feed, slots)
   pool = KVPool(*write_fresh(state.pool.k, state.pool.v, kv_out)) if defer else kv_out
-  return sampled, refused, lane_logits, pool, rule_state
+  return sampled, refused, lane_logits, pool, carried
 
 
 def bucket_index(feed: jax.Array, sizes: list[int]) -> jax.Array:
@@ -231,10 +237,10 @@ def decode_step(model_fn: ModelFn, params, state: InterpState, cfg: InterpreterC
   rules = cfg.rules
   state = dataclasses.replace(state, step=state.step + 1)
   state, fed = rules.before_model(state, cfg, length_table)
-  sampled, refused, lane_logits, pool, rule_state = model_on_feeders(model_fn, params, state, fed.feed, fed.slots,
-                                                                      cfg, forced)
+  sampled, refused, lane_logits, pool, (rule_state, fallbacks) = model_on_feeders(
+      model_fn, params, state, fed.feed, fed.slots, cfg, forced)
   state = dataclasses.replace(state, pool=pool, fork_refusals=state.fork_refusals + refused.sum(axis=1),
-                              rule_state=rule_state)
+                              rule_state=rule_state, head_fallbacks=fallbacks)
   if forced:
     state = advance_scripts(state, fed.feed, cfg)
   in_promise = state.in_promise

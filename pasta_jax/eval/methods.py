@@ -69,7 +69,11 @@ class DecodeSettings:
   def identity(self) -> dict:
     """What makes two runs comparable; a setting added later is left out at its default, so older runs resume."""
     added_later = {"distinct_topics": False, "head_dtype": None, "certify_head": False}
-    return {k: v for k, v in vars(self).items() if not (k in added_later and v == added_later[k])}
+    # A certified head's narrow copy is part of its timing: name the one this machine compiles (int8 on a CPU
+    # since session 30), so a run decoded through another one starts afresh.
+    narrow = api.narrow_head_dtype(self.head_dtype, self.certify_head)
+    settings = {**vars(self), "head_dtype": narrow}
+    return {k: v for k, v in settings.items() if not (k in added_later and v == added_later[k])}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +89,7 @@ class MethodOutput:
   finished: bool  # ended with an end id (not cut off by the step budget)
   threads: int = 1  # main + forks
   note: str = ""  # why a forced answer was replayed without tags, etc.
+  head_fallbacks: int = 0  # steps a certified head chose again from the float32 head (`certify_head`)
 
 
 class Method(Protocol):
@@ -141,7 +146,8 @@ def output_of(result: api.PastaResult, note: str = "") -> MethodOutput:
   return MethodOutput(text=result.text, annotated=result.annotated, steps=result.steps, seconds=result.seconds,
                       theoretical_speedup=result.theoretical_speedup, parallelism=result.theoretical_parallelism,
                       content_tokens=result.content_tokens, critical_path=result.critical_path,
-                      finished=result.finished, threads=len(result.threads), note=note)
+                      finished=result.finished, threads=len(result.threads), note=note,
+                      head_fallbacks=result.head_fallbacks)
 
 
 class ForcedAnswer:

@@ -120,7 +120,8 @@ def method_summary(method: Method, role: str, records, baseline: Method, outputs
   summary = dict(name=method.name, role=role, reference=None, totals=dict(
       n=len(runs), seconds=seconds, content_tokens=sum(o.content_tokens for o in runs),
       tokens_per_second=sum(o.content_tokens for o in runs) / seconds if seconds > 0 else math.nan,
-      finished=sum(o.finished for o in runs), with_forks=sum(o.threads > 1 for o in runs)))
+      finished=sum(o.finished for o in runs), with_forks=sum(o.threads > 1 for o in runs),
+      steps=sum(o.steps for o in runs), head_fallbacks=sum(o.head_fallbacks for o in runs)))
   if role != "method":
     return summary
   reference = reference_of(method, baseline)
