@@ -91,6 +91,10 @@ def test_the_float32_head_decides_where_the_certificate_fails(monkeypatch, head_
   """One exact token per row and bounds made 1000x looser: the argmax nearly always lands on a bound, so nearly
   every step must be chosen again from the float32 head (without that fallback the tokens differ)."""
   monkeypatch.setattr(certified_head, "CANDIDATES", 1)
+  # Neither a converted head (its bounds) nor a traced or compiled program (its K) of another test may be reused.
+  monkeypatch.setattr(api, "_PARAMS_CACHE", {})
+  monkeypatch.setattr(api, "COMPILED", api.CompileCache())
+  jax.clear_caches()
   loose = certified_head.bound_rows
   monkeypatch.setattr(certified_head, "bound_rows", lambda embedding, wide: jax.tree.map(lambda b: 1e3 * b,
                                                                                           loose(embedding, wide)))
@@ -101,6 +105,7 @@ def test_the_float32_head_decides_where_the_certificate_fails(monkeypatch, head_
                            certify_head=True, head_dtype=head_dtype)
   assert tokens_of(certified) == tokens_of(plain)
   assert all(r.head_fallbacks > r.steps // 2 for r in certified)  # counted: nearly every step fell back
+  jax.clear_caches()  # the programs traced with K = 1
 
 
 @pytest.mark.parametrize("options,match", [
