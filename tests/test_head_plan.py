@@ -42,6 +42,15 @@ def test_a_certified_head_goes_exact_where_the_narrow_head_is_no_faster():
   assert choose(timings(wm3=40, tm3=38, nw3=36.2), narrow=True).exact == (1, 3)
 
 
+def test_rows_above_every_measured_count_follow_the_largest():
+  """A batch of 16 rows, or a tree of 32, was never timed: it takes float32 when the largest timed count did."""
+  slow_at_8 = choose(timings(wm2=36, tm2=63, nw2=24, wm8=44, tm8=67, nw8=56), narrow=True)
+  assert [r for r in (1, 2, 3, 8, 16, 64) if slow_at_8.exact_at(r)] == [1, 8, 16, 64]
+  fast_at_8 = choose(timings(wm2=36, tm2=63, nw2=24, wm8=44, tm8=67, nw8=30), narrow=True)
+  assert [r for r in (1, 2, 8, 16, 64) if fast_at_8.exact_at(r)] == [1]
+  assert not HeadPlan().exact_at(16)  # the fixed plan measured nothing: only its own exact rows
+
+
 def test_the_plan_says_where_a_certified_head_skips_its_certificate():
   plan = choose(timings(wm2=32, tm2=60, nw2=50, wm4=35, tm4=62, nw4=30), narrow=True)
   line = describe(plan, narrow=True)
@@ -61,7 +70,8 @@ def test_pasta_generate_says_what_its_certified_head_runs(monkeypatch, capsys):
   monkeypatch.setattr(api, "head_plan", lambda *args: plan)
   args = cli.build_parser().parse_args(["generate", "hi", "--certify-head", "--max-new-tokens", "2", "--no-chat"])
   assert generate.run_generate(args) == 0
-  assert "float32 head, no certificate, at rows 1, 2; token-major at rows none; timed: 2:narrow 9 ms" in (
+  # 2 rows, the largest timed, went exact: so do the rows above it
+  assert "float32 head, no certificate, at rows 1, 2 and above; token-major at rows none; timed: 2:narrow 9 ms" in (
       capsys.readouterr().err)
 
 

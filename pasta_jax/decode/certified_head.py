@@ -21,7 +21,7 @@ chosen again from the float32 head (`decode.step`). On reference answers teacher
 every position has at most 16 candidates under the bfloat16 bound, and 96% under the int8 one (99.3% at most 32,
 all at most 64; `python -m bench.head_precision`), so the fallback is rare. One row alone (batch 1, one
 lane) takes the float32 head directly: its gemv reads the float32 head as fast as the narrow one. So do the row
-counts where this machine's narrow head is not clearly faster (`model/head_plan.py`, `plan.exact`).
+counts where this machine's narrow head is not clearly faster (`model/head_plan.py`, `plan.exact_at`).
 """
 
 from __future__ import annotations
@@ -76,10 +76,10 @@ def upper_bounds(tree: dict, x: jax.Array, decode_layout: bool = True) -> jax.Ar
 def head_logits(params, x: jax.Array, cap: float | None, decode_layout: bool = True, plan: HeadPlan = FIXED):
   """x [B, Q, D] final-normed hidden -> (logits [B, Q, V], exact ids [B, Q, K] or None).
 
-  At the row counts of `plan.exact` (one row, and wherever the narrow head is no faster on this machine): the
+  At the row counts of `plan.exact_at` (one row, and wherever the narrow head is no faster on this machine): the
   exact float32 head, ids None. Otherwise mixed logits (exact at the K ids, upper bounds elsewhere)."""
   tree = params["params"]
-  if x.shape[0] * x.shape[1] in plan.exact:
+  if plan.exact_at(x.shape[0] * x.shape[1]):
     return exact_logits(params, x, cap, decode_layout, plan), None
   upper = upper_bounds(tree, x, decode_layout)
   ids = top_ids(upper, CANDIDATES)  # [B, Q, K]
