@@ -43,15 +43,16 @@ UNEMBED = MODEL.params["params"]["embedder"]
 PROMPTS = [[2, 5, 7, 9, 11, 13], [2, 40, 41], [2] + [3] * 11 + [4]]
 
 
-def random_heads(num_heads=3, seed=1, scale=0.3, shared=True):
-  heads = medusa.init_heads(medusa.MedusaConfig(num_heads=num_heads, shared_head=shared), UNEMBED)
+def random_heads(num_heads=3, seed=1, scale=0.3, shared=True, next_token=False):
+  heads = medusa.init_heads(medusa.MedusaConfig(num_heads=num_heads, shared_head=shared, next_token=next_token),
+                            UNEMBED)
   key = jax.random.key(seed)
   return {k: v + scale * jax.random.normal(jax.random.fold_in(key, i), v.shape) if k != "out" else v
           for i, (k, v) in enumerate(heads.items())}
 
 
 def drafter(num_heads=3, top_k=4, **kw):
-  config = medusa.MedusaConfig(num_heads=num_heads)
+  config = medusa.MedusaConfig(num_heads=num_heads, next_token=kw.get("next_token", False))
   return Drafter(random_heads(num_heads, **kw), config, np.full((num_heads, top_k), 0.2, np.float32))
 
 
@@ -98,9 +99,64 @@ def test_head_top_tokens_rank_the_draft_vocabulary(shared):
   np.testing.assert_array_equal(full[:, 0], jax.lax.top_k(hidden @ UNEMBED.T, 3)[1])
 
 
-def test_heads_save_and_load(tmp_path):
-  heads = {**random_heads(), "vocab": jnp.arange(40, 80, dtype=jnp.int32)}
-  config = medusa.MedusaConfig(num_heads=3)
+def test_next_token_heads_read_the_token_after_h_and_start_as_plain_heads():
+  """z_k = h + SiLU(W_k h + U_k e(x) + b_k), e the embedding row at unit RMS: brute force per head; U = 0 (a fresh
+  head) gives plain heads' logits; heads refuse the wrong inputs."""
+  hidden = jax.random.normal(jax.random.key(0), (3, UNEMBED.shape[1]))
+  nxt = jnp.asarray([5, 77, 300])
+  config = medusa.MedusaConfig(num_heads=2, next_token=True)
+  fresh = medusa.init_heads(config, UNEMBED)
+  plain = medusa.init_heads(medusa.MedusaConfig(num_heads=2), UNEMBED)
+  features = medusa.next_features(UNEMBED, nxt)
+  np.testing.assert_allclose(np.sqrt(np.mean(np.square(features), axis=-1)), 1.0, rtol=1e-4)
+  np.testing.assert_array_equal(medusa.head_logits(fresh, hidden, UNEMBED, next_embed=features),
+                                medusa.head_logits(plain, hidden, UNEMBED))
+  heads = random_heads(2, next_token=True)
+  got = medusa.head_states(heads, hidden, features)
+  for i in range(3):
+    e = np.asarray(UNEMBED[nxt[i]], np.float64)
+    e = e / np.sqrt(np.mean(e * e))
+    for h in range(2):
+      pre = np.asarray(hidden[i]) @ np.asarray(heads["w"][h]) + e @ np.asarray(heads["u"][h]) + heads["b"][h]
+      np.testing.assert_allclose(got[i, h], np.asarray(hidden[i]) + pre / (1 + np.exp(-pre)), rtol=2e-4, atol=2e-4)
+  with pytest.raises(ValueError, match="next token"):
+    medusa.head_states(heads, hidden)
+  with pytest.raises(ValueError, match="do not read the next token"):
+    medusa.head_states(plain, hidden, features)
+  assert medusa.head_sizes(config, 100, 8)["shared"] == 2 * (2 * 64 + 8)
+
+
+def test_next_token_heads_learn_what_the_next_token_tells():
+  """Gradients reach U; on targets that are a function of the next token alone (which h does not carry), a few
+  steps of the Medusa loss bring next_token heads' loss below plain heads'."""
+  import optax
+  rng = np.random.default_rng(0)
+  nxt = jnp.asarray(rng.integers(0, 64, 256))
+  targets = jnp.stack([(nxt * 7 + 3) % 64, (nxt * 5 + 1) % 64], axis=1)
+  hidden = jnp.asarray(rng.standard_normal((256, UNEMBED.shape[1])), jnp.float32)
+  losses = {}
+  for next_token in (False, True):
+    config = medusa.MedusaConfig(num_heads=2, next_token=next_token)
+    heads = medusa.init_heads(config, UNEMBED)
+    features = medusa.next_features(UNEMBED, nxt) if next_token else None
+    loss_fn = functools.partial(lambda p, c, f: medusa.medusa_loss(p, hidden, targets, UNEMBED, c, None, f)[0],
+                                c=config, f=features)
+    opt = optax.adam(3e-2)
+    state = opt.init(heads)
+    for _ in range(60):
+      grads = jax.grad(loss_fn)(heads)
+      if next_token:
+        assert float(jnp.abs(grads["u"]).max()) > 0
+      updates, state = opt.update(grads, state)
+      heads = optax.apply_updates(heads, updates)
+    losses[next_token] = float(loss_fn(heads))
+  assert losses[True] < 0.5 * losses[False]
+
+
+@pytest.mark.parametrize("next_token", [False, True])
+def test_heads_save_and_load(tmp_path, next_token):
+  heads = {**random_heads(next_token=next_token), "vocab": jnp.arange(40, 80, dtype=jnp.int32)}
+  config = medusa.MedusaConfig(num_heads=3, next_token=next_token)
   medusa.save_heads(tmp_path, heads, config, {"note": "x"})
   loaded, config2, meta = medusa.load_heads(tmp_path)
   assert config2 == config and meta == {"note": "x"}
@@ -191,9 +247,9 @@ def plain_greedy():
 
 
 @settings(max_examples=2, deadline=None)
-@given(choices_lists(max_depth=3, max_rank=4, max_nodes=12), st.integers(0, 3))
-def test_greedy_tree_decoding_is_plain_greedy_decoding(choices, seed):
-  d = drafter(seed=seed)
+@given(choices_lists(max_depth=3, max_rank=4, max_nodes=12), st.integers(0, 3), st.booleans())
+def test_greedy_tree_decoding_is_plain_greedy_decoding(choices, seed, next_token):
+  d = drafter(seed=seed, next_token=next_token)
   results = api.generate_ids(MODEL, PROMPTS, method="medusa", heads=d, choices=choices, max_new_tokens=48)
   assert_same_greedy(plain_greedy(), results)
   for r in results:

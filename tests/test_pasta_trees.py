@@ -43,11 +43,14 @@ def toy(seed: int) -> dict:
   return {**params, "readout": 3.0 * params["readout"]}
 
 
-def toy_heads(params, num_heads: int, scale: float, seed: int) -> dict:
-  """Heads over the toy's readout rows; scale 0: each head starts as the base readout (guesses loops well)."""
-  heads = medusa.init_heads(medusa.MedusaConfig(num_heads=num_heads), params["readout"].T)
-  noise = jax.random.normal(jax.random.key(seed), heads["w"].shape)
-  return {**heads, "w": heads["w"] + scale * noise}
+def toy_heads(params, num_heads: int, scale: float, seed: int, next_token: bool = False) -> dict:
+  """Heads over the toy's readout rows; scale 0: each head starts as the base readout (guesses loops well).
+  next_token: heads that also read the bonus token (random U of the same scale)."""
+  config = medusa.MedusaConfig(num_heads=num_heads, next_token=next_token)
+  heads = medusa.init_heads(config, params["readout"].T)
+  noise = {k: scale * jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), heads[k].shape)
+           for i, k in enumerate(("w", "u")) if k in heads}
+  return {**heads, **{k: heads[k] + v for k, v in noise.items()}}
 
 
 def run(params, prompts, lanes: int, pool: int, tree: TokenTree | None = None, heads=None, num_heads: int = 3,
@@ -62,7 +65,8 @@ def run(params, prompts, lanes: int, pool: int, tree: TokenTree | None = None, h
   rules = PastaTreeRules(tree=tree, thread_lanes=lanes, threads=THREADS, num_heads=num_heads, top_k=4)
   cfg = InterpreterConfig(vocab=VOCAB, lanes=lanes * tree.size, max_threads=THREADS + rules.node_lanes,
                           pool_slots=pool, max_steps=256, rules=rules, max_content=budget)
-  inputs = {"heads": heads, "drafted": heads.get("drafted", params["readout"].T)}
+  inputs = medusa.bind_rows({"heads": heads, "drafted": heads.get("drafted", params["readout"].T)},
+                            params["readout"].T)
   return run_interpreter(toy_apply, params, prompts, cfg, vocab_size=VOCAB_SIZE, pool_spec=pool_spec,
                          rule_inputs=inputs)
 
@@ -104,6 +108,15 @@ def test_greedy_trees_on_every_thread_write_pastas_greedy_answer(choices, seed, 
   trees = run(params, TOY_PROMPTS, lanes, pool, tree, toy_heads(params, 3, scale, seed))
   assert_same_threads(run(params, TOY_PROMPTS, lanes, pool), trees)
   assert_content_counted(trees)
+
+
+def test_next_token_heads_on_every_thread_write_pastas_greedy_answer():
+  """Heads that read each thread's bonus token: still PASTA's greedy answer, and trees still accept."""
+  params = toy(1)
+  tree = TokenTree.from_choices([(0,), (0, 0), (1,)])
+  trees = run(params, TOY_PROMPTS, 4, 256, tree, toy_heads(params, 3, 0.05, 1, next_token=True))
+  assert_same_threads(run(params, TOY_PROMPTS, 4, 256), trees)
+  assert sum(out.rule_outputs["tree_tokens"] for out in trees) > sum(out.rule_outputs["tree_steps"] for out in trees)
 
 
 def test_forks_speculate_alongside_main():

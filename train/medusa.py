@@ -6,7 +6,8 @@ Stages, each resumable (a finished stage is skipped; `distill` appends and resum
   distill  self-distillation data: the model's own greedy answers to training-pool prompts (Medusa-2's advice
            for models whose training data is not at hand), written as token ids to distill.jsonl;
   train    the heads on a frozen base: loss sum_k 0.8^k CE(head_k) (`pasta_jax.model.medusa`), the base's
-           hidden states computed once and cached; heads.safetensors + heads.json at the end;
+           hidden states computed once and cached; heads.safetensors + heads.json at the end (--next-token:
+           heads that also read the token at t + 1, the tree's root);
   calibrate  per-head top-k hit rates on held-out distilled answers (calibration.json): the tree builder's
            and ProPD's prior;
   early    ProPD's early prediction head (`decode/rules/pruning.py`): the residual stream after --early-layer
@@ -95,18 +96,19 @@ def split(rows: list[dict], held_out: float) -> tuple[list[dict], list[dict]]:
 
 
 def hidden_and_targets(model, rows: list[dict], num_heads: int, cache: Path | None = None
-                       ) -> tuple[np.ndarray, np.ndarray]:
-  """The frozen base's last hidden states at every training position ([M, D]) and the heads' targets [M, H],
-  cached in `cache` (an .npz; recomputed when the rows or the head count change)."""
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The frozen base's last hidden states at every training position t ([M, D]), the heads' targets [M, H]
+  and the token at t + 1 [M] (what next_token heads read), cached in `cache` (an .npz; recomputed when the rows
+  or the head count change)."""
   key = f"{len(rows)}-{num_heads}-{sum(len(r['answer_ids']) for r in rows)}-{model.source}"
   if cache is not None and cache.exists():
     saved = np.load(cache)
-    if str(saved["key"]) == key:
-      return saved["states"], saved["targets"]
-  states, targets = compute_hidden(model, rows, num_heads)
+    if str(saved["key"]) == key and "next_tokens" in saved:
+      return saved["states"], saved["targets"], saved["next_tokens"]
+  states, targets, next_tokens = compute_hidden(model, rows, num_heads)
   if cache is not None:
-    np.savez(cache, states=states, targets=targets, key=key)
-  return states, targets
+    np.savez(cache, states=states, targets=targets, next_tokens=next_tokens, key=key)
+  return states, targets, next_tokens
 
 
 def padded_batches(rows: list[dict], batch: int, desc: str):
@@ -121,7 +123,8 @@ def padded_batches(rows: list[dict], batch: int, desc: str):
     yield chunk, seqs, tokens, [len(q) for q in seqs]
 
 
-def compute_hidden(model, rows: list[dict], num_heads: int, batch: int = 4) -> tuple[np.ndarray, np.ndarray]:
+def compute_hidden(model, rows: list[dict], num_heads: int, batch: int = 4
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   import jax
   import jax.numpy as jnp
 
@@ -133,14 +136,15 @@ def compute_hidden(model, rows: list[dict], num_heads: int, batch: int = 4) -> t
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     return module.apply(model.params, tokens, positions, causal_mask(*tokens.shape, lengths), hidden_only=True)
 
-  states, targets = [], []
+  states, targets, next_tokens = [], [], []
   for chunk, seqs, tokens, lengths in padded_batches(rows, batch, "hidden states (frozen base)"):
     h = np.asarray(hidden(jnp.asarray(tokens), jnp.asarray(lengths)))
     for i, (seq, r) in enumerate(zip(seqs, chunk)):
       pos, tgt = medusa.position_targets(seq, len(r["prompt_ids"]), num_heads)
       states.append(h[i, pos])
       targets.append(tgt)
-  return np.concatenate(states).astype(np.float32), np.concatenate(targets)
+      next_tokens.append(seq[pos + 1])  # position_targets' positions end at T - 3
+  return np.concatenate(states).astype(np.float32), np.concatenate(targets), np.concatenate(next_tokens)
 
 
 def draft_vocabulary(model, rows: list[dict], size: int, cache: Path) -> np.ndarray:
@@ -169,7 +173,7 @@ def train_heads(model, rows: list[dict], out: Path, config, epochs: int, batch: 
   import jax
   import jax.numpy as jnp
   import optax
-  states, targets = hidden_and_targets(model, rows, config.num_heads, out / "hidden_train.npz")
+  states, targets, next_tokens = hidden_and_targets(model, rows, config.num_heads, out / "hidden_train.npz")
   unembed = model.params["params"]["embedder"]
   softcap = model.config.final_logit_softcap
   vocab = draft_vocabulary(model, rows, vocab_size, out / "vocab.npy") if vocab_size else None
@@ -184,9 +188,10 @@ def train_heads(model, rows: list[dict], out: Path, config, epochs: int, batch: 
   opt_state = optimizer.init(heads)
 
   @jax.jit
-  def update(heads, opt_state, h, t):
+  def update(heads, opt_state, h, t, nxt, embedding):
+    next_embed = medusa.next_features(embedding, nxt) if config.next_token else None
     (loss, per_head), grads = jax.value_and_grad(medusa.medusa_loss, has_aux=True)(heads, h, t, drafted, config,
-                                                                                  softcap)
+                                                                                  softcap, next_embed)
     updates, opt_state = optimizer.update(grads, opt_state, heads)
     return optax.apply_updates(heads, updates), opt_state, loss, per_head
 
@@ -198,7 +203,7 @@ def train_heads(model, rows: list[dict], out: Path, config, epochs: int, batch: 
       for i in range(len(states) // batch):
         pick = order[i * batch:(i + 1) * batch]
         heads, opt_state, loss, per_head = update(heads, opt_state, jnp.asarray(states[pick]),
-                                                  jnp.asarray(targets[pick]))
+                                                  jnp.asarray(targets[pick]), jnp.asarray(next_tokens[pick]), unembed)
         history.append([float(loss)] + [float(x) for x in per_head])
         bar.set_postfix(loss=f"{float(loss):.3f}")
         bar.update()
@@ -218,14 +223,20 @@ def calibrate(model, rows: list[dict], out: Path, top_k: int) -> dict:
   import jax
   import jax.numpy as jnp
   heads, config, _ = medusa.load_heads(out / "heads")
-  states, targets = hidden_and_targets(model, rows, config.num_heads, out / "hidden_held_out.npz")
+  states, targets, next_tokens = hidden_and_targets(model, rows, config.num_heads, out / "hidden_held_out.npz")
   unembed = model.params["params"]["embedder"]
   drafted = medusa.draft_unembed(heads, unembed)
-  top = jax.jit(lambda h: medusa.head_top_tokens(heads, h, drafted, top_k, model.config.final_logit_softcap))
+
+  @jax.jit
+  def top(h, nxt, embedding):
+    next_embed = medusa.next_features(embedding, nxt) if config.next_token else None
+    return medusa.head_top_tokens(heads, h, drafted, top_k, model.config.final_logit_softcap, next_embed)
+
   hits = np.zeros((config.num_heads, top_k))
   counts = np.zeros((config.num_heads,))
   for start in range(0, len(states), 256):
-    ranks = np.asarray(top(jnp.asarray(states[start:start + 256])))  # [m, H, k]
+    ranks = np.asarray(top(jnp.asarray(states[start:start + 256]), jnp.asarray(next_tokens[start:start + 256]),
+                           unembed))  # [m, H, k]
     t = targets[start:start + 256]
     hits += ((ranks == t[:, :, None]) & (t[:, :, None] >= 0)).sum(axis=0)
     counts += (t >= 0).sum(axis=0)
@@ -347,6 +358,8 @@ def main(argv=None) -> int:
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--new-tokens", type=int, default=128)
   parser.add_argument("--heads", type=int, default=4, help="Medusa heads K")
+  parser.add_argument("--next-token", action="store_true",
+                      help="heads that also read the token at t + 1, the tree's root (model/medusa.py)")
   parser.add_argument("--epochs", type=int, default=1)
   parser.add_argument("--train-batch", type=int, default=128, help="positions per step")
   parser.add_argument("--lr", type=float, default=1e-3)
@@ -367,7 +380,8 @@ def main(argv=None) -> int:
       distill(model, out, args.prompts, args.batch, args.new_tokens)
     train_rows, held_rows = split(read_distilled(out / "distill.jsonl"), args.held_out)
     if "train" in stages and not (out / "heads" / medusa.WEIGHTS_FILE).exists():
-      meta = train_heads(model, train_rows, out, medusa.MedusaConfig(num_heads=args.heads), args.epochs,
+      config = medusa.MedusaConfig(num_heads=args.heads, next_token=args.next_token)
+      meta = train_heads(model, train_rows, out, config, args.epochs,
                          args.train_batch, args.lr, args.draft_vocab)
       print(f"heads: {meta['steps']} steps, loss {meta['first_loss'][0]:.3f} -> {meta['last_loss'][0]:.3f}")
     if "calibrate" in stages:

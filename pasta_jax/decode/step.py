@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from pasta_jax.decode import certified_head
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.constraints import language_ids
+from pasta_jax.decode.rules.base import bucket_index, lane_buckets
 from pasta_jax.decode.sampling import first_max_index, penalize_repeats
 from pasta_jax.decode.state import CLOSING, InterpState
 from pasta_jax.model.gemma import KVPool
@@ -147,8 +148,7 @@ def model_on_feeders(model_fn, params, state, feed, slots, cfg: InterpreterConfi
   """Lane-count buckets: one compiled branch per Q in 1, 2, 4, ..., T; the step picks the smallest.
   Returns (sampled, refused, lane_logits, the pool with the step's K/V rows written, (rule_state,
   head_fallbacks))."""
-  sizes = [1 << i for i in range((cfg.lanes - 1).bit_length())] + [cfg.lanes]
-  sizes = sorted(set(sizes)) if cfg.lane_buckets else [cfg.lanes]
+  sizes = lane_buckets(cfg.lanes) if cfg.lane_buckets else (cfg.lanes,)
   # Under a switch the branches only read the pool and the rows are written after it: a branch that wrote the
   # pool would get XLA's copy of it, in and out (150 MB a step for ProPD at batch 8 on a CPU, model/kv_rows.py).
   # Without a switch it is the other way round: a write after reads in the same computation costs two copies.
@@ -162,12 +162,6 @@ def model_on_feeders(model_fn, params, state, feed, slots, cfg: InterpreterConfi
                                                                   feed, slots)
   pool = KVPool(*write_fresh(state.pool.k, state.pool.v, kv_out)) if defer else kv_out
   return sampled, refused, lane_logits, pool, carried
-
-
-def bucket_index(feed: jax.Array, sizes: list[int]) -> jax.Array:
-  """The smallest lane-count bucket that holds every request's feeding lanes (feed [B, T])."""
-  index = jnp.searchsorted(jnp.asarray(sizes), jnp.max(feed.sum(axis=1))).astype(jnp.int32)
-  return jnp.minimum(index, len(sizes) - 1)
 
 
 def advance_scripts(state: InterpState, feed: jax.Array, cfg: InterpreterConfig) -> InterpState:

@@ -6,6 +6,11 @@ token at t + 2 + k (the base's own head predicts t + 1):
   z_k = h_t + SiLU(W_k h_t + b_k)        one residual block, W_k zero-initialised (a fresh head = the base head)
   logits_k = softcap(z_k E^T)             E: the model's tied output head (shared), or a head of its own
 
+With `next_token=True` each head also reads the token at t + 1 (Hydra, Ankner et al. 2024, in its simplest
+form): a tree's root is the base model's own choice, certain before the heads run, so the heads may condition
+on it: z_k = h_t + SiLU(W_k h_t + U_k e(x_{t+1}) + b_k), e the tied embedding row scaled to unit RMS, U_k
+zero-initialised. Knowing x_{t+1} is most of what predicting x_{t+2} needs that h_t lacks.
+
 Gemma 3 270M's output head is 262k x 640, most of the model, so by default every head shares it: the heads
 then own only K x (D x D + D) parameters (1.6M, 6.6 MB in float32, for K = 4 on the 270M); an own head per
 Medusa head adds K x V x D (168M per head on the 270M). `head_sizes` reports both.
@@ -41,6 +46,7 @@ class MedusaConfig:
   num_heads: int = 4  # K
   shared_head: bool = True  # project through the model's tied output head (False: each head owns a V x D copy)
   decay: float = 0.8  # loss weight of head k: decay ** k
+  next_token: bool = False  # the heads also read the embedding of the token at t + 1 (the tree's root)
 
   def __post_init__(self):
     if not 1 <= self.num_heads <= 8:
@@ -54,6 +60,8 @@ def init_heads(config: MedusaConfig, unembed: jax.Array, vocab=None) -> dict:
   dim = unembed.shape[1]
   heads = {"w": jnp.zeros((config.num_heads, dim, dim), jnp.float32),
            "b": jnp.zeros((config.num_heads, dim), jnp.float32)}
+  if config.next_token:
+    heads["u"] = jnp.zeros((config.num_heads, dim, dim), jnp.float32)
   if vocab is not None:
     heads["vocab"] = jnp.asarray(vocab, jnp.int32)
   if not config.shared_head:
@@ -62,17 +70,38 @@ def init_heads(config: MedusaConfig, unembed: jax.Array, vocab=None) -> dict:
   return heads
 
 
-def head_states(heads: dict, hidden: jax.Array) -> jax.Array:
-  """hidden [..., D] -> each head's residual output [..., K, D]."""
-  h = hidden.astype(jnp.float32)[..., None, :]  # [..., 1, D]
-  return h + jax.nn.silu(jnp.einsum("...kd,kde->...ke", jnp.broadcast_to(h, h.shape[:-2] + heads["b"].shape),
-                                    heads["w"]) + heads["b"])
+def next_features(embedding: jax.Array, tokens: jax.Array) -> jax.Array:
+  """The tied embedding rows of `tokens` [...] (embedding [V, D]), each scaled to unit RMS: [..., D] float32,
+  what a `next_token` head reads of x_{t+1} (the scale keeps U's learning rate that of W, whose input h_t is
+  the final norm's output)."""
+  rows = embedding[tokens].astype(jnp.float32)
+  return rows * jax.lax.rsqrt(jnp.mean(rows * rows, axis=-1, keepdims=True) + 1e-6)
 
 
-def head_logits(heads: dict, hidden: jax.Array, unembed: jax.Array, softcap: float | None = None) -> jax.Array:
+def _mixed(heads: dict, x: jax.Array, name: str) -> jax.Array:
+  """x [..., D] through each head's [D, D] matrix `name`: [..., K, D]."""
+  return jnp.einsum("...kd,kde->...ke", jnp.broadcast_to(x[..., None, :], x.shape[:-1] + heads["b"].shape),
+                    heads[name])
+
+
+def head_states(heads: dict, hidden: jax.Array, next_embed: jax.Array | None = None) -> jax.Array:
+  """hidden [..., D] -> each head's residual output [..., K, D]. next_embed [..., D]: `next_features` of the
+  token at t + 1, which heads trained with `next_token` read (and others must not be given)."""
+  if ("u" in heads) != (next_embed is not None):
+    raise ValueError("heads trained with next_token=True read the next token's features (next_embed), and only "
+                     "they do" if "u" in heads else "these heads do not read the next token (next_token=False)")
+  h = hidden.astype(jnp.float32)
+  pre = _mixed(heads, h, "w") + heads["b"]
+  if next_embed is not None:
+    pre = pre + _mixed(heads, next_embed.astype(jnp.float32), "u")
+  return h[..., None, :] + jax.nn.silu(pre)
+
+
+def head_logits(heads: dict, hidden: jax.Array, unembed: jax.Array, softcap: float | None = None,
+                next_embed: jax.Array | None = None) -> jax.Array:
   """hidden [..., D] -> logits [..., K, V] of the K heads (each row of the shared head is read once for
   all K heads: one [.. K, D] x [D, V] product)."""
-  z = head_states(heads, hidden)
+  z = head_states(heads, hidden, next_embed)
   if "out" in heads:
     logits = jnp.einsum("...kd,kvd->...kv", z, heads["out"].astype(z.dtype), preferred_element_type=jnp.float32)
   else:
@@ -87,6 +116,26 @@ def draft_unembed(heads: dict, unembed: jax.Array) -> jax.Array:
   return unembed[heads["vocab"]] if "vocab" in heads else unembed
 
 
+def bind_rows(rule_inputs: dict, embedding: jax.Array) -> dict:
+  """A tree rule's inputs with what its heads read of the model's tied embedding [V, D], gathered once per run:
+  the draft rows (`draft_rows`), and for next_token heads the embedding itself (`next_features` at each step)."""
+  bound = dict(rule_inputs)
+  if "drafted" not in bound:
+    bound["drafted"] = draft_rows(bound["heads"], embedding)
+  if "u" in bound["heads"] and "embedding" not in bound:
+    bound["embedding"] = embedding
+  return bound
+
+
+def rule_top_tokens(inputs: dict, hidden: jax.Array, next_tokens: jax.Array, top_k: int,
+                    softcap: float | None = None) -> jax.Array:
+  """`head_top_tokens` inside a tree rule (inputs: `bind_rows`'): hidden [..., D] at a path's last node,
+  next_tokens [...] the base model's choice there (the next tree's root), read by next_token heads only."""
+  heads = inputs["heads"]
+  next_embed = next_features(inputs["embedding"], next_tokens) if "u" in heads else None
+  return head_top_tokens(heads, hidden, inputs["drafted"], top_k, softcap, next_embed)
+
+
 def draft_rows(heads: dict, unembed: jax.Array) -> jax.Array:
   """`draft_unembed`'s rows as decoding ranks them: in bfloat16 (float32 accumulation). The heads only propose;
   the model's own head verifies every proposal, so a narrower copy changes which tokens are drafted, never which
@@ -96,18 +145,19 @@ def draft_rows(heads: dict, unembed: jax.Array) -> jax.Array:
 
 
 def head_top_tokens(heads: dict, hidden: jax.Array, drafted: jax.Array, top_k: int,
-                    softcap: float | None = None) -> jax.Array:
+                    softcap: float | None = None, next_embed: jax.Array | None = None) -> jax.Array:
   """hidden [..., D] -> [..., H, top_k] int32 each head's most likely token ids. drafted: `draft_unembed`'s
-  rows (gathered once per run, not per step)."""
-  ranks = jax.lax.top_k(head_logits(heads, hidden, drafted, softcap), top_k)[1]
+  rows (gathered once per run, not per step); next_embed: as `head_states`."""
+  ranks = jax.lax.top_k(head_logits(heads, hidden, drafted, softcap, next_embed), top_k)[1]
   return (heads["vocab"][ranks] if "vocab" in heads else ranks).astype(jnp.int32)
 
 
 def medusa_loss(heads: dict, hidden: jax.Array, targets: jax.Array, unembed: jax.Array, config: MedusaConfig,
-                softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
+                softcap: float | None = None, next_embed: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Medusa-1 loss: hidden [M, D] (h_t after token t), targets [M, H] (token t + 2 + h, -1 where there is
-  none). Returns (sum_h decay^h mean CE_h, [H] per-head mean CE)."""
-  logits = head_logits(heads, hidden, unembed, softcap)  # [M, H, V]
+  none), next_embed [M, D] (`next_features` of token t + 1, for next_token heads). Returns (sum_h decay^h mean
+  CE_h, [H] per-head mean CE)."""
+  logits = head_logits(heads, hidden, unembed, softcap, next_embed)  # [M, H, V]
   valid = targets >= 0
   log_p = jax.nn.log_softmax(logits, axis=-1)
   ce = -jnp.take_along_axis(log_p, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]  # [M, H]
@@ -130,7 +180,7 @@ def position_targets(tokens: np.ndarray, first: int, num_heads: int) -> tuple[np
 
 def head_sizes(config: MedusaConfig, vocab: int, dim: int) -> dict:
   """Parameter counts of the heads with the shared output head and with an own head per Medusa head."""
-  residual = config.num_heads * (dim * dim + dim)
+  residual = config.num_heads * ((2 if config.next_token else 1) * dim * dim + dim)
   return {"shared": residual, "own": residual + config.num_heads * vocab * dim}
 
 
@@ -154,6 +204,7 @@ def load_heads(folder: str | Path) -> tuple[dict, MedusaConfig, dict]:
   info = json.loads((folder / CONFIG_FILE).read_text())
   config = MedusaConfig(**info["config"])
   heads = {k: jnp.asarray(v) for k, v in load_file(str(folder / WEIGHTS_FILE)).items()}
-  if heads["w"].shape[0] != config.num_heads or ("out" in heads) == config.shared_head:
+  if (heads["w"].shape[0] != config.num_heads or ("out" in heads) == config.shared_head
+      or ("u" in heads) != config.next_token):
     raise WeightsError(f"{folder}: weights do not match {CONFIG_FILE} ({config})")
   return heads, config, info.get("meta", {})

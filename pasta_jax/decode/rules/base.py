@@ -52,6 +52,19 @@ class InterpreterConfig(Protocol):
   sampling: SamplingConfig
 
 
+def lane_buckets(most: int) -> tuple[int, ...]:
+  """The row-count buckets of a step of at most `most` rows: 1, 2, 4, ... below it, and `most`. The driver
+  compiles one model call per bucket (`step.model_on_feeders`); ProPD chooses its tree sizes among them, and
+  PASTA x trees runs its heads on as many rows."""
+  return tuple(sorted({1 << i for i in range(most.bit_length()) if 1 << i < most} | {most}))
+
+
+def bucket_index(feed: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
+  """The smallest bucket of `sizes` that holds every request's feeding rows (feed [B, T] bool)."""
+  index = jnp.searchsorted(jnp.asarray(sizes), jnp.max(feed.sum(axis=1))).astype(jnp.int32)
+  return jnp.minimum(index, len(sizes) - 1)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepFeed:

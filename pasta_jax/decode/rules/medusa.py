@@ -42,7 +42,7 @@ import numpy as np
 
 from pasta_jax.decode.pool import lowest_free_slots, usable_slots, write_slots
 from pasta_jax.decode.rules import pruning
-from pasta_jax.decode.rules.base import InterpreterConfig, Rules, StepFeed
+from pasta_jax.decode.rules.base import InterpreterConfig, Rules, StepFeed, lane_buckets
 from pasta_jax.decode.rules.sequential import SequentialRules
 from pasta_jax.decode.state import DONE, FREE, RUNNING, InterpState
 from pasta_jax.decode.tree import TokenTree
@@ -103,8 +103,7 @@ class MedusaRules(SequentialRules):
   @property
   def sizes(self) -> tuple[int, ...]:
     """The tree sizes ProPD chooses among: the lane buckets up to the whole tree."""
-    n = self.tree.size
-    return tuple(sorted({1 << i for i in range(n.bit_length()) if 1 << i < n} | {n}))
+    return lane_buckets(self.tree.size)
 
   # --- state ---------------------------------------------------------------------------------------
   def bind_inputs(self, rule_inputs, params):
@@ -112,9 +111,7 @@ class MedusaRules(SequentialRules):
     pruning without a trained early head reads the model's final norm (the logit lens)."""
     if rule_inputs is None:
       return rule_inputs
-    bound = dict(rule_inputs)
-    if "drafted" not in bound:
-      bound["drafted"] = medusa.draft_rows(bound["heads"], params["params"]["embedder"])
+    bound = medusa.bind_rows(rule_inputs, params["params"]["embedder"])
     if self.prune is not None and "early" not in bound:
       bound["early"] = pruning.logit_lens_head(params["params"]["final_norm"]["scale"])
     if self.prune is not None and self.prune.top_k > bound["drafted"].shape[0]:
@@ -256,7 +253,7 @@ class MedusaRules(SequentialRules):
     fresh = fed
     if self.dynamic:  # no request will feed a tree next step: the heads do not run (the step costs a plain one)
       fresh = fed & (jnp.any(self.planned_size(new, fed) > 1) | self.probing(state.step))
-    candidates = jax.lax.cond(jnp.any(fresh), lambda: self.last_node_candidates(d, hidden, last),
+    candidates = jax.lax.cond(jnp.any(fresh), lambda: self.last_node_candidates(d, hidden, last, new.root_token),
                               lambda: d.candidates)
     new = dataclasses.replace(new, candidates=jnp.where(fresh[:, None, None], candidates, d.candidates),
                               have_candidates=jnp.where(fed, fresh, d.have_candidates))
@@ -271,10 +268,11 @@ class MedusaRules(SequentialRules):
       return jnp.zeros((), bool)
     return step % self.probe_every == 0
 
-  def last_node_candidates(self, d: TreeState, hidden, last) -> jax.Array:
-    """[B, H, k] the heads' top tokens at each request's last path node (hidden [B, Q, D] of the tree's rows)."""
+  def last_node_candidates(self, d: TreeState, hidden, last, root) -> jax.Array:
+    """[B, H, k] the heads' top tokens at each request's last path node (hidden [B, Q, D] of the tree's rows;
+    root [B]: the base model's choice there, the next tree's root)."""
     at_last = hidden[jnp.arange(last.shape[0]), last]
-    return medusa.head_top_tokens(d.inputs["heads"], at_last, d.inputs["drafted"], self.top_k, self.softcap)
+    return medusa.rule_top_tokens(d.inputs, at_last, root, self.top_k, self.softcap)
 
   def accepted_nodes(self, state, node_token, chosen, logits, row_ok, depth, parent, cfg) -> jax.Array:
     """[B, Q] bool: nodes whose whole path is accepted (the root always is)."""

@@ -38,7 +38,7 @@ import numpy as np
 
 from pasta_jax.decode.constraints import AllowedTokens, language_ids
 from pasta_jax.decode.pool import inserted_rows, lowest_free_slots, usable_slots, write_slots
-from pasta_jax.decode.rules.base import InterpreterConfig, Rules, StepFeed
+from pasta_jax.decode.rules.base import InterpreterConfig, Rules, StepFeed, bucket_index, lane_buckets
 from pasta_jax.decode.rules.pasta import PastaRules, apply_samples, apply_spawn, plan_feeds, release_sync
 from pasta_jax.decode.state import FREE, RUNNING, InterpState
 from pasta_jax.decode.tree import TokenTree
@@ -139,9 +139,9 @@ class PastaTreeRules(PastaRules):
   # --- state ---------------------------------------------------------------------------------------
   def bind_inputs(self, rule_inputs, params):
     """The heads rank the draft vocabulary's rows of the model's tied output head, gathered here once."""
-    if rule_inputs is None or "drafted" in rule_inputs:
+    if rule_inputs is None:
       return rule_inputs
-    return {**rule_inputs, "drafted": medusa.draft_rows(rule_inputs["heads"], params["params"]["embedder"])}
+    return medusa.bind_rows(rule_inputs, params["params"]["embedder"])
 
   def init_rule_state(self, prompt_tokens, lengths, rule_inputs, cfg: InterpreterConfig) -> ThreadTrees:
     if rule_inputs is None or "heads" not in rule_inputs or "drafted" not in rule_inputs:
@@ -243,7 +243,7 @@ class PastaTreeRules(PastaRules):
     bonus = jnp.take_along_axis(node_choice, last[..., None], axis=-1)[..., 0]
     fed = node_fed[:, :, 0]
     last_lane = grid[jnp.arange(self.thread_lanes)[None, :], last]  # [B, P]
-    candidates = self.thread_candidates(d, aux, lane_row[b, last_lane], fed, num_q)
+    candidates = self.thread_candidates(d, aux, lane_row[b, last_lane], bonus, fed, num_q)
     grew = jnp.any(node_fed[:, :, 1:], axis=-1)
     new = dataclasses.replace(
         d, path=path, bonus=bonus, accepted=depth[last] * fed,
@@ -263,23 +263,21 @@ class PastaTreeRules(PastaRules):
       accepted |= (depth == level) & match & accepted[:, :, parent]
     return accepted
 
-  def thread_candidates(self, d: ThreadTrees, hidden, rows, fed, num_q: int) -> jax.Array:
+  def thread_candidates(self, d: ThreadTrees, hidden, rows, bonus, fed, num_q: int) -> jax.Array:
     """[B, P, H, k] the heads' top tokens at each fed thread's last path node (hidden [B, Q, D]; rows [B, P] its
-    row). The heads run on as many rows as the most threads any request fed (a power of two up to min(P, Q): no
-    more threads than rows can feed), fed threads first."""
+    row; bonus [B, P] the base model's choice there). The heads run on as many rows as the most threads any
+    request fed (a lane bucket up to min(P, Q): no more threads than rows can feed), fed threads first."""
     b = jnp.arange(fed.shape[0])[:, None]
     order = jnp.argsort(~fed, axis=1, stable=True)  # fed threads first
 
     def heads_on(count: int):  # the heads cost most of a row each (a draft-vocabulary head apiece): run few
-      top = medusa.head_top_tokens(d.inputs["heads"], hidden[b, rows[b, order[:, :count]]], d.inputs["drafted"],
-                                   self.top_k, self.softcap)  # [B, count, H, k]
+      pick = order[:, :count]
+      top = medusa.rule_top_tokens(d.inputs, hidden[b, rows[b, pick]], bonus[b, pick], self.top_k,
+                                   self.softcap)  # [B, count, H, k]
       return d.candidates.at[b, order[:, :count]].set(top)
 
-    most = min(self.thread_lanes, num_q)
-    sizes = sorted({1 << i for i in range(most.bit_length()) if 1 << i < most} | {most})
-    need = jnp.max(fed.sum(axis=1))
-    index = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), need), len(sizes) - 1)
-    return jax.lax.switch(index, [functools.partial(heads_on, s) for s in sizes])
+    sizes = lane_buckets(min(self.thread_lanes, num_q))
+    return jax.lax.switch(bucket_index(fed, sizes), [functools.partial(heads_on, s) for s in sizes])
 
   # --- after: PASTA's transitions on the bonus tokens, records of the paths ---------------------------
   def after_model(self, state: InterpState, step: StepFeed, sampled, cfg: InterpreterConfig, length_table):
