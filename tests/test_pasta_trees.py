@@ -17,7 +17,9 @@ from pasta_jax.decode import api
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import run_interpreter
 from pasta_jax.decode.result import content_ids
+from pasta_jax.decode.rules.medusa import MedusaRules
 from pasta_jax.decode.rules.pasta_tree import PastaTreeRules
+from pasta_jax.decode.rules.sequential import SequentialRules
 from pasta_jax.decode.state import STEP, THREAD, TOKEN
 from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
 from pasta_jax.decode.tree import TokenTree
@@ -117,6 +119,47 @@ def test_next_token_heads_on_every_thread_write_pastas_greedy_answer():
   trees = run(params, TOY_PROMPTS, 4, 256, tree, toy_heads(params, 3, 0.05, 1, next_token=True))
   assert_same_threads(run(params, TOY_PROMPTS, 4, 256), trees)
   assert sum(out.rule_outputs["tree_tokens"] for out in trees) > sum(out.rule_outputs["tree_steps"] for out in trees)
+
+
+def test_next_token_heads_read_the_new_root(monkeypatch):
+  """A tree's heads read the next root (the base model's choice at the accepted path's end), not the root just
+  verified. Heads stubbed to propose succ[x] for next token x (succ: each token's successor in the toy's plain
+  greedy answers) on a 2-node tree (root + head 0's top token): a step writes two tokens exactly where the answer's
+  token after the root is succ[root], which a walk along the answer counts. (Plain greedy of the tiny Gemma
+  repeats one token, where the two roots agree; the toy's answers vary.)"""
+  params, pool_spec = toy(0), (1, 1, TOY.head_dim, jnp.float32)
+  plain_cfg = InterpreterConfig(vocab=VOCAB, lanes=1, max_threads=1, pool_slots=256, max_steps=220,
+                                rules=SequentialRules())
+  plain = run_interpreter(toy_apply, params, TOY_PROMPTS, plain_cfg, vocab_size=VOCAB_SIZE, pool_spec=pool_spec)
+  succ = np.zeros(VOCAB_SIZE, np.int32)
+  for out in plain:
+    toks = out.records[:, TOKEN]
+    succ[toks[:-1]] = toks[1:]
+  table = jnp.asarray(succ)
+
+  def stub(inputs, hidden, next_tokens, top_k, softcap=None):
+    return jnp.broadcast_to(table[next_tokens][..., None, None], next_tokens.shape + (3, top_k))
+
+  monkeypatch.setattr(medusa, "rule_top_tokens", stub)
+  jax.clear_caches()
+  rules = MedusaRules(tree=TokenTree.from_choices([(0,)]), num_heads=3, top_k=4)
+  cfg = InterpreterConfig(vocab=VOCAB, lanes=2, max_threads=2, pool_slots=256, max_steps=100, rules=rules)
+  heads = toy_heads(params, 3, 0.1, 0, next_token=True)
+  inputs = medusa.bind_rows({"heads": heads, "drafted": params["readout"].T}, params["readout"].T)
+  trees = run_interpreter(toy_apply, params, TOY_PROMPTS, cfg, vocab_size=VOCAB_SIZE, pool_spec=pool_spec,
+                          rule_inputs=inputs)
+  jax.clear_caches()
+  doubled = 0
+  for p, t in zip(plain, trees, strict=True):
+    toks = t.records[:, TOKEN].tolist()
+    assert toks == p.records[:len(toks), TOKEN].tolist()
+    i, doubles = 1, 0  # the first tree step feeds the root alone (no candidates yet)
+    while i < len(toks) - 1:
+      double = toks[i + 1] == succ[toks[i]]
+      doubles, i = doubles + double, i + 1 + double
+    assert t.rule_outputs["tree_tokens"] - t.rule_outputs["tree_steps"] == doubles
+    doubled += doubles
+  assert doubled > 20
 
 
 def test_forks_speculate_alongside_main():
