@@ -9,7 +9,8 @@ answer tokens) decoded by
             calibrated first on this device and batch size (`speculation.calibrate_latency`), and its early
             pruning when the heads folder has a trained early head (`decode/rules/pruning.py`; without one, ProPD
             does not prune and this row equals the next);
-  - propd-unpruned  the same without early pruning (its own calibration), to show what pruning gives.
+  - propd-unpruned  the same without early pruning (its own calibration), to show what pruning gives (only with
+            an early head: without one, ProPD does not prune and this row would repeat the last).
 Every program is compiled and run once before timing; figures are medians of --runs rounds, each of which runs
 every method once in turn on each prompt group (a slow spell of the machine then lands on every method alike).
 Tree decoding is lossless, so every method writes the same tokens (checked: mismatches are printed and counted) and the
@@ -112,7 +113,10 @@ def bench_batch(model, drafter, ids, batch: int, args) -> dict:
   for size in big + [int(s) for s in args.small_trees.split(",") if s]:
     methods[f"medusa-{size}"] = dict(method="medusa", heads=drafter, tree_size=size, **common)
   calibrations = {}
-  for name, prune in (("propd", None), ("propd-unpruned", False)):
+  # Without a trained early head ProPD does not prune (speculation.early_prune): "propd-unpruned" would be the
+  # same configuration, timed twice.
+  variants = (("propd", None), ("propd-unpruned", False)) if drafter.early_head is not None else (("propd", None),)
+  for name, prune in variants:
     calibrations[name] = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16, prune=prune,
                                            run_tokens=args.new_tokens,
                                            **({"certify_head": True} if args.certify_head else {}))
@@ -139,7 +143,7 @@ def report(batch: int, rows: dict) -> None:
     chosen = " ".join(f"{k}:{v}" for k, v in sorted(sizes.items()) if v) if name.startswith("propd") else ""
     print(f"{name:>14} {r['tok_s']:9.2f} {r['tok_s'] / plain:8.3f} {r['accept']:7.2f} "
           f"{mismatches(rows['plain'], r):8d} {pruned:7.1%}  {chosen}")
-  for name in ("propd", "propd-unpruned"):
+  for name in (n for n in ("propd", "propd-unpruned") if n in rows):
     cal = rows[name]["calibration"]
     times = lambda c: " ".join(f"T({s})={t * 1e3:.1f}ms" for s, t in zip(c["sizes"], c["seconds"]))
     if cal.get("first_pass"):
