@@ -5,10 +5,12 @@ answer tokens) decoded by
   - plain   one token per step (method "sequential");
   - medusa  Medusa's fixed tree of --tree nodes (64: the size of Medusa's default tree), built by Medusa's
             recipe from the heads' calibrated hit rates, and every smaller fixed tree in --small-trees;
-  - propd   ProPD's dynamic tree size (prefixes of the --tree-node tree), its latency model T(s) = alpha s + beta
-            calibrated first on this device and batch size (`speculation.calibrate_latency`), and its early
+  - propd   ProPD's dynamic tree size (prefixes of the --tree-node tree), its step times T(s) (each lane bucket's
+            as measured, or with --latency-model line the paper's T(s) = alpha s + beta) calibrated first on this
+            device and batch size (`speculation.calibrate_latency`), and its early
             pruning when the heads folder has a trained early head (`decode/rules/pruning.py`; without one, ProPD
             does not prune and this row equals the next);
+  - propd-line  with --latency-model buckets,line: ProPD again, its table on the paper's line (its own calibration);
   - propd-unpruned  the same without early pruning (its own calibration), to show what pruning gives (only with
             an early head: without one, ProPD does not prune and this row would repeat the last).
 Every program is compiled and run once before timing; figures are medians of --runs rounds, each of which runs
@@ -53,6 +55,10 @@ def parse_args(argv=None):
                            "step on a 2-core CPU)")
   parser.add_argument("--model", default=None, help="default: the tuned default model")
   parser.add_argument("--heads", default=None, help="Medusa heads folder (default: the model's shipped heads)")
+  parser.add_argument("--latency-model", default="buckets",
+                      help="ProPD's step-time table: buckets (each size as measured) or line (the tree sizes on the "
+                           "fitted line; speculation.step_times); a comma list times ProPD with each, side by side "
+                           "(rows propd, propd-line)")
   parser.add_argument("--certify-head", action="store_true",
                       help="every method's greedy choices certified against the float32 head at a narrow head's "
                            "cost (int8 on a CPU; decode/certified_head.py): the same tokens, cheaper tree steps")
@@ -116,9 +122,11 @@ def bench_batch(model, drafter, ids, batch: int, args) -> dict:
   # Without a trained early head ProPD does not prune (speculation.early_prune): "propd-unpruned" would be the
   # same configuration, timed twice.
   variants = (("propd", None), ("propd-unpruned", False)) if drafter.early_head is not None else (("propd", None),)
-  for name, prune in variants:
+  models = args.latency_model.split(",")
+  variants = [(f"{name}-{m}" if i else name, prune, m) for name, prune in variants for i, m in enumerate(models)]
+  for name, prune, latency_model in variants:
     calibrations[name] = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16, prune=prune,
-                                           run_tokens=args.new_tokens,
+                                           run_tokens=args.new_tokens, latency_model=latency_model,
                                            **({"certify_head": True} if args.certify_head else {}))
     methods[name] = dict(method="propd", heads=drafter, tree_size=calibrations[name]["tree_size"],
                          latency=calibrations[name]["table"], prune=prune, **common)
@@ -143,14 +151,15 @@ def report(batch: int, rows: dict) -> None:
     chosen = " ".join(f"{k}:{v}" for k, v in sorted(sizes.items()) if v) if name.startswith("propd") else ""
     print(f"{name:>14} {r['tok_s']:9.2f} {r['tok_s'] / plain:8.3f} {r['accept']:7.2f} "
           f"{mismatches(rows['plain'], r):8d} {pruned:7.1%}  {chosen}")
-  for name in (n for n in ("propd", "propd-unpruned") if n in rows):
+  for name in (n for n in rows if n.startswith("propd")):
     cal = rows[name]["calibration"]
     times = lambda c: " ".join(f"T({s})={t * 1e3:.1f}ms" for s, t in zip(c["sizes"], c["seconds"]))
     if cal.get("first_pass"):
       print(f"{name} latency calibration, {cal['first_pass']['tree_size']}-node program: {times(cal['first_pass'])}")
     compiled = (f"compiled tree {cal['tree_size']} nodes (speculation.compiled_size)" if cal["tree_pays"] else
                 "no tree pays: plain decoding's program (speculation.tree_pays)")
-    print(f"{name} latency calibration, {cal['timed_tree']}-node program: {times(cal)}; fit "
+    print(f"{name} latency calibration, {cal['timed_tree']}-node program: {times(cal)} (table: "
+          f"{cal['latency_model']}); fit "
           f"alpha={cal['alpha'] * 1e3:.2f} ms/node beta={cal['beta'] * 1e3:.1f} ms; {compiled}")
   medusa_key = max((k for k in rows if k.startswith("medusa-")), key=lambda k: rows[k]["accept"])
   top1, topk = head_rates(rows[medusa_key]["stats"])

@@ -29,7 +29,7 @@ from pasta_jax.decode.speculation import (
   step_times,
   tree_pays,
 )
-from pasta_jax.decode.tree import TokenTree, node_probabilities
+from pasta_jax.decode.tree import TokenTree, build_tree, node_probabilities
 from pasta_jax.errors import PastaError
 from pasta_jax.model import medusa
 from pasta_jax.model.gemma import Gemma, causal_mask
@@ -305,6 +305,24 @@ def test_propd_picks_sizes_by_its_latency_model_and_stays_lossless():
   np.testing.assert_allclose(latency_table({1: 0.5, 2: 0.7}, (1, 2)), [0.5, 0.7])
   with pytest.raises(PastaError, match="no step time for tree sizes"):
     latency_table({1: 0.5}, (1, 2))
+
+
+def test_propd_keeps_each_lane_buckets_measured_step_time():
+  """ProPD's sizes are lane buckets, each timed, so its table keeps every measurement (on a CPU T is a step function
+  of the rows bucket, no line) and reports the paper's line fit beside it. With these heads, the measured table
+  takes 2-node trees (1.4 tokens / 1.0 against 1.75 / 1.34) where the line, low at 4 nodes, takes 4, and compiles
+  a tree of 8."""
+  sizes, seconds = [1, 2, 4, 8], [1.0, 1.0, 1.34, 1.56]
+  table, (alpha, beta) = step_times(sizes, seconds)
+  assert table == pytest.approx(dict(zip(sizes, seconds)))
+  line, fit = step_times(sizes, seconds, "line")
+  assert fit == pytest.approx((alpha, beta)) == fit_latency([2, 4, 8], seconds[1:]) and line[1] == 1.0
+  assert [line[s] for s in (2, 4, 8)] == pytest.approx([alpha * s + beta for s in (2, 4, 8)])
+  rates = np.array([[0.4, 0.15, 0.08, 0.05], [0.5, 0.1, 0.05, 0.02], [0.45, 0.1, 0.05, 0.02]])
+  tree = build_tree(rates, 8)
+  assert compiled_size(tree, table, rates) == 4 and compiled_size(tree, line, rates) == 8
+  with pytest.raises(PastaError, match="step-time model must be one of"):
+    step_times(sizes, seconds, "curve")
 
 
 def test_propd_takes_trees_up_again_when_its_heads_start_to_hit():

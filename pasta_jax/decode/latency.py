@@ -1,9 +1,10 @@
-"""ProPD's step-time model, measured: T(s) = alpha s + beta on this device and batch size.
+"""ProPD's step-time model, measured: T(s) at each tree size ProPD may pick, on this device and batch size.
 
 The decode loop runs on device, so step times are taken between host calls: the ProPD program itself runs
 with its tree size pinned to each candidate size in turn (a latency table of 1 at that size and 1e9
-elsewhere: one compiled program serves every size). Size 1 (a plain step) keeps its measured time, the tree
-sizes are fitted by least squares (`speculation.step_times`).
+elsewhere: one compiled program serves every size). Each size keeps its measured time (the sizes are the step
+driver's lane buckets, each its own compiled branch), and the paper's T(s) = alpha s + beta is fitted over the tree
+sizes by least squares, reported, and the table with `latency_model="line"` (`speculation.step_times`).
 """
 
 from __future__ import annotations
@@ -14,17 +15,20 @@ import numpy as np
 
 from pasta_jax.decode import api
 from pasta_jax.decode.speculation import (
-    DEFAULT_TREE,
-    Drafter,
-    compiled_size,
-    rules_and_inputs,
-    step_times,
-    tree_pays,
+  DEFAULT_TREE,
+  LATENCY_MODELS,
+  Drafter,
+  compiled_size,
+  rules_and_inputs,
+  step_times,
+  tree_pays,
 )
+from pasta_jax.errors import PastaError
 
 
 def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_TREE, steps: int = 16,
-                      repeats: int = 2, run_tokens: int | None = None, **prepare_kw) -> dict:
+                      repeats: int = 2, run_tokens: int | None = None, latency_model: str = "buckets",
+                      **prepare_kw) -> dict:
   """Times the ProPD loop with its size pinned to each candidate size (latency 1 there, 1e9 elsewhere: the
   same compiled program) on `ids` (the batch size matters); returns sizes, per-step seconds, the fit of the
   tree sizes, the table ProPD takes (`latency=...["table"]`) and the tree size to compile ProPD with
@@ -32,7 +36,7 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
   time is the difference of a run of 2 x `steps` tokens and one of `steps` over their step counts, so the
   prefill both include cancels out. run_tokens: the max_new_tokens of the run being calibrated: the steps are
   timed in the pool it will have (a step's cost grows with the pool: at batch 8 on a 2-core CPU a plain step cost
-  81 ms in a 128-slot pool and 89 ms in a 256-slot one).
+  81 ms in a 128-slot pool and 89 ms in a 256-slot one). latency_model: `speculation.step_times`' model.
 
   When that is fewer nodes than `tree_size`, the sizes that remain are timed again in the program of that
   smaller tree, the one ProPD then runs: every compiled lane costs bookkeeping on every step, so the big
@@ -42,18 +46,21 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
   times as often as on the calibration set (`speculation.tree_pays`, on the final table), "tree_size" is 1: ProPD
   then picks size 1 on every step, and runs as plain decoding ("tree_pays": False); "timed_tree" is the tree whose
   program the table was timed in."""
+  if latency_model not in LATENCY_MODELS:  # before minutes of timing, not after
+    raise PastaError(f"latency_model must be one of {LATENCY_MODELS}, got {latency_model!r}")
   prepare_kw = {**prepare_kw, "pool_tokens": max(run_tokens or 0, 2 * steps)}
   sizes, per_step = _time_sizes(model, ids, drafter, tree_size, steps, repeats, prepare_kw)
-  table, (alpha, beta) = step_times(sizes, per_step)
+  table, (alpha, beta) = step_times(sizes, per_step, latency_model)
   compiled = compiled_size(drafter.tree(tree_size), table, drafter.hit_rates)  # the tree rules_and_inputs builds
   first_pass = None
   if compiled < tree_size:
     first_pass = {"tree_size": tree_size, "sizes": sizes, "seconds": per_step, "table": table}
     sizes, per_step = _time_sizes(model, ids, drafter, compiled, steps, repeats, prepare_kw)
-    table, (alpha, beta) = step_times(sizes, per_step)
+    table, (alpha, beta) = step_times(sizes, per_step, latency_model)
   pays = tree_pays(drafter.tree(compiled), table, drafter.hit_rates)
   return {"sizes": sizes, "seconds": per_step, "alpha": alpha, "beta": beta, "table": table,
-          "tree_size": compiled if pays else 1, "timed_tree": compiled, "tree_pays": pays, "first_pass": first_pass,
+          "latency_model": latency_model, "tree_size": compiled if pays else 1, "timed_tree": compiled,
+          "tree_pays": pays, "first_pass": first_pass,
           "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

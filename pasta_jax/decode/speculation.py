@@ -2,7 +2,7 @@
 
 A `Drafter` is a model's Medusa heads plus their calibrated top-k hit rates (what `train.medusa` writes
 beside the heads). `rules_and_inputs` turns it into the decode core's `MedusaRules` and their read-only
-`rule_inputs`; `decode.latency.calibrate_latency` measures ProPD's step-time model T(s) = alpha s + beta.
+`rule_inputs`; `decode.latency.calibrate_latency` measures ProPD's step-time table T(s) (`step_times`).
 """
 
 from __future__ import annotations
@@ -183,14 +183,28 @@ def fit_latency(sizes, seconds) -> tuple[float, float]:
   return max(float(a), 0.0), max(float(b), 1e-6)
 
 
-def step_times(sizes, seconds) -> tuple[dict[int, float], tuple[float, float]]:
-  """ProPD's step-time table from the per-step seconds measured at each size, and its (alpha, beta): size 1
-  as measured (a plain step: no heads run when no request plans a tree, `rules/medusa.py`), the tree sizes
-  from T(s) = alpha s + beta fitted over them alone (the heads' cost is a step in T between 1 and 2, which a
-  line through the plain step would smear over every size)."""
+LATENCY_MODELS = ("buckets", "line")
+
+
+def step_times(sizes, seconds, model: str = "buckets") -> tuple[dict[int, float], tuple[float, float]]:
+  """ProPD's step-time table from the per-step seconds measured at each size, and the (alpha, beta) of the paper's
+  T(s) = alpha s + beta fitted over the tree sizes alone (reported either way; the heads' cost is a step in T
+  between 1 and 2, which a line through the plain step would smear over every size).
+
+  model="buckets" (the default): every size keeps its own measurement. ProPD's sizes are the step driver's lane
+  buckets, each a compiled branch of its own, so T is a step function measured at every point ProPD can choose,
+  and on a CPU it is no line: 1 and 2 rows read the same weights (memory-bound), 2 and 3 rows run the int8 head,
+  4 and more the float32 one. bench.medusa at batch 1 on a 2-core EPYC (session 32) measured T(1, 2, 4, 8) =
+  43.6, 41.2, 55.2, 64.2 ms, where the line through the tree sizes gives T(4) = 51.1 (7% low): ProPD took 4-node
+  trees on 135 of 196 steps and ran 1.256x plain against the fixed 2-node tree's 1.403x.
+  model="line": size 1 as measured, the tree sizes from the line (smoother where a device's step times are)."""
+  if model not in LATENCY_MODELS:
+    raise PastaError(f"the step-time model must be one of {LATENCY_MODELS}, got {model!r}")
   measured = dict(zip((int(s) for s in sizes), (float(t) for t in seconds), strict=True))
   trees = {s: t for s, t in measured.items() if s > 1}
   if len(trees) < 2:  # too few tree sizes to fit a line through: the measurements are the table
     return measured, fit_latency(list(measured), list(measured.values())) if len(measured) > 1 else (0.0, seconds[0])
   alpha, beta = fit_latency(list(trees), list(trees.values()))
+  if model == "buckets":
+    return measured, (alpha, beta)
   return {s: measured[s] if s == 1 else alpha * s + beta for s in measured}, (alpha, beta)

@@ -4,8 +4,8 @@ ProPD picks each step's tree size by expected accepted tokens / T(s). T depends 
 many rows a step computes, and the loop runs on device, so the engine measures it between chunks. For each
 rows bucket (the power-of-two prefix of rows a chunk computes), the first chunks pin the tree size to each
 candidate in turn (a latency table of 1 there and 1e9 elsewhere: the same compiled program, no recompile);
-the tree sizes' per-step times are fitted to T(s) = alpha s + beta, size 1 (a plain step) keeps its own
-(`speculation.step_times`), and from then on that bucket's chunks run with that table. A bucket's first
+each size keeps its median per-step time (the paper's T(s) = alpha s + beta is fitted over the tree sizes and
+reported: `speculation.step_times`), and from then on that bucket's chunks run with that table. A bucket's first
 chunk includes its compilation and is not timed. Greedy acceptance writes plain greedy decoding's tokens at
 any tree size, so calibrating costs speed, never text.
 """
@@ -27,11 +27,11 @@ class _Bucket:
   pinned: int | None = None  # the size the chunk now running is pinned to
   times: dict = dataclasses.field(default_factory=dict)  # size -> per-step seconds measured
   fit: tuple[float, float] | None = None  # (alpha, beta) of the tree sizes
-  fitted: dict | None = None  # size -> seconds per step: size 1 measured, the tree sizes from the fit
+  fitted: dict | None = None  # size -> seconds per step (`speculation.step_times`' table)
 
 
 class OnlineLatency:
-  """T(s) per rows bucket: pinned calibration chunks first, then the fitted table."""
+  """T(s) per rows bucket: pinned calibration chunks first, then the measured table."""
 
   def __init__(self, sizes: tuple[int, ...], samples: int = 2):
     if samples < 1:

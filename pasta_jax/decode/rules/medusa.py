@@ -18,8 +18,9 @@ node. Then, on device:
 ProPD's dynamic tree size (`dynamic=True`): each step, one prefix of the tree for the batch, maximising
 sum_b E_b(s) / T(s) among the lane buckets s = 1, 2, 4, ..., N: E_b(s) is request b's expected accepted
 length from the heads' top-k hit rates (a calibrated prior, updated online from the batch's and then the
-request's own steps), and T(s) = alpha * s + beta the step time of size s, fitted from a calibration run on the
-device and batch size (`rule_inputs["latency"]`): the loop runs on device, so times are measured between host calls.
+request's own steps), and T(s) the step time of size s, measured in a calibration run on the device and batch
+size (`rule_inputs["latency"]`, `speculation.step_times`): the loop runs on device, so times are measured between
+host calls.
 Size 1 is the root alone, a plain step: when no request of the batch plans a tree for its next step, the
 heads do not run either (`lax.cond`), so T(1) is a plain step's time and ProPD falls back to plain decoding
 where no tree pays for itself. Every `probe_every`-th step the heads run anyway, and the next plain token checks
