@@ -37,7 +37,7 @@ from tqdm import tqdm
 from bench.common import held_out_prompt_ids
 from pasta_jax.decode import api
 from pasta_jax.decode.latency import calibrate_latency
-from pasta_jax.decode.speculation import load_drafter
+from pasta_jax.decode.speculation import LATENCY_MODELS, load_drafter
 from pasta_jax.model.load import load_model
 
 
@@ -62,7 +62,11 @@ def parse_args(argv=None):
   parser.add_argument("--certify-head", action="store_true",
                       help="every method's greedy choices certified against the float32 head at a narrow head's "
                            "cost (int8 on a CPU; decode/certified_head.py): the same tokens, cheaper tree steps")
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  unknown = set(args.latency_model.split(",")) - set(LATENCY_MODELS)
+  if unknown:  # before the model loads
+    parser.error(f"--latency-model: unknown {sorted(unknown)}; choose from {', '.join(LATENCY_MODELS)}")
+  return args
 
 
 def timed(model, groups, runs: int, methods: dict[str, dict]) -> dict[str, dict]:
