@@ -15,13 +15,13 @@ import numpy as np
 
 from pasta_jax.decode import api
 from pasta_jax.decode.speculation import (
-  DEFAULT_TREE,
-  LATENCY_MODELS,
-  Drafter,
-  compiled_size,
-  rules_and_inputs,
-  step_times,
-  tree_pays,
+    DEFAULT_TREE,
+    LATENCY_MODELS,
+    Drafter,
+    compiled_size,
+    rules_and_inputs,
+    step_times,
+    tree_pays,
 )
 from pasta_jax.errors import PastaError
 

@@ -197,7 +197,8 @@ def step_times(sizes, seconds, model: str = "buckets") -> tuple[dict[int, float]
   4 and more the float32 one. bench.medusa at batch 1 on a 2-core EPYC (session 32) measured T(1, 2, 4, 8) =
   43.6, 41.2, 55.2, 64.2 ms, where the line through the tree sizes gives T(4) = 51.1 (7% low): ProPD took 4-node
   trees on 135 of 196 steps and ran 1.256x plain against the fixed 2-node tree's 1.403x.
-  model="line": size 1 as measured, the tree sizes from the line (smoother where a device's step times are)."""
+  model="line": size 1 as measured, the tree sizes from the line (the paper's model; smoother where the step
+  times are noisy and close to a line)."""
   if model not in LATENCY_MODELS:
     raise PastaError(f"the step-time model must be one of {LATENCY_MODELS}, got {model!r}")
   measured = dict(zip((int(s) for s in sizes), (float(t) for t in seconds), strict=True))
