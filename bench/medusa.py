@@ -125,9 +125,9 @@ def bench_batch(model, drafter, ids, batch: int, args) -> dict:
   calibrations = {}
   # Without a trained early head ProPD does not prune (speculation.early_prune): "propd-unpruned" would be the
   # same configuration, timed twice.
-  variants = (("propd", None), ("propd-unpruned", False)) if drafter.early_head is not None else (("propd", None),)
-  models = args.latency_model.split(",")
-  variants = [(f"{name}-{m}" if i else name, prune, m) for name, prune in variants for i, m in enumerate(models)]
+  prunings = (("propd", None), ("propd-unpruned", False)) if drafter.early_head is not None else (("propd", None),)
+  models = args.latency_model.split(",")  # the first is ProPD's own row, the others "propd-<model>"
+  variants = [(f"{name}-{m}" if i else name, prune, m) for name, prune in prunings for i, m in enumerate(models)]
   for name, prune, latency_model in variants:
     calibrations[name] = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16, prune=prune,
                                            run_tokens=args.new_tokens, latency_model=latency_model,

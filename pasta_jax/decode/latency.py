@@ -16,14 +16,13 @@ import numpy as np
 from pasta_jax.decode import api
 from pasta_jax.decode.speculation import (
     DEFAULT_TREE,
-    LATENCY_MODELS,
     Drafter,
+    check_latency_model,
     compiled_size,
     rules_and_inputs,
     step_times,
     tree_pays,
 )
-from pasta_jax.errors import PastaError
 
 
 def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_TREE, steps: int = 16,
@@ -46,8 +45,7 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
   times as often as on the calibration set (`speculation.tree_pays`, on the final table), "tree_size" is 1: ProPD
   then picks size 1 on every step, and runs as plain decoding ("tree_pays": False); "timed_tree" is the tree whose
   program the table was timed in."""
-  if latency_model not in LATENCY_MODELS:  # before minutes of timing, not after
-    raise PastaError(f"latency_model must be one of {LATENCY_MODELS}, got {latency_model!r}")
+  check_latency_model(latency_model)  # before minutes of timing, not after
   prepare_kw = {**prepare_kw, "pool_tokens": max(run_tokens or 0, 2 * steps)}
   sizes, per_step = _time_sizes(model, ids, drafter, tree_size, steps, repeats, prepare_kw)
   table, (alpha, beta) = step_times(sizes, per_step, latency_model)

@@ -186,6 +186,12 @@ def fit_latency(sizes, seconds) -> tuple[float, float]:
 LATENCY_MODELS = ("buckets", "line")
 
 
+def check_latency_model(model: str) -> None:
+  """Refuses a step-time model `step_times` does not know (callers check before minutes of timing)."""
+  if model not in LATENCY_MODELS:
+    raise PastaError(f"the step-time model must be one of {LATENCY_MODELS}, got {model!r}")
+
+
 def step_times(sizes, seconds, model: str = "buckets") -> tuple[dict[int, float], tuple[float, float]]:
   """ProPD's step-time table from the per-step seconds measured at each size, and the (alpha, beta) of the paper's
   T(s) = alpha s + beta fitted over the tree sizes alone (reported either way; the heads' cost is a step in T
@@ -200,8 +206,7 @@ def step_times(sizes, seconds, model: str = "buckets") -> tuple[dict[int, float]
   fixed 2-node tree's 1.403x.
   model="line": size 1 as measured, the tree sizes from the line (the paper's model; smoother where the step
   times are noisy and close to a line)."""
-  if model not in LATENCY_MODELS:
-    raise PastaError(f"the step-time model must be one of {LATENCY_MODELS}, got {model!r}")
+  check_latency_model(model)
   measured = dict(zip((int(s) for s in sizes), (float(t) for t in seconds), strict=True))
   trees = {s: t for s, t in measured.items() if s > 1}
   if len(trees) < 2:  # too few tree sizes to fit a line through: the measurements are the table
