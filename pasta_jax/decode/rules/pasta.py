@@ -68,15 +68,19 @@ def plan_feeds(state: InterpState, cfg: InterpreterConfig, length_table: jax.Arr
 
 
 def apply_spawn(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig) -> InterpState:
-  """Starts a fork on the spawn lane: `<async>` pending at p + 1, main's view up to its promise."""
-  b = jnp.arange(state.token.shape[0])
-  lane = plan.spawn_lane
+  """Starts a fork on the spawn lane: `<async>` pending at p + 1, main's view up to its promise.
+  The thread table is small ([B, T], [B, T, U]), so each field is rewritten whole under one mask: XLA fuses these
+  selects into a kernel or two, where one scatter per field was a kernel each on a GPU."""
   new_thread = state.next_thread
-  row = state.horizon[:, 0, :].at[:, 0].set(state.next_slot)  # main feeds first: its slot is next_slot
-  row = row.at[b, new_thread].set(UNBOUNDED, mode="drop")
+  on_lane = plan.spawn[:, None] & (jnp.arange(state.token.shape[1])[None, :] == plan.spawn_lane[:, None])  # [B, T]
+  thread_idx = jnp.arange(state.horizon.shape[-1])[None, :]
+  is_new = thread_idx == new_thread[:, None]  # [B, U]; none once the ids run out
+  row = jnp.where(thread_idx == 0, state.next_slot[:, None], state.horizon[:, 0, :])  # main feeds first: next_slot
+  row = jnp.where(is_new, UNBOUNDED, row)
 
   def put(array, value):
-    return array.at[b, lane].set(jnp.where(plan.spawn, value, array[b, lane]))
+    value = jnp.asarray(value, array.dtype)
+    return jnp.where(on_lane, value[:, None] if value.ndim else value, array)
 
   return dataclasses.replace(
       state,
@@ -84,9 +88,9 @@ def apply_spawn(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig) -> I
       thread=put(state.thread, new_thread),
       token=put(state.token, cfg.vocab.async_open),
       position=put(state.position, state.position[:, 0] + 1),
-      horizon=state.horizon.at[b, lane].set(jnp.where(plan.spawn[:, None], row, state.horizon[b, lane])),
+      horizon=jnp.where(on_lane[..., None], row[:, None, :], state.horizon),
       depth=put(state.depth, 1),
-      parent=state.parent.at[b, jnp.where(plan.spawn, new_thread, cfg.max_threads)].set(0, mode="drop"),
+      parent=jnp.where(plan.spawn[:, None] & is_new, 0, state.parent),
       next_thread=state.next_thread + plan.spawn,
   )
 
@@ -94,8 +98,8 @@ def apply_spawn(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig) -> I
 def release_sync(state: InterpState, plan: FeedPlan) -> InterpState:
   """At a `<sync/>` feed main sees every fork spawned so far, before attention in this step."""
   spawned = jnp.arange(state.horizon.shape[-1])[None, :] < state.next_thread[:, None]  # [B, U]
-  main_row = jnp.where(plan.sync_release[:, None] & spawned, UNBOUNDED, state.horizon[:, 0, :])
-  return dataclasses.replace(state, horizon=state.horizon.at[:, 0, :].set(main_row))
+  release = (jnp.arange(state.horizon.shape[1]) == 0)[None, :, None] & (plan.sync_release[:, None] & spawned)[:, None]
+  return dataclasses.replace(state, horizon=jnp.where(release, UNBOUNDED, state.horizon))
 
 
 def next_main_position(state: InterpState, plan: FeedPlan, cfg: InterpreterConfig,
