@@ -1,15 +1,17 @@
 """Kernels a decode step launches, read from XLA's optimized HLO: what a profiler cannot show once the loop runs
 as a CUDA graph (pasta_jax/xla_flags.py), where a trace holds one graph launch per step, not its kernels.
 
-Dump the modules with XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text", run the decode, then point this at the
-`*jit_prefill_and_run*after_optimizations.txt` files (or a compiled program's `.as_text()`). For the outermost
-while loop of each (the decode loop) it counts the instructions of one iteration that launch work: fusions,
-library calls, copies. A nested loop counts its body times its known trip count, a call what it calls, and a
-conditional each branch apart (lane buckets: the branch a step takes). Parameters, tuples, bitcasts and
-constants launch nothing.
+With no files it compiles, on this machine's backend, plain decoding and the PASTA interpreter replaying
+bench.synthetic's one-block answer on random weights in a preset's real shapes (as bench.seq_cost times them),
+and reads their compiled programs. Or give it modules that XLA dumped
+(XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text": the `*jit_prefill_and_run*after_optimizations.txt` files).
+For the outermost while loop of each (the decode loop) it counts the instructions of one iteration that launch
+work: fusions, library calls, copies. A nested loop counts its body times its known trip count, a call what it
+calls, and a conditional each branch apart (lane buckets: the branch a step takes). Parameters, tuples, bitcasts
+and constants launch nothing. On a CPU the counts are XLA:CPU's thunks, not a GPU's kernels.
 
-  python -m bench.loop_kernels FILE [FILE ...]
-Last line: RESULT kernels=<first file's step with its first branch>[,<next file's> ...]
+  python -m bench.loop_kernels [FILE ...] [--config gemma3-270m] [--dtype float32] [--tokens 64] [--lanes 8]
+Last line: RESULT kernels=<each program's step through its first branches, comma-separated>
 """
 
 from __future__ import annotations
@@ -104,22 +106,54 @@ def decode_loop(computations, entry: str) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="bench.loop_kernels", description=__doc__.split("\n\n")[0])
-  parser.add_argument("files", nargs="+", help="optimized HLO text modules (XLA's *after_optimizations.txt)")
+  parser.add_argument("files", nargs="*", help="optimized HLO text modules (default: compile plain and PASTA here)")
+  parser.add_argument("--config", default="gemma3-270m")
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--tokens", type=int, default=64, help="the replayed answer's tokens (sizes the pool)")
+  parser.add_argument("--lanes", type=int, default=8)
   parser.add_argument("--top", type=int, default=8, help="kernel kinds to list outside the conditionals")
   return parser.parse_args(argv)
 
 
+def compiled_programs(args) -> dict[str, str]:
+  """{label: optimized HLO text} of plain decoding and the PASTA interpreter, compiled on this backend."""
+  import jax
+  import jax.numpy as jnp
+
+  from bench.synthetic import TEXT, answers, random_model
+  from pasta_jax.decode import api, loop
+
+  dtype = jnp.dtype(args.dtype)
+  model = random_model(args.config, dtype)
+  print(f"device: {jax.devices()[0].device_kind}; {args.config} random weights, {args.dtype}")
+  prompt = [model.tokenizer.encode("question: " + TEXT)]
+  kw = dict(max_new_tokens=args.tokens + 64, lanes=args.lanes, dtype=dtype, forced_answers=[answers(args.tokens, 1)[0]])
+  programs = {}
+  for label, method in (("plain", "sequential"), ("pasta", "pasta")):
+    prep = api.prepare_method(model, prompt, method=method, **kw)
+    static = dict(cfg=loop.static_config(prep.cfg), forced=prep.forced, vocab_size=prep.vocab_size,
+                  pool_spec=prep.pool_spec)
+    programs[label] = loop.prefill_and_run.lower(prep.model_fn, *api.dynamic_args(prep), **static).compile().as_text()
+  return programs
+
+
 def main(argv=None):
   args = parse_args(argv)
+  if args.files:
+    programs = {}
+    for path in args.files:
+      with open(path) as f:
+        programs[path] = f.read()
+  else:
+    programs = compiled_programs(args)
   firsts = []
-  for path in args.files:
-    with open(path) as f:
-      computations, entry = parse_module(f.read())
+  for label, text in programs.items():
+    computations, entry = parse_module(text)
     outside, branches = launches(computations, decode_loop(computations, entry))
     per_branch = [[sum(c.values()) for c in branch_set] for branch_set in branches]
     first = sum(outside.values()) + sum(counts[0] for counts in per_branch)
     firsts.append(first)
-    print(f"{path}: {sum(outside.values())} kernels a step outside conditionals; conditionals' branches "
+    print(f"{label}: {sum(outside.values())} kernels a step outside conditionals; conditionals' branches "
           f"{per_branch or 'none'}; a step through each first branch: {first}")
     print("   " + ", ".join(f"{kind} {n}" for kind, n in outside.most_common(args.top)))
   print("RESULT kernels=" + ",".join(str(n) for n in firsts))

@@ -6,12 +6,7 @@
 # per step. Each part has its own time limit; logs go under ${OUT:-runs/gpu}. Compiling dominates on a fresh machine
 # (session 27: plain decoding plus one interpreter setting of the 270M took about 150 s): give the whole script 15
 # minutes, or run its parts in separate calls.
-set -uo pipefail
-out=${OUT:-runs/gpu}; mkdir -p "$out"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
-} 2>&1 | tee "$out/device.txt"
+source bench/gpu/device_info.sh
 timeout "${SEQ_S:-300}" python3 -m bench.seq_cost --dtype bfloat16 --tokens 128 --repeats 1 --blocks 1,8 \
   --buckets on --defer off,on 2>&1 | tee "$out/seq_cost_270m.txt"
 timeout "${TESTS_S:-130}" python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_thread_attention.py \

@@ -6,12 +6,7 @@
 # buckets on), by bench.loop_kernels. With ATTENTION=1, bench.attention (the GPU kernel against XLA) follows.
 # Brings back device.txt, seq_cost.txt, loop_kernels.txt, hlo.tgz (the decode modules), attention.txt under
 # ${OUT:-runs/gpu}. About 4 minutes on a fresh machine (5 with ATTENTION=1).
-set -uo pipefail
-out=${OUT:-runs/gpu}; mkdir -p "$out"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
-} 2>&1 | tee "$out/device.txt"
+source bench/gpu/device_info.sh
 XLA_FLAGS="--xla_dump_to=/tmp/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*prefill_and_run.*" \
   timeout "${SEQ_S:-300}" python3 -m bench.seq_cost --dtype bfloat16 --tokens 128 --repeats 2 --blocks 1,8 \
   --buckets on 2>&1 | tee "$out/seq_cost.txt"
