@@ -131,9 +131,7 @@ def compiled_programs(args) -> dict[str, str]:
   programs = {}
   for label, method in (("plain", "sequential"), ("pasta", "pasta")):
     prep = api.prepare_method(model, prompt, method=method, **kw)
-    static = dict(cfg=loop.static_config(prep.cfg), forced=prep.forced, vocab_size=prep.vocab_size,
-                  pool_spec=prep.pool_spec)
-    programs[label] = loop.prefill_and_run.lower(prep.model_fn, *api.dynamic_args(prep), **static).compile().as_text()
+    programs[label] = api.COMPILED.get(prep, loop.prefill_and_run).as_text()  # the program generate would run
   return programs
 
 

@@ -35,9 +35,6 @@ def test_the_pasta_step_has_one_lane_bucket_conditional_and_no_inner_loop():
   model = tiny_model()
   lanes = 4
   prep = api.prepare_method(model, [model.tokenizer.encode("hi")], method="pasta", max_new_tokens=8, lanes=lanes)
-  static = dict(cfg=loop.static_config(prep.cfg), forced=prep.forced, vocab_size=prep.vocab_size,
-                pool_spec=prep.pool_spec)
-  text = loop.prefill_and_run.lower(prep.model_fn, *api.dynamic_args(prep), **static).compile().as_text()
-  outside, branches = compiled_loop(text)
+  outside, branches = compiled_loop(api.COMPILED.get(prep, loop.prefill_and_run).as_text())
   assert "while-condition" not in outside, outside
   assert [len(b) for b in branches] == [len(lane_buckets(lanes))]
