@@ -5,12 +5,8 @@
 # bench.seq_cost times plain decoding and the interpreter (1 and 8 lanes, lane buckets on and off) both ways.
 # STEP_PROFILE=1 first counts the kernels per step from a profiler trace (profiling runs op by op).
 # Each part has its own time limit (TESTS_S, SEQ_S). Logs go under ${OUT:-runs/gpu}.
-set -uo pipefail
-out=${OUT:-runs/gpu}; mkdir -p "$out"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import pasta_jax, os, jax; print('jax', jax.__version__, jax.devices(), os.environ['XLA_FLAGS'])"
-} 2>&1 | tee "$out/device.txt"
+source bench/gpu/device_info.sh
+python3 -c "import pasta_jax, os; print('XLA_FLAGS', os.environ['XLA_FLAGS'])" 2>&1 | tee -a "$out/device.txt"
 [ "${STEP_PROFILE:-0}" = 1 ] && timeout 200 python3 -m bench.step_profile --tokens 96 --top 16 2>&1 \
   | tee "$out/step_profile.txt"
 timeout "${TESTS_S:-240}" python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_xla_flags.py \
