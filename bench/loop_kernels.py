@@ -52,6 +52,11 @@ def parse_module(text: str) -> tuple[dict[str, list[Instruction]], str]:
   return computations, entry
 
 
+def family(name: str) -> str:
+  """A kernel's or instruction's name without its numbers: loop_add_fusion_12 -> loop_add_fusion."""
+  return re.sub(r"[._]?\d+", "", name.split("(")[0]) or name
+
+
 def branches_of(instruction: Instruction) -> list[str]:
   listed = re.search(r"branch_computations=\{([^}]*)\}", instruction.text)
   if listed:
@@ -66,7 +71,7 @@ def trip_count(instruction: Instruction) -> int:
 
 def launches(computations, name: str) -> tuple[collections.Counter, list[collections.Counter]]:
   """(kernels by kind outside conditionals, [one Counter per branch] of each conditional) of one run of `name`.
-  A kind is the instruction's name without its numbers (loop_add_fusion.3 -> loop_add_fusion)."""
+  A kind is the instruction's `family`."""
   outside, branches = collections.Counter(), []
   for ins in computations[name]:
     if ins.op in LAUNCHES_NOTHING:
@@ -86,7 +91,7 @@ def launches(computations, name: str) -> tuple[collections.Counter, list[collect
       outside["conditional"] += 1
       branches.append([sum_branch(computations, b) for b in branches_of(ins)])
     else:
-      outside[re.sub(r"[._]?\d+", "", ins.name)] += 1
+      outside[family(ins.name)] += 1
   return outside, branches
 
 

@@ -17,12 +17,12 @@ import collections
 import glob
 import gzip
 import json
-import re
 import tempfile
 
 import jax
 import jax.numpy as jnp
 
+from bench.loop_kernels import family
 from bench.synthetic import TEXT, answers, random_model
 from pasta_jax.decode import api
 
@@ -50,11 +50,6 @@ def device_kernels(trace_dir: str) -> list[tuple[str, float]]:
   on_device = [e for e in events if e.get("ph") == "X" and processes.get(e["pid"], "").startswith("/device:")]
   streams = [e for e in on_device if threads.get((e["pid"], e["tid"]), "").startswith("Stream")]
   return [(e["name"], float(e.get("dur", 0.0))) for e in (streams or on_device)]
-
-
-def family(name: str) -> str:
-  """A kernel's name without its numbers: loop_add_fusion_12 -> loop_add_fusion."""
-  return re.sub(r"[._]?\d+", "", name.split("(")[0]) or name
 
 
 def profile(run, trace_dir: str):
