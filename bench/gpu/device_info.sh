@@ -2,7 +2,7 @@
 # PYTHONPATH for running without an install, and the GPU, driver and JAX version into $out/device.txt.
 set -uo pipefail
 out=${OUT:-runs/gpu}; mkdir -p "$out"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 } 2>&1 | tee "$out/device.txt"
