@@ -260,6 +260,38 @@ def test_rouge_quality_ranks_samples_by_speed_plus_lambda_rouge_without_a_judge(
                 progress=False)
 
 
+def test_likelihood_quality_is_the_ratio_of_geometric_mean_token_probabilities():
+  assert scoring.likelihood_quality(-1.0, -1.0) == 1.0
+  assert scoring.likelihood_quality(math.log(0.2), math.log(0.4)) == pytest.approx(0.5)  # half as likely a token
+  assert scoring.likelihood_quality(-0.5, -1.5) == pytest.approx(math.e)
+
+
+def test_logp_quality_scores_samples_under_the_baseline_model_not_the_policy(tmp_path):
+  import dataclasses
+
+  from pasta_jax.eval.quality import answer_logprob
+  policy, baseline = tiny_model(), tiny_model(seed=1)
+  samplers = Samplers(sample=forced_sample, greedy=forced_greedy)
+  cfg = dataclasses.replace(CFG, quality_measure="logp", speed_measure="parallelism", quality_weight=2.0)
+  summary = build_pairs(policy, baseline, records(3), None, cfg, tmp_path, samplers=samplers, progress=False)
+  assert summary.pairs == 3
+  vocab = policy.tokenizer.tag_vocab()
+  sampled = {r["id"]: r for r in read_rows(tmp_path / SAMPLES)}
+  scores = {r["id"]: r for r in read_rows(tmp_path / SCORES)}
+  for pair in read_rows(tmp_path / PAIRS):
+    row = sampled[pair["id"]]
+    logp = lambda text, model=baseline, prompt=row["prompt"]: answer_logprob(model, prompt, text)[0]  # noqa: E731
+    quality = [math.exp(logp(s["text"]) - logp(row["baseline"]["text"])) for s in row["samples"]]
+    policy_quality = [math.exp(logp(s["text"], policy) - logp(row["baseline"]["text"], policy))
+                      for s in row["samples"]]
+    assert not np.allclose(quality, policy_quality)  # the two scorers disagree, so the check below tells them apart
+    got = [c["quality"] for c in scores[pair["id"]]["candidates"]]
+    assert got == pytest.approx(quality, rel=1e-5)
+    keys = [s["content_tokens"] / metrics.critical_path(s["ids"], vocab) + 2.0 * q
+            for s, q in zip(row["samples"], quality)]
+    assert pair["chosen"]["score"] == pytest.approx(max(keys)) and pair["rejected"]["score"] == pytest.approx(min(keys))
+
+
 def test_reference_logprobs_are_the_training_layouts_logprobs(tmp_path):
   model = tiny_model()
   samplers = Samplers(sample=forced_sample, greedy=forced_greedy)

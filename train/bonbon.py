@@ -1,7 +1,8 @@
 """BoNBoN rounds: sample -> score -> BoNBoN, r times, each round starting from the last model.
 
   python -m train.bonbon --model runs/sft/model --baseline runs/baseline_sft/model --data lima \
-      --out runs/bonbon --rounds 2 [--judge http | --judge local:MODEL | --quality-measure rouge | --quality-weight 0]
+      --out runs/bonbon --rounds 2 [--judge http | --judge local:MODEL | --quality-measure rouge|logp
+      | --quality-weight 0]
       [--samples 10 --temperature 1.0] [--alpha 0.005 --beta 0.1 --lr 5e-7] [--config tpu_configs/...]
 
 Per round k (files in <out>/round_<k>/): the policy samples N answers per prompt with the batched
@@ -56,8 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--quality-weight", type=float, default=PreferenceConfig.quality_weight,
                       help="lambda in score = speedup + lambda * quality; inf ranks by quality alone")
   parser.add_argument("--quality-measure", choices=QUALITY_MEASURES, default=PreferenceConfig.quality_measure,
-                      help="quality in the score: the pairwise judge's wins/losses, or ROUGE-L against each "
-                           "record's reference answer over the baseline answer's (needs no judge)")
+                      help="quality in the score: the pairwise judge's wins/losses; rouge: ROUGE-L against each "
+                           "record's reference answer over the baseline answer's; logp: the sample's per-token "
+                           "likelihood under the baseline over the baseline answer's (neither needs a judge)")
   parser.add_argument("--max-new-tokens", type=int, default=PreferenceConfig.max_new_tokens)
   parser.add_argument("--lanes", type=int, default=PreferenceConfig.lanes)
   parser.add_argument("--requests-per-run", type=int, default=PreferenceConfig.requests_per_run,

@@ -83,8 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="BoNBoN's speed score: the paper's speedup over Baseline-SFT (rewards shorter answers too), "
                            "or the sample's own parallelism")
   parser.add_argument("--quality-measure", choices=list(QUALITY_MEASURES), default=PreferenceConfig.quality_measure,
-                      help="BoNBoN's quality score: the --judge's wins/losses, or ROUGE-L against the record's "
-                           "reference answer over Baseline-SFT's (no judge needed)")
+                      help="BoNBoN's quality score: the --judge's wins/losses, ROUGE-L against the record's "
+                           "reference answer over Baseline-SFT's (rouge), or the per-token likelihood under "
+                           "Baseline-SFT over its own answer's (logp); the last two need no judge")
   parser.add_argument("--ship-lambda", type=float, default=None,
                       help="ship stage: the BoNBoN lambda whose model ships as pasta-bon (default: none ships)")
   parser.add_argument("--seed", type=int, default=0)

@@ -13,6 +13,7 @@ Every file is appended one prompt at a time, so a killed run resumes where it st
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -66,8 +67,8 @@ def build_pairs(policy, baseline, records: Sequence[Mapping[str, Any]], judge: J
                 progress: bool = True) -> BuildSummary:
   """Samples the policy, scores against the baseline (and each record's `output`), writes the pairs.
 
-  judge may be None when quality_weight is 0 (speed alone decides) or quality_measure is "rouge" (the
-  reference answer decides; the judge is then not asked).
+  judge may be None when quality_weight is 0 (speed alone decides), or quality_measure is "rouge" (the
+  reference answer decides) or "logp" (the baseline model's log-likelihood decides); the judge is then not asked.
   """
   if judge is None and cfg.quality_weight != 0 and cfg.quality_measure == "judge":
     raise PastaError(f"scoring with quality_weight={cfg.quality_weight} needs a judge: set PASTA_JUDGE_BASE_URL "
@@ -84,8 +85,9 @@ def build_pairs(policy, baseline, records: Sequence[Mapping[str, Any]], judge: J
   sampled = {row["id"]: row for row in runfiles.read_rows(out / SAMPLES)}
   scored = {row["id"] for row in runfiles.read_rows(out / SCORES)}
   pending = [sampled[str(r["id"])] for r in records if str(r["id"]) not in scored]
+  likelihood = _likelihood(baseline, cfg.chat) if cfg.quality_measure == "logp" and cfg.quality_weight != 0 else None
   for row in tqdm(pending, desc="judging", unit="prompt", disable=not progress):
-    _score_prompt(row, judge, cfg, out)
+    _score_prompt(row, judge, cfg, out, likelihood)
   return summarize(out, {str(r["id"]) for r in records})
 
 
@@ -94,6 +96,12 @@ def _identity(cfg: PreferenceConfig, extra: dict | None) -> dict:
   if cfg.quality_measure == "judge":
     del fields["quality_measure"]  # run folders written before the field existed stay resumable
   return fields
+
+
+def _likelihood(model, chat: bool) -> Callable[[str, str], float]:
+  """(prompt, clean answer) -> mean log p per token under `model`; cached, so each baseline answer is scored once."""
+  from pasta_jax.eval.quality import answer_logprob
+  return functools.lru_cache(maxsize=1024)(lambda prompt, text: answer_logprob(model, prompt, text, chat=chat)[0])
 
 
 def _sample_pending(policy, baseline, records, cfg: PreferenceConfig, out: Path, samplers: Samplers,
@@ -123,8 +131,13 @@ def speed(sample: Sample, baseline: Sample, measure: str) -> float:
 
 
 def _quality(sample: Sample, baseline: Sample, row: dict, judge: Judge | None, cfg: PreferenceConfig,
-             opponents: dict[str, str]) -> tuple[float, list]:
+             opponents: dict[str, str], likelihood: Callable[[str, str], float] | None) -> tuple[float, list]:
   """(quality, the judgements behind it): 0 when nothing measures quality (speed alone decides)."""
+  if cfg.quality_measure == "logp":
+    if likelihood is None:
+      return 0.0, []
+    prompt = row["prompt"]
+    return scoring.likelihood_quality(likelihood(prompt, sample.text), likelihood(prompt, baseline.text)), []
   if cfg.quality_measure == "rouge":
     reference = row.get("reference")
     return (scoring.rouge_quality(sample.text, baseline.text, reference) if reference else 0.0), []
@@ -134,7 +147,8 @@ def _quality(sample: Sample, baseline: Sample, row: dict, judge: Judge | None, c
   return scoring.quality(judgements, cfg.loss_floor), judgements
 
 
-def _score_prompt(row: dict, judge: Judge | None, cfg: PreferenceConfig, out: Path) -> None:
+def _score_prompt(row: dict, judge: Judge | None, cfg: PreferenceConfig, out: Path,
+                  likelihood: Callable[[str, str], float] | None = None) -> None:
   baseline = Sample.from_json(row["baseline"])
   samples = [Sample.from_json(s) for s in row["samples"]]
   opponents = {"baseline": baseline.text}
@@ -145,7 +159,7 @@ def _score_prompt(row: dict, judge: Judge | None, cfg: PreferenceConfig, out: Pa
     if not sample.well_formed:
       candidates.append({"index": index, "well_formed": False})
       continue
-    quality, judgements = _quality(sample, baseline, row, judge, cfg, opponents)
+    quality, judgements = _quality(sample, baseline, row, judge, cfg, opponents, likelihood)
     speedup = speed(sample, baseline, cfg.speed_measure)
     duplicates = scoring.duplicate_share(_blocks(sample.annotated))
     key = scoring.score(speedup, quality, cfg.quality_weight, cfg.duplicate_penalty * duplicates)

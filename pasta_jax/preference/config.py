@@ -8,7 +8,7 @@ import math
 from pasta_jax.errors import ConfigError
 
 SPEED_MEASURES = ("speedup", "parallelism")
-QUALITY_MEASURES = ("judge", "rouge")
+QUALITY_MEASURES = ("judge", "rouge", "logp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,9 @@ class PreferenceConfig:
   # "rouge": the sample's ROUGE-L F1 against the record's reference answer over the Baseline-SFT
   # answer's (1 = as close as the baseline), for when no judge worth its cost is at hand: the local
   # base-model judge scored every sample 1.00 +- 0.01 (docs/results/learned24_bonbon_rp11/).
+  # "logp": how likely the Baseline-SFT model finds the sample's clean text against its own greedy answer,
+  # exp(mean log p per token of the sample - that of the baseline answer), both under the baseline (1 = as
+  # likely). The proxy `bench.learned` reports; the tuned default fell furthest short on it (issue 16).
   quality_measure: str = "judge"
   chat: bool = True
   seed: int = 0

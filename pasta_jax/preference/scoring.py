@@ -8,7 +8,8 @@
              it adds c to wins or losses. An exact tie (p = 0.5) adds 0.5 to both. Losses are floored
              (`loss_floor`) so an answer that beats everything scores finite.
              With quality_measure "rouge" instead: the sample's ROUGE-L against the reference answer
-             over the baseline answer's (`rouge_quality`).
+             over the baseline answer's (`rouge_quality`). With "logp": the ratio of the sample's and the
+             baseline answer's geometric-mean token probabilities under the baseline model (`likelihood_quality`).
   score    = speedup + lambda * quality - penalty * duplicate share; lambda = inf ranks by quality alone
              (speedup, less the penalty, breaks ties). The duplicate share is the share of the sample's
              sibling-block pairs that repeat each other (`lang.metrics.duplicate_block_pairs`).
@@ -65,6 +66,12 @@ ROUGE_FLOOR = 0.05  # a baseline answer with (almost) no overlap with the refere
 def rouge_quality(sample: str, baseline: str, reference: str) -> float:
   """ROUGE-L(sample, reference) / ROUGE-L(baseline, reference), the denominator floored at ROUGE_FLOOR."""
   return rouge_l(sample, reference) / max(rouge_l(baseline, reference), ROUGE_FLOOR)
+
+
+def likelihood_quality(sample_logp: float, baseline_logp: float) -> float:
+  """exp(sample's mean log p per token - the baseline answer's), both under one scoring model: the ratio of
+  their geometric-mean token probabilities (1 = as likely as the baseline's own answer)."""
+  return math.exp(sample_logp - baseline_logp)
 
 
 def score(speedup: float, quality_value: float, quality_weight: float, duplicate_cost: float = 0.0
