@@ -18,6 +18,7 @@ from pasta_jax.training.config import MeshConfig, TrainConfig, load_train_config
 from pasta_jax.training.plan import (
   HARDWARE,
   check_fits,
+  detect_hardware,
   format_plan,
   memory_plan,
   peak_flops_per_device,
@@ -137,6 +138,42 @@ def test_plan_checks_the_hardware():
     memory_plan(tiny_config(hardware="v9"), TINY)
   assert peak_flops_per_device("v5p-8") == 459e12
   assert peak_flops_per_device("h100x8", "float32") == 494.7e12
+
+
+class FakeDevice:
+  def __init__(self, platform, device_kind):
+    self.platform, self.device_kind = platform, device_kind
+
+
+@pytest.mark.parametrize("platform, kind, count, want", [
+    ("cpu", "cpu", 8, "cpu"),
+    ("gpu", "NVIDIA H100 80GB HBM3", 1, "h100x1"),
+    ("gpu", "NVIDIA H100 80GB HBM3", 8, "h100x8"),
+    ("gpu", "NVIDIA H200", 1, "h200x1"),
+    ("tpu", "TPU v5 lite", 4, "v5e-4"),
+    ("tpu", "TPU v5", 4, "v5p-8"),  # "TPU v5" must not read as v5e
+    ("tpu", "TPU v4", 4, "v4-8"),
+    ("tpu", "TPU v6 lite", 8, "v6e-8"),
+    ("gpu", "NVIDIA H100 80GB HBM3", 2, None),  # no 2-chip entry: no peak to divide by
+    ("gpu", "NVIDIA A100-SXM4-40GB", 1, None),
+])
+def test_detect_hardware_names_the_entry_of_the_chips_at_hand(platform, kind, count, want):
+  assert detect_hardware([FakeDevice(platform, kind)] * count) == want
+
+
+def test_training_defaults_to_the_hardware_at_hand(monkeypatch):
+  import argparse
+
+  from pasta_jax.training import plan
+  from train.common import add_config_flags, train_config
+  parser = argparse.ArgumentParser()
+  add_config_flags(parser)
+  assert train_config(parser.parse_args(["--out", "x"]), 1).hardware == "cpu"
+  monkeypatch.setattr(plan, "detect_hardware", lambda: "h200x1")  # as on the lent H200
+  assert train_config(parser.parse_args(["--out", "x"]), 1).hardware == "h200x1"
+  assert train_config(parser.parse_args(["--out", "x", "--hardware", "v4-8"]), 1).hardware == "v4-8"
+  monkeypatch.setattr(plan, "detect_hardware", lambda: None)  # chips with no entry: named as before, MFU nan
+  assert train_config(parser.parse_args(["--out", "x"]), 1).hardware == "cpu"
 
 
 def test_check_fits_refuses_with_the_plan():

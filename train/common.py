@@ -58,6 +58,9 @@ def train_config(args: argparse.Namespace, device_count: int, **fixed) -> TrainC
     config = load_train_config(args.config)
     return config.replace(**overrides)
   overrides.setdefault("mesh", MeshConfig(data=device_count))
+  if "hardware" not in overrides:  # the devices at hand (an MFU against the CPU's peak on a GPU is made up)
+    from pasta_jax.training.plan import detect_hardware
+    overrides["hardware"] = detect_hardware() or "cpu"
   return TrainConfig(**overrides)
 
 

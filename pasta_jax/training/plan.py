@@ -94,6 +94,7 @@ def _cpu_peak_flops() -> float:
 #   bf16: docs.jax.dev/en/latest/201/precision.html), so its peak is the same.
 # H100 SXM: NVIDIA H100 datasheet, BF16 tensor core 1979 TFLOP/s *with sparsity*, i.e. 989.4 dense; TF32
 #   (JAX's default for float32 matmuls on Hopper) 494.7 dense. 80 GB HBM3, which nvidia-smi reports as 81559 MiB.
+# H200: the same tensor-core peaks (NVIDIA H200 datasheet), 141 GB HBM3e, which nvidia-smi reports as 143771 MiB.
 HARDWARE: dict[str, Hardware] = {
     "cpu": Hardware("cpu", None, _host_memory_bytes(), _cpu_peak_flops(), _cpu_peak_flops(),
                     "this host (simulated devices share its memory and cores)"),
@@ -107,7 +108,24 @@ HARDWARE: dict[str, Hardware] = {
     "v6e-8": Hardware("v6e-8", 8, 32 * GIB, 918e12, 918e12, "TPU v6e (Trillium), 8 chips, 1 host"),
     "h100x1": Hardware("h100x1", 1, 81559 * 1024**2, 989.4e12, 494.7e12, "1 NVIDIA H100 SXM 80GB"),
     "h100x8": Hardware("h100x8", 8, 81559 * 1024**2, 989.4e12, 494.7e12, "8 NVIDIA H100 SXM 80GB, 1 host"),
+    "h200x1": Hardware("h200x1", 1, 143771 * 1024**2, 989.4e12, 494.7e12, "1 NVIDIA H200 141GB"),
 }
+
+# device_kind (what jax reports) -> the chip family the HARDWARE descriptions name; longest match first
+_FAMILIES = (("TPU v5 lite", "TPU v5e"), ("TPU v6 lite", "TPU v6e"), ("TPU v5", "TPU v5p"), ("TPU v4", "TPU v4"),
+             ("H100", "NVIDIA H100"), ("H200", "NVIDIA H200"))
+
+
+def detect_hardware(devices=None) -> str | None:
+  """The HARDWARE key of `devices` (default: every device this process sees): "cpu" on the CPU backend, else the
+  entry naming their chip family with as many chips; None when no entry does (an MFU would then be made up)."""
+  devices = jax.devices() if devices is None else devices
+  if devices[0].platform == "cpu":
+    return "cpu"
+  family = next((name for kind, name in _FAMILIES if kind in devices[0].device_kind), None)
+  if family is None:
+    return None
+  return next((key for key, hw in HARDWARE.items() if hw.chips == len(devices) and family in hw.description), None)
 
 
 def get_hardware(name: str) -> Hardware:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -177,6 +178,8 @@ class Trainer:
 
   def _mfu(self, tokens: int, seconds: float) -> float:
     from pasta_jax.training.plan import peak_flops_per_device
+    if self.config.hardware == "cpu" and self.mesh.devices.flat[0].platform != "cpu":
+      return math.nan  # no peak is known for these devices (plan.detect_hardware found no entry)
     peak = peak_flops_per_device(self.config.hardware, self.config.compute_dtype) * self.mesh.size
     return self.flops_per_token * tokens / seconds / peak if peak else 0.0
 
