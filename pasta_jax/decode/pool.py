@@ -20,17 +20,11 @@ def write_slots(state: InterpState, feed: jax.Array, slots: jax.Array) -> Interp
   order) at `slots` [B, T] (S: no write). Updates the append pointer and the peak of live slots."""
   b = jnp.arange(slots.shape[0])[:, None]
   orders = state.next_slot[:, None] + jnp.cumsum(feed, axis=1) - 1
-  # One scatter, of each written slot's writer lane; every field is then read from its lane in one fusable
-  # pass. A scatter per [B, S] field was five kernels a decode step on a GPU (bench.loop_kernels).
-  lanes = jnp.broadcast_to(jnp.arange(slots.shape[1], dtype=jnp.int32), slots.shape)
-  writer = jnp.full(state.slot_valid.shape, -1, jnp.int32).at[b, slots].set(lanes, mode="drop")  # [B, S]
-  wrote = writer >= 0
-  from_lane = jnp.maximum(writer, 0)
 
-  def put(array, value):  # value [B, T] -> array [B, S] with each written slot's lane value
-    return jnp.where(wrote, jnp.take_along_axis(jnp.asarray(value, array.dtype), from_lane, axis=1), array)
+  def put(array, value):
+    return array.at[b, slots].set(value, mode="drop")
 
-  valid = state.slot_valid | wrote
+  valid = put(state.slot_valid, True)
   written = state.next_slot + feed.sum(axis=1)
   return dataclasses.replace(
       state, slot_owner=put(state.slot_owner, state.thread), slot_order=put(state.slot_order, orders),
