@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pasta_jax.model import int8_head
@@ -14,12 +14,15 @@ from pasta_jax.model import int8_head
 
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**16), scale=st.sampled_from([1e-3, 1.0, 50.0]))
+@example(seed=576, scale=1e-3)  # an entry on a half step: the product's float32 rounding shows
 def test_the_int8_head_rounds_each_entry_by_at_most_half_its_tokens_step(seed, scale):
   embedding = (jax.random.normal(jax.random.key(seed), (300, 24)) * scale).at[7].set(0.0)  # an all-zero token
   q, token_scale = int8_head.quantize_head(embedding)
   assert q.dtype == jnp.int8 and q.shape == (24, 300) and token_scale.shape == (300,)
   error = np.abs(np.asarray(int8_head.dequantized(q, token_scale)) - np.asarray(embedding))
-  assert np.all(error <= 0.5 * np.asarray(token_scale)[:, None] * (1 + 1e-6))
+  # half a step, plus the float32 rounding of q * scale (one spacing of the entry)
+  entry_ulp = np.spacing(np.abs(np.asarray(embedding, np.float32)))
+  assert np.all(error <= 0.5 * np.asarray(token_scale)[:, None] * (1 + 1e-6) + entry_ulp)
   assert np.all(np.abs(np.asarray(q)) <= 127) and not np.any(np.asarray(q)[:, 7])
 
 
