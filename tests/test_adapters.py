@@ -199,7 +199,9 @@ def test_pasta_generate_takes_the_folders_penalty_unless_the_flag_is_given(tmp_p
   model = LoadedModel(None, {}, None, str(tmp_path))
   args = argparse.Namespace(temperature=0.0, top_k=0, top_p=1.0, seed=0, repetition_penalty=None)
   assert _model_defaults(_sampling(args), args, model).repetition_penalty == 1.1
-  assert "generation.json" in capsys.readouterr().err  # said aloud
+  said = capsys.readouterr().err
+  assert "generation.json" in said and "--repetition-penalty 1 turns it off" in said  # said aloud, with its way out
+  assert "--no-distinct-topics" not in said  # no flag named for what the folder did not set
   args.repetition_penalty = 1.0
   assert _model_defaults(_sampling(args), args, model).repetition_penalty == 1.0
 
@@ -214,7 +216,8 @@ def test_pasta_generate_takes_the_folders_distinct_topics_for_pasta_only(tmp_pat
   model = LoadedModel(None, {}, None, str(tmp_path))
   args = argparse.Namespace(temperature=0.0, top_k=0, top_p=1.0, seed=0, repetition_penalty=None, distinct_topics=None)
   assert _model_defaults(_sampling(args), args, model, "pasta").distinct_topics
-  assert "distinct topics" in capsys.readouterr().err  # said aloud
+  said = capsys.readouterr().err
+  assert "distinct topics" in said and "--no-distinct-topics turns it off" in said  # said aloud, with its way out
   assert not _model_defaults(_sampling(args), args, model, "pasta+medusa").distinct_topics  # it cannot keep it
   args.distinct_topics = False  # --no-distinct-topics
   assert not _model_defaults(_sampling(args), args, model, "pasta").distinct_topics

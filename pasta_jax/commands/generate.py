@@ -36,8 +36,9 @@ def _model_defaults(sampling: SamplingConfig, args, model, method: str = "pasta"
     changes["distinct_topics"] = True
   if changes:
     said = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in changes.items())
-    print(f"[{said}: this model's {GENERATION_FILE}; --repetition-penalty 1 / --no-distinct-topics turn them off]",
-          file=sys.stderr)
+    off = {"repetition_penalty": "--repetition-penalty 1", "distinct_topics": "--no-distinct-topics"}
+    print(f"[{said}: this model's {GENERATION_FILE}; {' / '.join(off[k] for k in changes)} "
+          f"turn{'s' if len(changes) == 1 else ''} {'it' if len(changes) == 1 else 'them'} off]", file=sys.stderr)
   return dataclasses.replace(sampling, **changes)
 
 
