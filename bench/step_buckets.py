@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import table
+from pasta_jax.errors import TagError
 from pasta_jax.lang import tokens as tok
 from pasta_jax.lang.metrics import feed_steps
 
@@ -37,6 +38,20 @@ def step_counts(annotated: str, lang, vocab) -> list[int]:
   steps, _ = feed_steps(tok.encode_answer(annotated, lang, vocab), vocab)
   rows = Counter(steps).values()  # tokens fed at each step
   return [sum(lo <= n <= hi for n in rows) for lo, hi in BUCKETS]
+
+
+def parsed_answers(runs: list[dict], lang, vocab) -> tuple[list[tuple[bool, list[int], float]], int]:
+  """A run's rows -> (is_baseline, bucket step counts, seconds) for each answer whose tags parse, and how many did
+  not (a malformed answer's steps cannot be counted from its text: it is left out of the fit, and counted)."""
+  answers, malformed = [], 0
+  for r in runs:
+    try:
+      counts = step_counts(r["output"]["annotated"], lang, vocab)
+    except TagError:
+      malformed += 1
+      continue
+    answers.append((r["method"].startswith("sequential"), counts, r["output"]["seconds"]))
+  return answers, malformed
 
 
 def fit(answers: list[tuple[bool, list[int], float]]) -> tuple[float, np.ndarray, np.ndarray]:
@@ -59,13 +74,13 @@ def main(argv=None) -> int:
   model = load_model("base")
   lang, vocab = LangTokenizer(model.tokenizer), model.tokenizer.tag_vocab()
   runs = [json.loads(line) for line in path.open()]
-  answers = [(r["method"].startswith("sequential"), step_counts(r["output"]["annotated"], lang, vocab),
-              r["output"]["seconds"]) for r in runs]
+  answers, malformed = parsed_answers(runs, lang, vocab)
   fixed, costs, steps = fit(answers)
   names = ["baseline, 1 row", "method, 1 row", "method, 2 rows", "method, 3-4 rows", "method, 5-8 rows"]
   rows = [{"steps of": n, "ms a step": 1e3 * c, "vs baseline 1 row": c / costs[0], "steps": int(s)}
           for n, c, s in zip(names, costs, steps)]
-  print(f"{len(answers)} answers from {path}; fixed {1e3 * fixed:.0f} ms an answer")
+  print(f"{len(answers)} answers from {path} ({malformed} left out: tags that do not parse); "
+        f"fixed {1e3 * fixed:.0f} ms an answer")
   print(table(rows, tuple(rows[0])))
   print(f"RESULT one_row_ms={1e3 * costs[0]:.1f} two_rows_over_one={costs[2] / costs[0]:.3f} "
         f"three_four_over_one={costs[3] / costs[0]:.3f}")

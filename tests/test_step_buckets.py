@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from bench.step_buckets import fit, step_counts
+from bench.step_buckets import fit, parsed_answers, step_counts
 from tests.lang_helpers import CHARS, VOCAB
 
 
@@ -27,3 +27,13 @@ def test_steps_are_counted_by_the_rows_they_feed():
   # "x" beside main's "!" (8), "y" alone (9), </async> beside <sync/> (10); "." at 11: 8 one-row steps, 3 of 2 rows
   text = 'Hi <promise topic="ab" tokens="20"/><async>xy</async>!<sync/>.'
   assert step_counts(text, CHARS, VOCAB) == [8, 3, 0, 0]
+
+
+def test_answers_whose_tags_do_not_parse_are_left_out_and_counted():
+  good = 'Hi <promise topic="ab" tokens="20"/><async>xy</async>!<sync/>.'
+  runs = [{"method": "sequential:b", "output": {"annotated": "Hi there.", "seconds": 1.0}},
+          {"method": "pasta:m", "output": {"annotated": good, "seconds": 2.0}},
+          {"method": "pasta:m", "output": {"annotated": "Hi <async>xy</async>.", "seconds": 3.0}}]  # no promise
+  answers, malformed = parsed_answers(runs, CHARS, VOCAB)
+  assert malformed == 1
+  assert answers == [(True, step_counts("Hi there.", CHARS, VOCAB), 1.0), (False, [8, 3, 0, 0], 2.0)]
