@@ -87,7 +87,9 @@ def test_the_tuned_default_with_a_tree_on_every_thread_writes_its_pasta_answer()
   import pasta_jax
   model = pasta_jax.load_model()
   prompt = ["Give three tips for staying healthy."]
-  [pasta] = pasta_jax.generate(model, prompt, method="pasta", lanes=2, max_new_tokens=40)
-  [trees] = pasta_jax.generate(model, prompt, method="pasta+medusa", tree_size=4, lanes=2, max_new_tokens=40)
-  assert len(pasta.threads) > 1 and trees.annotated == pasta.annotated  # it forks, and the trees change nothing
+  # a budget the answer finishes within: where the budget cuts it, threads that ran ahead in trees stop elsewhere
+  [pasta] = pasta_jax.generate(model, prompt, method="pasta", lanes=2, max_new_tokens=96)
+  [trees] = pasta_jax.generate(model, prompt, method="pasta+medusa", tree_size=4, lanes=2, max_new_tokens=96)
+  assert pasta.finished and len(pasta.threads) > 1  # it forks
+  assert trees.annotated == pasta.annotated  # and the trees change nothing
   assert trees.steps < pasta.steps
