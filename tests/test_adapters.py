@@ -221,3 +221,11 @@ def test_pasta_generate_takes_the_folders_distinct_topics_for_pasta_only(tmp_pat
   assert not _model_defaults(_sampling(args), args, model, "pasta+medusa").distinct_topics  # it cannot keep it
   args.distinct_topics = False  # --no-distinct-topics
   assert not _model_defaults(_sampling(args), args, model, "pasta").distinct_topics
+
+
+def test_pasta_generate_says_when_promises_went_unkept_outside_the_interpreter():
+  from pasta_jax.commands.generate import unkept_promises_note
+  answer = '1. <promise topic="Eat a balanced" tokens="10"/>2. <promise topic="Move" tokens="10"/>3. Drink water.'
+  note = unkept_promises_note(answer, "sequential")
+  assert "2 promises" in note and "--pasta" in note and "missing" in note
+  assert unkept_promises_note("1. Eat. 2. Move. 3. Drink water.", "sequential") == ""

@@ -115,7 +115,20 @@ def run_generate(args) -> int:
         f"{rate:.1f} tok/s after it]", file=sys.stderr)
   if result.speculation:
     print(speculation_line(method, result.speculation), file=sys.stderr)
+  if note := unkept_promises_note(result.annotated, method):
+    print(note, file=sys.stderr)
   return 0
+
+
+def unkept_promises_note(annotated: str, method: str) -> str:
+  """A PASTA model decoded by a method that runs no forks writes promises whose blocks nobody writes: their text is
+  missing from the answer. Say so, and how to get it ('' when the answer made no promise)."""
+  promises = annotated.count("<promise")
+  if not promises:
+    return ""
+  return (f"[the model wrote {promises} promise{'s' if promises > 1 else ''} whose block{'s' if promises > 1 else ''} "
+          f"only the PASTA interpreter writes: {'their' if promises > 1 else 'its'} text is missing from this "
+          f"{method} answer; --pasta decodes them]")
 
 
 def tree_options(model, prompt_ids: list[int], args, method: str) -> dict:
