@@ -146,6 +146,20 @@ def test_models_health_and_metrics(server, client):
     assert name in text, name
 
 
+def test_an_idle_keep_alive_connection_outlives_the_clients_pool_expiry(server):
+  """httpx (and so `openai`) drops pooled connections idle for 5 s; the server must keep them longer, or a client
+  reusing one just as the server closes it gets "connection reset by peer" (a CI failure at uvicorn's 5 s)."""
+  url, _ = server
+  host, port = url.removeprefix("http://").split(":")
+  request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+  with socket.create_connection((host, int(port)), timeout=10) as conn:
+    conn.sendall(request)
+    assert b'"ok"' in conn.recv(4096)
+    time.sleep(httpx.Limits().keepalive_expiry + 1.0)  # past the client's expiry: the server still holds it
+    conn.sendall(request)
+    assert b'"ok"' in conn.recv(4096)
+
+
 @pytest.mark.parametrize("body, status, param", [
     (b"{not json", 400, None),
     ({"prompt": "hi", "colour": "red"}, 400, "colour"),

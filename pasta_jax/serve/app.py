@@ -28,6 +28,10 @@ from pasta_jax.serve.engine import Engine, QueueFull, Request, ShuttingDown, Upd
 from pasta_jax.serve.protocol import ApiError, ChatBody, CompletionBody
 
 POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
+# How long an idle keep-alive connection stays open. Longer than clients' own pool expiry (httpx, and so the
+# `openai` client: 5 s), so the client always drops an idle connection first: at uvicorn's default (also 5 s) a
+# client could reuse a connection the server was closing that instant and get "connection reset by peer".
+KEEP_ALIVE_S = 75
 
 
 class GracefulServer(uvicorn.Server):
@@ -47,7 +51,7 @@ class GracefulServer(uvicorn.Server):
 def make_server(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
                 grace_s: float = 10.0) -> GracefulServer:
   config = uvicorn.Config(create_app(engine, model_name, grace_s), host=host, port=port, log_level="warning",
-                          timeout_graceful_shutdown=5)
+                          timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=5)
   return GracefulServer(config, engine, grace_s)
 
 
