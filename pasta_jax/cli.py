@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--method", choices=["sequential", "pasta", "pasta-v0", "superposed", "medusa", "propd",
                                         "pasta+medusa"],
                    default=None,
-                   help="sequential (default; streams), pasta (threads), pasta-v0 (the earlier paper's scoped "
-                        "tags, threads), superposed (k drafts from one decode), medusa (token-tree speculation "
+                   help="default: the model's generation.json (the tuned default: pasta), else sequential. "
+                        "sequential (streams), pasta (threads), pasta-v0 (the earlier paper's scoped tags, threads), "
+                        "superposed (k drafts from one decode), medusa (token-tree speculation "
                         "with the model's Medusa heads; streams), propd (medusa with ProPD's dynamic tree size), "
                         "pasta+medusa (pasta, every live thread with a Medusa tree)")
   gen.add_argument("--heads", default=None,

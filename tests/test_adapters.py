@@ -223,6 +223,38 @@ def test_pasta_generate_takes_the_folders_distinct_topics_for_pasta_only(tmp_pat
   assert not _model_defaults(_sampling(args), args, model, "pasta").distinct_topics
 
 
+def test_pasta_generate_decodes_with_the_method_the_models_folder_names(tmp_path, capsys):
+  import argparse
+
+  from pasta_jax.commands.generate import _method
+  from pasta_jax.errors import PastaError, WeightsError
+  from pasta_jax.model.load import LoadedModel
+
+  model = LoadedModel(None, {}, None, str(tmp_path))
+  args = argparse.Namespace(method=None, pasta=False)
+  assert _method(args, model) == "sequential" and capsys.readouterr().err == ""  # no folder setting: plain
+  (tmp_path / "generation.json").write_text('{"method": "pasta"}')
+  assert _method(args, model) == "pasta"
+  said = capsys.readouterr().err
+  assert "generation.json" in said and "--method sequential" in said  # said aloud, with its way out
+  for flags, want in (({"method": "sequential"}, "sequential"), ({"method": "medusa"}, "medusa"),
+                      ({"pasta": True}, "pasta")):
+    assert _method(argparse.Namespace(**{"method": None, "pasta": False, **flags}), model) == want
+  with pytest.raises(PastaError, match="disagree"):
+    _method(argparse.Namespace(method="medusa", pasta=True), model)
+  (tmp_path / "generation.json").write_text('{"method": "telepathy"}')
+  with pytest.raises(WeightsError, match="telepathy"):
+    _method(args, model)
+
+
+def test_the_shipped_pasta_adapters_name_the_interpreter_and_the_baseline_does_not():
+  from pasta_jax.model import load
+  for name in load.shipped_names():
+    model = load.LoadedModel(None, {}, None, str(load.shipped_adapter(name)))
+    assert load.generation_defaults(model).get("method", "sequential") == (
+        "sequential" if name == "baseline-sft" else "pasta"), name
+
+
 def test_pasta_generate_says_when_promises_went_unkept_outside_the_interpreter():
   from pasta_jax.commands.generate import unkept_promises_note
   answer = '1. <promise topic="Eat a balanced" tokens="10"/>2. <promise topic="Move" tokens="10"/>3. Drink water.'

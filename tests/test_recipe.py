@@ -44,6 +44,7 @@ def test_ship_replaces_adapter_files_keeps_heads_and_never_deletes_what_it_ships
       (shipped / name / file).write_text(f"old {name}")
   (shipped / "pasta-sft" / "medusa").mkdir()
   (shipped / "pasta-sft" / "medusa" / "heads.json").write_text("heads")
+  (shipped / "pasta-sft" / "generation.json").write_text('{"repetition_penalty": 1.1}')
   run = tmp_path / "run"
   (run / "baseline_sft").mkdir(parents=True)
   (run / "baseline_sft" / "model").symlink_to(shipped / "baseline-sft")  # a run that reuses the shipped adapter
@@ -56,3 +57,8 @@ def test_ship_replaces_adapter_files_keeps_heads_and_never_deletes_what_it_ships
   assert (shipped / "pasta-sft" / lora.WEIGHTS_FILE).read_text() == "new pasta_sft/model"
   assert (shipped / "pasta-sft" / "medusa" / "heads.json").read_text() == "heads"
   assert (shipped / "pasta-bon" / lora.CONFIG_FILE).read_text() == "new bonbon_l1/round_1/train/model"
+  # the PASTA adapters recommend the interpreter (their other settings kept); the baseline recommends nothing
+  assert json.loads((shipped / "pasta-sft" / "generation.json").read_text()) == {"repetition_penalty": 1.1,
+                                                                                 "method": "pasta"}
+  assert json.loads((shipped / "pasta-bon" / "generation.json").read_text()) == {"method": "pasta"}
+  assert not (shipped / "baseline-sft" / "generation.json").exists()

@@ -49,6 +49,23 @@ def test_shipped_adapters_fit_the_budget_and_name_the_embedded_base():
     assert json.loads((folder / CONFIG_FILE).read_text())["base"] == "embedded"
 
 
+def test_every_shipped_file_is_package_data():
+  """A wheel carries only what pyproject's package-data names: a shipped file it misses (generation.json was) would
+  be silently lost outside an editable install."""
+  import fnmatch
+  from pathlib import Path
+
+  import tomllib
+
+  package = Path(load_lib.__file__).parents[1]
+  pyproject = tomllib.loads((package.parent / "pyproject.toml").read_text())
+  patterns = pyproject["tool"]["setuptools"]["package-data"]["pasta_jax"]
+  files = [p.relative_to(package).as_posix() for p in load_lib.SHIPPED_DIR.rglob("*") if p.is_file()]
+  assert any(f.endswith("generation.json") for f in files)
+  for file in files:
+    assert any(fnmatch.fnmatch(file, pattern) for pattern in patterns), file
+
+
 @pytest.mark.slow
 def test_the_tuned_default_loads_folded_and_forks_on_a_list_prompt():
   import pasta_jax

@@ -228,7 +228,20 @@ def stage_ship(args, out: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)  # the adapter's files are replaced; its medusa/ heads stay
     for file in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
       shutil.copy2(source / file, target / file)
+    if name != "baseline-sft":
+      _recommend_pasta(target)
     print(f"shipped {source} as {name} ({(target / lora.WEIGHTS_FILE).stat().st_size / 2**20:.1f} MiB)")
+
+
+def _recommend_pasta(folder: Path) -> None:
+  """A PASTA adapter's generation.json names method pasta (its promised blocks only the interpreter writes), so
+  `pasta generate` decodes it with the interpreter by default; the file's other settings stay."""
+  import json
+
+  from pasta_jax.model.load import GENERATION_FILE
+  path = folder / GENERATION_FILE
+  values = json.loads(path.read_text()) if path.is_file() else {}
+  path.write_text(json.dumps({**values, "method": "pasta"}, indent=1) + "\n")
 
 
 def _done(out: Path, stage: str) -> bool:

@@ -42,6 +42,22 @@ def _model_defaults(sampling: SamplingConfig, args, model, method: str = "pasta"
   return dataclasses.replace(sampling, **changes)
 
 
+def _method(args, model) -> str:
+  """--method, else --pasta, else the method the model's `generation.json` names, said aloud (a PASTA model's
+  promised blocks are written only by the interpreter: decoded plainly, their text would be missing), else
+  sequential."""
+  if args.method or args.pasta:
+    method = args.method or "pasta"
+    if args.pasta and method != "pasta":
+      raise PastaError(f"--pasta and --method {method} disagree: give one")
+    return method
+  method = generation_defaults(model).get("method", "sequential")
+  if method != "sequential":
+    print(f"[method {method}: this model's {GENERATION_FILE} (it writes {method} tags, whose promised blocks only "
+          f"the interpreter writes); --method sequential streams it plainly]", file=sys.stderr)
+  return method
+
+
 def _prompt_ids(model, text: str, chat: bool) -> list[int]:
   if not text.strip():
     raise PastaError("empty prompt: give some text to continue")
@@ -71,9 +87,7 @@ def run_generate(args) -> int:
   args.mesh_obj = _mesh(args)
   model = load_model(args.model)
   print(f"[model: {model.describe()}]", file=sys.stderr)
-  method = args.method or ("pasta" if args.pasta else "sequential")
-  if args.pasta and method != "pasta":
-    raise PastaError(f"--pasta and --method {method} disagree: give one")
+  method = _method(args, model)
   sampling = _model_defaults(sampling, args, model, method)
   if args.chat is None:
     args.chat = model.adapter is not None
