@@ -44,7 +44,7 @@ def add_serve_parser(subparsers) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-  from pasta_jax.model.load import load_model
+  from pasta_jax.model.load import GENERATION_FILE, generation_defaults, load_model
   from pasta_jax.serve.app import make_server
   from pasta_jax.serve.engine import Engine, ServeConfig
 
@@ -59,6 +59,8 @@ def run_serve(args: argparse.Namespace) -> int:
   model = load_model(args.model)
   name = args.model or "pasta"  # the id clients name in `model` (GET /v1/models)
   print(f"pasta serve: [model: {model.describe()}]", flush=True)
+  if said := ", ".join(f"{k} {v}" for k, v in generation_defaults(model).items() if k != "method"):
+    print(f"pasta serve: a request that leaves them unset gets this model's {GENERATION_FILE}: {said}", flush=True)
   engine = Engine(model, cfg).start()
   methods = [] if args.warmup == "none" else [m.strip() for m in args.warmup.split(",") if m.strip()]
   if methods:

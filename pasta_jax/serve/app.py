@@ -23,6 +23,7 @@ from fastapi import responses
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.tokenizing import chat_text
 from pasta_jax.errors import PastaError
+from pasta_jax.model.load import generation_defaults
 from pasta_jax.serve import protocol
 from pasta_jax.serve.engine import Engine, QueueFull, Request, ShuttingDown, Update
 from pasta_jax.serve.protocol import ApiError, ChatBody, CompletionBody
@@ -64,6 +65,7 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0) -> fastap
     await asyncio.to_thread(engine.stop, grace_s)
 
   app = fastapi.FastAPI(title="pasta_jax", docs_url=None, redoc_url=None, lifespan=lifespan)
+  defaults = generation_defaults(engine.model)
   created = int(time.time())
 
   @app.exception_handler(ApiError)
@@ -122,8 +124,8 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0) -> fastap
       with contextlib.suppress(RuntimeError):  # the event loop already closed (the server is gone)
         loop.call_soon_threadsafe(updates.put_nowait, update)
 
-    request = Request(ids=ids, method=body.method, max_tokens=max_tokens, sampling=_sampling(body), sink=sink,
-                      question=question, chat=chat)
+    request = Request(ids=ids, method=body.method, max_tokens=max_tokens, sampling=request_sampling(body, defaults),
+                      sink=sink, question=question, chat=chat)
     try:
       engine.submit(request)
     except QueueFull as err:
@@ -182,8 +184,16 @@ async def _json(http: fastapi.Request):
     raise ApiError(400, f"the request body is not valid JSON: {err}") from None
 
 
-def _sampling(body) -> SamplingConfig:
-  return SamplingConfig(temperature=body.temperature, top_p=body.top_p, repetition_penalty=body.repetition_penalty)
+def request_sampling(body, defaults: dict) -> SamplingConfig:
+  """The request's sampling. What it leaves unset comes from the model's `generation.json` (`defaults`), as vLLM
+  applies a model's generation config: its repetition penalty, and for method pasta (the one that keeps it) its
+  distinct topics."""
+  penalty = body.repetition_penalty
+  if penalty is None:
+    penalty = defaults.get("repetition_penalty", 1.0)
+  topics = bool(defaults.get("distinct_topics")) and body.method == "pasta"
+  return SamplingConfig(temperature=body.temperature, top_p=body.top_p, repetition_penalty=penalty,
+                        distinct_topics=topics)
 
 
 def _sse(payload: dict) -> str:

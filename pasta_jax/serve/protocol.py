@@ -52,7 +52,8 @@ class _Body(pydantic.BaseModel):
   # Ours.
   method: str = "pasta"
   return_trace: bool = False
-  repetition_penalty: float = pydantic.Field(default=1.0, gt=0.0, le=10.0)  # vLLM's extra field (CTRL's penalty)
+  # vLLM's extra field (CTRL's penalty); unset: the model's generation.json, else 1 (off)
+  repetition_penalty: float | None = pydantic.Field(default=None, gt=0.0, le=10.0)
 
   def unsupported(self) -> str | None:
     """The first OpenAI field given a value this server cannot honour, or None."""
