@@ -53,8 +53,8 @@ def _method(args, model) -> str:
     return method
   method = generation_defaults(model).get("method", "sequential")
   if method != "sequential":
-    print(f"[method {method}: this model's {GENERATION_FILE} (it writes {method} tags, whose promised blocks only "
-          f"the interpreter writes); --method sequential streams it plainly]", file=sys.stderr)
+    print(f"[method {method}: this model's {GENERATION_FILE} (it was trained to write {method}'s tags, which only "
+          f"the interpreter decodes in full); --method sequential streams it plainly]", file=sys.stderr)
   return method
 
 
