@@ -26,6 +26,10 @@ def test_every_lambda_after_the_first_starts_from_the_first_ones_samples(tmp_pat
   recipe.stage_bonbon(args, tmp_path)
   assert [f[f.index("--quality-weight") + 1] for f in calls] == ["0.0", "2.0"]
   assert all(f[f.index("--quality-measure") + 1] == "rouge" for f in calls)
+  assert all(f[f.index("--rounds") + 1] == "1" for f in calls)
+  calls.clear()
+  recipe.stage_bonbon(recipe.parse_args(["--out", str(tmp_path), "--lambdas", "2", "--bonbon-rounds", "2"]), tmp_path)
+  assert calls[0][calls[0].index("--rounds") + 1] == "2"
   first, second = (tmp_path / f"bonbon_l{lam}" / "round_1" / "pairs" / "samples.jsonl" for lam in (0, 2))
   assert second.read_text() == first.read_text() and "bonbon_l0" in first.read_text()
   # a lambda that already has samples keeps its own
@@ -57,6 +61,11 @@ def test_ship_replaces_adapter_files_keeps_heads_and_never_deletes_what_it_ships
   assert (shipped / "pasta-sft" / lora.WEIGHTS_FILE).read_text() == "new pasta_sft/model"
   assert (shipped / "pasta-sft" / "medusa" / "heads.json").read_text() == "heads"
   assert (shipped / "pasta-bon" / lora.CONFIG_FILE).read_text() == "new bonbon_l1/round_1/train/model"
+  (run / "bonbon_l1/round_2/train/model").mkdir(parents=True)  # --bonbon-rounds 2 ships the last round's model
+  for file in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
+    (run / "bonbon_l1/round_2/train/model" / file).write_text("round 2")
+  recipe.stage_ship(recipe.parse_args(["--out", str(run), "--ship-lambda", "1", "--bonbon-rounds", "2"]), run)
+  assert (shipped / "pasta-bon" / lora.CONFIG_FILE).read_text() == "round 2"
   # the PASTA adapters recommend the interpreter (their other settings kept); the baseline recommends nothing
   assert json.loads((shipped / "pasta-sft" / "generation.json").read_text()) == {"repetition_penalty": 1.1,
                                                                                  "method": "pasta"}

@@ -15,8 +15,9 @@ Orbax checkpoint when the same command runs again, also after a restart):
   pasta_sft      Pasta-SFT on the same records -> pasta_sft/model
   bonbon         per lambda: N samples per prompt from the interpreter at T = 1, scored by speedup +
                  lambda x quality, best/worst pairs, BoNBoN with Pasta-SFT as the reference
-                 -> bonbon_l{lambda}/round_1/train/model. The samples do not depend on lambda: every
-                 lambda after the first starts from the first one's samples (it samples only what is missing)
+                 -> bonbon_l{lambda}/round_{R}/train/model (--bonbon-rounds R, each round from the last). Round
+                 1's samples do not depend on lambda: every lambda after the first starts from the first one's
+                 samples (it samples only what is missing)
   ship           copies the adapters into the package (pasta_jax/adapters/: baseline-sft, pasta-sft, and
                  pasta-bon from --ship-lambda), where `load_model()` and `pasta generate` find them
 Both SFT stages train adapters (LoRA + tag/chat embedding rows) over the frozen base by default.
@@ -74,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--bonbon-prompts", type=int, default=32, help="held-in prompts sampled for BoNBoN")
   parser.add_argument("--samples", type=int, default=4, help="BoNBoN: N answers per prompt")
   parser.add_argument("--judge", default="local:base", help="BoNBoN quality judge (http or local:MODEL)")
+  parser.add_argument("--bonbon-rounds", type=int, default=1,
+                      help="BoNBoN rounds, each starting from the last round's model, Pasta-SFT the reference in "
+                           "every one (as the paper); a finished round is kept, so raising it adds rounds")
   parser.add_argument("--bonbon-lr", type=float, default=2e-5,
                       help="BoNBoN learning rate (the paper's 5e-7 is for full fine-tuning; adapters need more)")
   parser.add_argument("--duplicate-penalty", type=float, default=PreferenceConfig.duplicate_penalty,
@@ -184,7 +188,7 @@ def stage_bonbon(args, out: Path) -> None:
   for lam in lambdas:
     _share_samples(out / f"bonbon_l{lambdas[0]:g}", out / f"bonbon_l{lam:g}")
     flags = ["--model", str(out / "pasta_sft" / "model"), "--baseline", str(out / "baseline_sft" / "model"),
-             "--data", str(prompts), "--out", str(out / f"bonbon_l{lam:g}"), "--rounds", "1",
+             "--data", str(prompts), "--out", str(out / f"bonbon_l{lam:g}"), "--rounds", str(args.bonbon_rounds),
              "--samples", str(args.samples), "--quality-weight", str(lam), "--judge", args.judge,
              "--duplicate-penalty", str(args.duplicate_penalty), "--speed-measure", args.speed_measure,
              "--quality-measure", args.quality_measure,
@@ -216,7 +220,7 @@ def stage_ship(args, out: Path) -> None:
   from pasta_jax.model.load import SHIPPED_DIR
   chosen = dict(SHIP)
   if args.ship_lambda is not None:
-    chosen["pasta-bon"] = f"bonbon_l{args.ship_lambda:g}/round_1/train/model"
+    chosen["pasta-bon"] = f"bonbon_l{args.ship_lambda:g}/round_{args.bonbon_rounds}/train/model"
   for name, rel in chosen.items():
     source = out / rel
     if not lora.is_adapter_folder(source):
