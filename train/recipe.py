@@ -240,8 +240,6 @@ def stage_ship(args, out: Path) -> None:
 def _recommend_pasta(folder: Path) -> None:
   """A PASTA adapter's generation.json names method pasta (its promised blocks only the interpreter writes), so
   `pasta generate` decodes it with the interpreter by default; the file's other settings stay."""
-  import json
-
   from pasta_jax.model.load import GENERATION_FILE
   path = folder / GENERATION_FILE
   values = json.loads(path.read_text()) if path.is_file() else {}
