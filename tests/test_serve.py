@@ -135,10 +135,10 @@ def test_repetition_penalty_reaches_the_decoder(client):
   assert done.choices[0].text == want != reference(PROMPTS[1], "sequential", 20, chat=False)
 
 
-def test_a_request_that_sets_no_penalty_gets_the_models_generation_json(tmp_path):
-  """As vLLM applies a model's generation config: the folder's penalty fills a request's unset field; a request's
-  own value wins."""
-  (tmp_path / "generation.json").write_text('{"repetition_penalty": 3.0}')
+def test_a_request_that_sets_no_penalty_or_method_gets_the_models_generation_json(tmp_path):
+  """As vLLM applies a model's generation config: the folder's penalty and method fill a request's unset fields;
+  a request's own value wins."""
+  (tmp_path / "generation.json").write_text('{"repetition_penalty": 3.0, "method": "sequential"}')
   engine = Engine(MODEL._replace(source=str(tmp_path)), ServeConfig(batch=1, pool_slots=256, max_tokens=20)).start()
   penalized = api.generate(MODEL, [PROMPTS[1]], method="sequential", max_new_tokens=20, chat=False,
                            sampling=SamplingConfig(repetition_penalty=3.0))[0].text
@@ -149,14 +149,16 @@ def test_a_request_that_sets_no_penalty_gets_the_models_generation_json(tmp_path
 
     assert ask() == penalized != reference(PROMPTS[1], "sequential", 20, chat=False)
     assert ask(repetition_penalty=1.0) == reference(PROMPTS[1], "sequential", 20, chat=False)
+    served = http.post(f"{url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4}).json()["pasta"]
+    assert served["method"] == "sequential"  # the folder's, not the server's own default (pasta)
 
 
 def test_request_sampling_fills_only_what_the_request_leaves_unset():
   from pasta_jax.serve.app import request_sampling
   from pasta_jax.serve.protocol import CompletionBody
   folder = {"repetition_penalty": 1.1, "distinct_topics": True}
-  assert request_sampling(CompletionBody(prompt="x"), folder) == SamplingConfig(repetition_penalty=1.1,
-                                                                               distinct_topics=True)
+  assert request_sampling(CompletionBody(prompt="x", method="pasta"), folder) == SamplingConfig(
+      repetition_penalty=1.1, distinct_topics=True)
   own = CompletionBody(prompt="x", method="sequential", repetition_penalty=1.0, temperature=0.5)
   assert request_sampling(own, folder) == SamplingConfig(temperature=0.5)  # PASTA's topics rule only for pasta
   assert request_sampling(CompletionBody(prompt="x"), {}) == SamplingConfig()

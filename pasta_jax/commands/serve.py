@@ -59,7 +59,7 @@ def run_serve(args: argparse.Namespace) -> int:
   model = load_model(args.model)
   name = args.model or "pasta"  # the id clients name in `model` (GET /v1/models)
   print(f"pasta serve: [model: {model.describe()}]", flush=True)
-  if said := ", ".join(f"{k} {v}" for k, v in generation_defaults(model).items() if k != "method"):
+  if said := ", ".join(f"{k} {v}" for k, v in generation_defaults(model).items()):
     print(f"pasta serve: a request that leaves them unset gets this model's {GENERATION_FILE}: {said}", flush=True)
   engine = Engine(model, cfg).start()
   methods = [] if args.warmup == "none" else [m.strip() for m in args.warmup.split(",") if m.strip()]

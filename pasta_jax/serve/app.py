@@ -66,6 +66,7 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0) -> fastap
 
   app = fastapi.FastAPI(title="pasta_jax", docs_url=None, redoc_url=None, lifespan=lifespan)
   defaults = generation_defaults(engine.model)
+  default_method = defaults.get("method", "pasta")  # the format the model was trained to write
   created = int(time.time())
 
   @app.exception_handler(ApiError)
@@ -94,7 +95,7 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0) -> fastap
 
   @app.post("/v1/completions")
   async def completions(http: fastapi.Request):
-    body = protocol.parse_body(CompletionBody, await _json(http))
+    body = protocol.parse_body(CompletionBody, await _json(http), default_method)
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if len(prompts) != 1:
       raise ApiError(400, "prompt: give one prompt per request", param="prompt")
@@ -105,7 +106,7 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0) -> fastap
 
   @app.post("/v1/chat/completions")
   async def chat_completions(http: fastapi.Request):
-    body = protocol.parse_body(ChatBody, await _json(http))
+    body = protocol.parse_body(ChatBody, await _json(http), default_method)
     text = protocol.chat_prompt_text(body.messages, lambda t: chat_text(engine.model.tokenizer, t))
     ids = engine.model.tokenizer.encode(text, add_bos=True)
     return await _serve(http, body, ids, chat=True, question=protocol.sot_question(body))

@@ -4,7 +4,8 @@ Bodies are validated strictly: an unknown field, a wrong type or a value out of 
 the field (OpenAI's error shape), never a silent default. Fields OpenAI defines that this server cannot
 honour (several choices, stop strings, penalties, log-probabilities, a seed: a sampled row's key folds in its
 batch row and step, so no per-request seed can be kept) are refused by name unless they carry their neutral
-value. Two fields are ours: `method` (the decoding method) and `return_trace` (the thread
+value. Two fields are ours: `method` (the decoding method; unset: the model's generation.json, else pasta) and
+`return_trace` (the thread
 trace of the answer).
 """
 
@@ -50,7 +51,7 @@ class _Body(pydantic.BaseModel):
   frequency_penalty: float = 0.0
   logprobs: Any = None
   # Ours.
-  method: str = "pasta"
+  method: str | None = None  # unset: the model's generation.json `method`, else pasta (`parse_body`)
   return_trace: bool = False
   # vLLM's extra field (CTRL's penalty); unset: the model's generation.json, else 1 (off)
   repetition_penalty: float | None = pydantic.Field(default=None, gt=0.0, le=10.0)
@@ -82,8 +83,8 @@ class ChatBody(_Body):
   max_completion_tokens: int | None = pydantic.Field(default=None, ge=1)
 
 
-def parse_body(kind: type[_Body], payload: Any) -> _Body:
-  """A validated body, or ApiError(400) naming the first bad field."""
+def parse_body(kind: type[_Body], payload: Any, default_method: str = "pasta") -> _Body:
+  """A validated body (`method` unset: `default_method`), or ApiError(400) naming the first bad field."""
   if not isinstance(payload, dict):
     raise ApiError(400, "the request body must be a JSON object")
   try:
@@ -93,6 +94,8 @@ def parse_body(kind: type[_Body], payload: Any) -> _Body:
     where = ".".join(str(p) for p in first["loc"])
     what = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
     raise ApiError(400, f"{where}: {what}", param=where) from None
+  if body.method is None:
+    body = body.model_copy(update={"method": default_method})
   bad = body.unsupported()
   if bad:
     raise ApiError(400, f"{bad}: not supported by this server (leave it out or at its default)", param=bad)
