@@ -5,8 +5,7 @@ the field (OpenAI's error shape), never a silent default. Fields OpenAI defines 
 honour (several choices, stop strings, penalties, log-probabilities, a seed: a sampled row's key folds in its
 batch row and step, so no per-request seed can be kept) are refused by name unless they carry their neutral
 value. Two fields are ours: `method` (the decoding method; unset: the model's generation.json, else pasta) and
-`return_trace` (the thread
-trace of the answer).
+`return_trace` (the thread trace of the answer).
 """
 
 from __future__ import annotations
