@@ -5,14 +5,29 @@ relative error), and the parity tests (training forward == decode replay, ours =
 compare fp32 logits to 1e-4. On CPU this changes nothing.
 """
 
+import gc
 import os
+import subprocess
+import sys
 
-# The suite is bound by XLA compile time (hundreds of small loops, each run a few times): LLVM's
-# optimization level 0 compiles them about twice as fast. It changes no semantics (XLA's own HLO
-# passes still run, no fast-math); the benches and `pasta` commands keep the default level. Must be
-# set before the first computation initializes the backend; a user's own XLA_FLAGS are kept.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+import pytest
+
+# The suite is bound by XLA:CPU compile time (thousands of small programs, each run a few times: 60% of the
+# suite's time went to the backend compile in session 37's profile). Three settings compile them faster and
+# change no semantics (XLA's HLO passes all run, no fast-math): LLVM's optimization level 0 (about twice as fast),
+# the older elemental fusion emitters in place of the MLIR ones, and one LLVM module per program instead of a
+# split for parallel codegen (which 2 busy cores cannot use). The latter two took a test file's compile time from
+# 20.9 s to 9.1 s. The benches and `pasta` commands keep XLA's defaults, and so do tests marked `production_xla`,
+# which read the compiled program itself (a subprocess without these flags runs them). Set before the first
+# computation initializes the backend; a user's own XLA_FLAGS win.
+TEST_XLA_FLAGS = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false",
+                  "xla_cpu_parallel_codegen_split_count": "1"}
+PRODUCTION_ENV = "PASTA_TEST_PRODUCTION_XLA"  # set in the subprocess that runs a production_xla test
+# The flags before the suite added its own (xdist's workers inherit the controller's environment, already extended).
+USER_XLA_FLAGS = os.environ.setdefault("PASTA_TEST_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+if not os.environ.get(PRODUCTION_ENV):
+  os.environ["XLA_FLAGS"] = " ".join([USER_XLA_FLAGS] + [f"--{name}={value}" for name, value in TEST_XLA_FLAGS.items()
+                                                         if name not in USER_XLA_FLAGS]).strip()
 
 # The output head's form per row count is measured per process on a CPU (model/head_plan.py); the suite pins the
 # fixed plan so every worker runs the same forms, and the certified tests reach the narrow head at 2+ rows.
@@ -21,4 +36,36 @@ os.environ.setdefault("PASTA_HEAD_PLAN", "fixed")
 
 import jax  # noqa: E402
 
+from pasta_jax.decode import api  # noqa: E402
+from pasta_jax.serve.programs import memory_maps  # noqa: E402
+
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# On CPU each compiled XLA kernel holds three memory maps, and Linux allows a process 65,530: a test worker that
+# keeps every program it compiled reached the limit in about 700 tests, and its next compile crashed the worker
+# (session 37: pid 17442 held 65,476 maps when it died). Past this share of the limit, a test's teardown drops the
+# compiled programs (later tests recompile what they need).
+MAPS_HIGH_WATER = 0.5
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_maps():
+  yield
+  used, limit = memory_maps()
+  if limit and used > MAPS_HIGH_WATER * limit:
+    jax.clear_caches()
+    api.COMPILED.clear()
+    gc.collect()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+  """A `production_xla` test runs in a fresh `pytest` process without the test-only XLA flags."""
+  if os.environ.get(PRODUCTION_ENV) or pyfuncitem.get_closest_marker("production_xla") is None:
+    return None
+  env = {**os.environ, PRODUCTION_ENV: "1", "XLA_FLAGS": USER_XLA_FLAGS}
+  done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                         pyfuncitem.nodeid], env=env, cwd=pyfuncitem.config.rootpath, capture_output=True, text=True)
+  if done.returncode != 0:
+    pytest.fail(f"under XLA's default flags:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}", pytrace=False)
+  return True

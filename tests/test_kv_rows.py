@@ -11,6 +11,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -95,6 +96,7 @@ def pool_copies(method: str, **kw) -> list[str]:
           if re.search(shape + r"\S* copy\(", line) and not re.search(r"copy\(%wrapped_broadcast", line)]
 
 
+@pytest.mark.production_xla
 def test_the_decode_loop_never_copies_the_pool():
   """PASTA's four lanes run under a lane-count switch (the rows written after it); plain decoding has one
   branch (the model writes as it goes). Either way the step updates the loop's pool in place: a write inside the
@@ -104,6 +106,7 @@ def test_the_decode_loop_never_copies_the_pool():
   assert pool_copies("sequential") == []
 
 
+@pytest.mark.production_xla
 def test_writing_in_the_branch_copies_the_pool_on_a_cpu_and_is_the_default_elsewhere(monkeypatch):
   """The setting is honoured: written inside the switch, the CPU loop copies the pool (what deferring removes).
   Off a CPU writing in the branch is the default (an H100 measured a one-lane step 1.11x plain decoding written in

@@ -3,11 +3,14 @@ shape it measured on a GPU: one lane-count conditional, no loop inside the step.
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from bench.loop_kernels import decode_loop, launches, parse_module
 from pasta_jax.decode import api, loop
 from pasta_jax.decode.rules.base import lane_buckets
 from tests.tiny import tiny_model
+
+pytestmark = pytest.mark.production_xla  # counts kernels of the program XLA's default flags compile
 
 
 def compiled_loop(text: str):
