@@ -564,8 +564,8 @@ def test_generate_and_stream_take_tree_methods():
 
 
 def test_eval_methods_use_the_models_heads_and_name_a_missing_one():
+  from pasta_jax.commands.eval_registry import METHODS
   from pasta_jax.eval.methods import DecodeSettings, MethodSpec
-  from pasta_jax.eval.registry import METHODS
   for name in ("medusa", "propd"):
     with pytest.raises(PastaError, match="no Medusa heads for random:tiny-gemma3"):
       METHODS[name](MethodSpec(name), MODEL, DecodeSettings())

@@ -266,7 +266,7 @@ def test_tree_options_are_refused_where_they_do_not_apply():
 
 
 def test_eval_method_uses_the_models_heads():
+  from pasta_jax.commands.eval_registry import METHODS
   from pasta_jax.eval.methods import DecodeSettings, MethodSpec
-  from pasta_jax.eval.registry import METHODS
   with pytest.raises(PastaError, match="no Medusa heads for random:tiny-gemma3"):
     METHODS["pasta+medusa"](MethodSpec("pasta+medusa"), MODEL, DecodeSettings())

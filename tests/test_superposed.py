@@ -171,8 +171,8 @@ def test_a_batch_decodes_each_request_as_alone():
 
 
 def test_pasta_eval_runs_superposed_decoding(tmp_path, monkeypatch):
+  from pasta_jax.commands.eval_registry import build_method, parse_spec
   from pasta_jax.eval.methods import DecodeSettings
-  from pasta_jax.eval.registry import build_method, parse_spec
   from tests.tiny import tiny_model
   monkeypatch.setenv(ngram.ENV, str(tmp_path / "index"))  # the default index, built from the pools, goes here
   model = tiny_model()

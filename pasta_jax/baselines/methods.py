@@ -1,4 +1,4 @@
-"""The paper's baselines as `pasta eval` methods (BASELINE_METHODS; eval/registry.py lists them):
+"""The paper's baselines as `pasta eval` methods (BASELINE_METHODS; commands/eval_registry.py lists them):
 
   apar          the model decodes freely in APAR mode (an APAR-trained model forks at its fork tokens)
   apar-forced   replays the APAR-format annotation (data/apar_format.py) of the record's reference

@@ -53,9 +53,9 @@ def build_eval_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_eval(args) -> int:
+  from pasta_jax.commands import eval_registry as registry
   from pasta_jax.data import sources
   from pasta_jax.eval import methods as M
-  from pasta_jax.eval import registry
   from pasta_jax.eval.report import speed_table, write_outputs
   from pasta_jax.eval.runner import evaluate
 

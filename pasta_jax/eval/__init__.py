@@ -1,6 +1,6 @@
 """`pasta eval`: decoding methods timed against a baseline, judged pairwise, reported and plotted.
 
-Methods by name (the baselines included): `pasta_jax.eval.registry`."""
+Methods by name (the baselines included): `pasta_jax.commands.eval_registry`."""
 
 from pasta_jax.eval.methods import (
   DecodeSettings,

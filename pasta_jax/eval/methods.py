@@ -27,7 +27,7 @@ overhead over plain decoding (about 7% on CPU, `bench.interpreter`).
 
 A method's `reference` is what it is measured against: None means the run's baseline. Methods are
 named `name[:model_path]` (no path: the run's default model). The baselines (apar, apar-forced, sot,
-sot-router) live in pasta_jax/baselines/methods.py; `eval/registry.py` lists every method by name.
+sot-router) live in pasta_jax/baselines/methods.py; `commands/eval_registry.py` lists every method by name.
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ CORE_METHODS: dict[str, MethodFactory] = {
   "medusa": _medusa,
   "propd": _propd,
   "pasta+medusa": _pasta_medusa,
-}  # the paper's baselines add theirs in baselines/methods.py; eval/registry.py holds them all
+}  # the paper's baselines add theirs in baselines/methods.py; commands/eval_registry.py holds them all
 
 
 @functools.lru_cache(maxsize=4)

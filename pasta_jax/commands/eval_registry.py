@@ -1,5 +1,6 @@
 """Every `pasta eval` method by name: the core ones (eval/methods.py) and the paper's baselines
-(baselines/methods.py), listed here, explicitly, rather than registered as an import side effect."""
+(baselines/methods.py), listed here, explicitly, rather than registered as an import side effect. It lives with
+the command, above both: the baselines build on eval's method interface, so eval cannot list them."""
 
 from __future__ import annotations
 
