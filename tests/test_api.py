@@ -6,6 +6,8 @@ clean text, the annotated round trip, the thread trace and the metrics. One batc
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import types
 
 import jax
@@ -13,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pasta_jax.commands.pasta_view import compress, trace_lines
+from pasta_jax.commands.pasta_view import compress, summary, trace_lines
 from pasta_jax.data.structural import annotate
 from pasta_jax.decode import api
 from pasta_jax.errors import PastaError, TagError
@@ -96,6 +98,14 @@ def test_thread_chart(model, results):
   assert compress(["█", " ", "▒", " "], width=2) == "█▒"
 
 
+def test_the_summary_names_a_speedup_only_where_the_answer_has_one(results):
+  tagged = results[0]
+  assert f"theoretical speedup {tagged.theoretical_speedup:.2f}x;" in summary(tagged, 1.0)
+  cut = dataclasses.replace(tagged, theoretical_speedup=math.nan)  # what a run cut inside a block gets
+  line = summary(cut, 1.0)
+  assert "theoretical speedup n/a (cut inside a block);" in line and "nan" not in line
+
+
 def test_structural_annotator_keeps_every_character():
   answer = "Intro:\n\n1. First point here.\n2. Second\n   continued.\n\nIn short, yes.\n"
   annotated = annotate(answer, len)
@@ -112,7 +122,6 @@ def test_a_cut_answer_says_why(model, results):
   free = api.generate(model, ["Say it"], max_new_tokens=3, lanes=2)[0]  # a random model never ends in 3 tokens
   assert (free.finished, free.budget_spent, free.stop_reason, free.content_tokens) == (False, True, "tokens", 3)
   assert "content-token budget" in free.stop_note
-  import dataclasses
   full = dataclasses.replace(free, budget_spent=False, pool_full=True)
   assert full.stop_reason == "pool" and "KV pool filled" in full.stop_note
   steps = dataclasses.replace(free, budget_spent=False)

@@ -66,9 +66,12 @@ def trace_lines(result: PastaResult, vocab: TagVocab) -> list[str]:
 def summary(result: PastaResult, compile_seconds: float) -> str:
   rate = result.content_tokens / result.seconds if result.seconds > 0 else 0.0
   state = "finished" if result.finished else result.stop_note
+  speedup = result.theoretical_speedup
+  # nan: the cut left a block open, so the answer has no critical path to measure
+  theoretical = "n/a (cut inside a block)" if math.isnan(speedup) else f"{speedup:.2f}x"
   return (f"[{state}; {result.steps} steps, {result.stalls} stalls, syncs at {list(result.sync_steps)}; "
           f"{result.content_tokens} tokens ({result.tokens} with tags); theoretical speedup "
-          f"{result.theoretical_speedup:.2f}x; realized {rate:.1f} tok/s over {result.seconds:.2f}s "
+          f"{theoretical}; realized {rate:.1f} tok/s over {result.seconds:.2f}s "
           f"(+{compile_seconds:.1f}s compile/setup)]")
 
 
