@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from pasta_jax.serve.programs import memory_maps
+
 ENV = "SUITE_PROFILE"  # the JSONL the plugin appends to
 DEFAULT_OUT = "runs/suite_profile.jsonl"
 PHASES = {"jaxpr_trace_duration": "trace", "jaxpr_to_mlir_module_duration": "lower",
           "backend_compile_duration": "compile"}
-MAPS = Path("/proc/self/maps")
 
 
 class Recorder:
@@ -43,8 +44,7 @@ class Recorder:
       self.counts[phase] += 1
 
   def write(self, nodeid: str, wall: float) -> None:
-    maps = sum(1 for _ in MAPS.open("rb")) if MAPS.exists() else 0
-    row = {"test": nodeid, "wall": round(wall, 3), "pid": os.getpid(), "maps": maps,
+    row = {"test": nodeid, "wall": round(wall, 3), "pid": os.getpid(), "maps": memory_maps()[0],
            **{phase: round(s, 3) for phase, s in self.seconds.items()},
            **{phase + "_n": n for phase, n in self.counts.items()}}
     self.out.write(json.dumps(row) + "\n")

@@ -37,25 +37,29 @@ os.environ.setdefault("PASTA_HEAD_PLAN", "fixed")
 import jax  # noqa: E402
 
 from pasta_jax.decode import api  # noqa: E402
-from pasta_jax.serve.programs import memory_maps  # noqa: E402
+from pasta_jax.serve.programs import ProgramGuard  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # On CPU each compiled XLA kernel holds three memory maps, and Linux allows a process 65,530: a test worker that
 # keeps every program it compiled reached the limit in about 700 tests, and its next compile crashed the worker
-# (session 37: pid 17442 held 65,476 maps when it died). Past this share of the limit, a test's teardown drops the
-# compiled programs (later tests recompile what they need).
-MAPS_HIGH_WATER = 0.5
+# (session 37: pid 17442 held 65,476 maps when it died). Past half the limit, a test's teardown drops the
+# compiled programs (later tests recompile what they need): the guard `pasta serve` keeps, read after every test.
+
+
+def _drop_programs() -> None:
+  jax.clear_caches()
+  api.COMPILED.clear()
+  gc.collect()
+
+
+_MAPS_GUARD = ProgramGuard(high_water=0.5, every_s=0.0, drop=_drop_programs)
 
 
 @pytest.fixture(autouse=True)
 def _bounded_memory_maps():
   yield
-  used, limit = memory_maps()
-  if limit and used > MAPS_HIGH_WATER * limit:
-    jax.clear_caches()
-    api.COMPILED.clear()
-    gc.collect()
+  _MAPS_GUARD.check()
 
 
 @pytest.hookimpl(tryfirst=True)
