@@ -27,6 +27,7 @@ from pasta_jax.decode.apar_text import encode_apar_text
 from pasta_jax.decode.loop import bucket
 from pasta_jax.errors import TagError
 from pasta_jax.lang.metrics import geometric_mean
+from pasta_jax.methods import Apar, Pasta, generate
 from pasta_jax.model.load import load_model
 
 
@@ -55,10 +56,11 @@ def candidates(model, path: str, answer_tokens: int, prompt_bucket: int, limit: 
 
 
 def measure(model, prompt, plain, pasta, apar, args) -> dict:
-  kw = dict(max_new_tokens=args.new_tokens, lanes=args.lanes)
-  seq = second_of_two(lambda: api.generate(model, [prompt], forced_answers=[plain], **kw)[0])
-  par = second_of_two(lambda: api.generate(model, [prompt], forced_answers=[pasta], **kw)[0])
-  tree = second_of_two(lambda: api.generate(model, [prompt], method="apar", forced_answers=[apar], **kw)[0])
+  kw = dict(max_new_tokens=args.new_tokens)
+  pasta_method, apar_method = Pasta(lanes=args.lanes), Apar(lanes=args.lanes)
+  seq = second_of_two(lambda: generate(model, [prompt], pasta_method, forced_answers=[plain], **kw)[0])
+  par = second_of_two(lambda: generate(model, [prompt], pasta_method, forced_answers=[pasta], **kw)[0])
+  tree = second_of_two(lambda: generate(model, [prompt], apar_method, forced_answers=[apar], **kw)[0])
   ok = seq.finished and par.finished and tree.finished and par.text == tree.text == seq.text == plain
   return dict(tokens=seq.content_tokens, pasta_forks=len(par.threads) - 1, apar_forks=len(tree.thread_texts) - 1,
               pasta_speedup=seq.seconds / par.seconds, pasta_theory=par.theoretical_speedup,

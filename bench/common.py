@@ -74,18 +74,31 @@ def second_of_two(fn):
   return fn()
 
 
-def plain_step(model, ids, text: str, repeats: int = 1, **kw) -> tuple[float, float]:
-  """(seconds per step, prefill seconds) of plain decoding (`method="sequential"`) on prompt ids `ids`,
-  replaying the tag-free `text` and its first half in the same pool and step budget: the slope and the
-  intercept of the two lengths. Each time is the median of `repeats` runs, each the second of two."""
+def run_ids(model, ids, method, **kw) -> list:
+  """`pasta_jax.methods.generate_ids`, also taking `prepare_run`'s engine options (lane_buckets, pool_tokens,
+  defer_kv_writes): one `Result` per prompt of `ids`."""
   from pasta_jax.decode import api
+  from pasta_jax.methods import prepare_run
+  prep = prepare_run(model, ids, method, **kw)
+  runs, seconds = api.run_prepared(prep)
+  lang = api.LangTokenizer(model.tokenizer)
+  return [api.to_result(r, seconds, lang, prep) for r in runs]
+
+
+def plain_step(model, ids, text: str, repeats: int = 1, **kw) -> tuple[float, float]:
+  """(seconds per step, prefill seconds) of plain decoding (`Sequential()`) on prompt ids `ids`, replaying the
+  tag-free `text` and its first half in the same pool and step budget: the slope and the intercept of the two
+  lengths. Each time is the median of `repeats` runs, each the second of two. `kw`: `generate_ids`'s options
+  (max_new_tokens, runtime)."""
+  from pasta_jax.decode import api
+  from pasta_jax.methods import Sequential, generate_ids
   lang = api.LangTokenizer(model.tokenizer)
   tokens = lang.encode(text)
   half = lang.decode(tokens[: len(tokens) // 2])
 
   def run(answer):
-    results = [second_of_two(lambda: api.generate_ids(model, [ids], method="sequential", forced_answers=[answer],
-                                                      **kw)[0]) for _ in range(repeats)]
+    results = [second_of_two(lambda: generate_ids(model, [ids], Sequential(), forced_answers=[answer], **kw)[0])
+               for _ in range(repeats)]
     return sorted(r.seconds for r in results)[len(results) // 2], results[0].steps
 
   (full_s, full_n), (half_s, half_n) = run(text), run(half)

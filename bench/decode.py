@@ -17,19 +17,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import copy_bandwidth, median_time
-from pasta_jax.decode import api
+from pasta_jax.decode.runtime import Runtime
+from pasta_jax.methods import Sequential, generate_ids
 from pasta_jax.model.load import embedded_gguf_path, load_model
 
 PROMPT = "Explain why the sky is blue, in a few short paragraphs."
 
 
 def ours(model, prompt_ids, new_tokens, runs, dtype):
-  """Plain greedy decoding through the one interpreter (`method="sequential"`, end ids never sampled, as
+  """Plain greedy decoding through the one interpreter (`Sequential(ignore_eos=True)`: end ids never sampled, as
   transformers' min_new_tokens): tokens/s of the device run (prefill included) and the tokens. The prefill
   samples the first token, each of the `new_tokens - 1` steps one more (max_new_tokens is a content budget)."""
   def run():
-    [result] = api.generate_ids(model, [prompt_ids], method="sequential", max_new_tokens=new_tokens, dtype=dtype,
-                                ignore_eos=True)
+    [result] = generate_ids(model, [prompt_ids], Sequential(ignore_eos=True), max_new_tokens=new_tokens,
+                            runtime=Runtime(dtype=dtype))
     return result
 
   run()  # compiles

@@ -20,7 +20,9 @@ from tqdm import tqdm
 
 from bench.common import held_out_prompt_ids, table
 from pasta_jax.decode import api
+from pasta_jax.decode.runtime import Runtime
 from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.methods import Pasta, generate_ids
 from pasta_jax.model import head_plan, head_timing
 from pasta_jax.model.load import load_model
 
@@ -53,8 +55,9 @@ def use_plan(plan: head_plan.HeadPlan) -> None:
 def decode(model, ids, certify: bool, max_new_tokens: int) -> tuple[float, int, tuple]:
   """Seconds, steps and tokens of one prompt (the compiled program is kept per plan, so only a configuration's
   first run, the warm-up, compiles)."""
-  [r] = api.generate_ids(model, [ids], method="pasta", max_new_tokens=max_new_tokens, lanes=8,
-                         sampling=SamplingConfig(repetition_penalty=1.1, distinct_topics=True), certify_head=certify)
+  [r] = generate_ids(model, [ids], Pasta(lanes=8), max_new_tokens=max_new_tokens,
+                     sampling=SamplingConfig(repetition_penalty=1.1, distinct_topics=True),
+                     runtime=Runtime(certify_head=certify))
   return r.seconds, r.steps, tuple(int(t) for t in r.records[:, 3])
 
 

@@ -57,7 +57,7 @@ def head_timings(unembed, rows: int, runs: int) -> dict:
 
 def answer_rows(model, records) -> list[jax.Array]:
   """Per answer teacher-forced through `model`: the final-normed hidden rows [1, N, D] that predict its tokens."""
-  hidden_fn = jax.jit(lambda p, t, pos, m: Gemma(model.config).apply(p, t, pos, m, hidden_only=True))
+  hidden_fn = jax.jit(lambda p, t, pos, m: Gemma(model.config).apply(p, t, pos, m, skip_head=True).head_input)
   rows = []
   for record in tqdm(records, desc="teacher-forced answers"):
     batch = answer_layout(model, record["instruction"], record.get("reference") or record["output"])

@@ -29,6 +29,7 @@ from pasta_jax.decode.loop import bucket
 from pasta_jax.errors import TagError
 from pasta_jax.lang.metrics import geometric_mean
 from pasta_jax.lang.text import strip_tags
+from pasta_jax.methods import Pasta, generate
 from pasta_jax.model.load import load_model
 
 DATA = "lima"  # a shared dataset name or a JSONL path
@@ -63,17 +64,19 @@ def candidates(model, path: str, answer_tokens: int, prompt_bucket: int, limit: 
 
 
 def measure(model, prompt, ids, annotated, args) -> dict:
-  kw = dict(max_new_tokens=args.new_tokens, lanes=args.lanes)
+  method = Pasta(lanes=args.lanes)
   twin_text = strip_tags(annotated)
-  ann = second_of_two(lambda: api.generate(model, [prompt], forced_answers=[annotated], **kw)[0])
-  twin = second_of_two(lambda: api.generate(model, [prompt], forced_answers=[twin_text], **kw)[0])
+  ann = second_of_two(lambda: generate(model, [prompt], method, forced_answers=[annotated],
+                                       max_new_tokens=args.new_tokens)[0])
+  twin = second_of_two(lambda: generate(model, [prompt], method, forced_answers=[twin_text],
+                                        max_new_tokens=args.new_tokens)[0])
 
   # Two plain lengths give the per-step slope and the prefill (intercept), so the twin's step time is
   # taken net of prefill too, however many steps its answer needs.
-  step, prefill = plain_step(model, ids, twin_text, **kw)
+  step, prefill = plain_step(model, ids, twin_text, max_new_tokens=args.new_tokens)
   lang_tok = api.LangTokenizer(model.tokenizer)
   scripts = [api.forced_scripts(annotated, lang_tok, model.tokenizer.tag_vocab())]
-  prep = api.prepare(model, [ids], scripts=scripts, **kw)
+  prep = api.prepare(model, [ids], scripts=scripts, max_new_tokens=args.new_tokens, lanes=args.lanes)
   naive_runs, naive_seconds = second_of_two(lambda: api.run_prepared(prep, runner=naive.naive_prefill_and_run))
   naive_bytes = naive.naive_kv_bytes(prep.cfg, 1, prep.pool_spec)
   interleaved_bytes = naive.interleaved_kv_bytes(prep.cfg, 1, prep.pool_spec)

@@ -29,8 +29,10 @@ from tqdm import tqdm
 
 from bench.common import held_out_prompt_ids, table
 from pasta_jax.decode import api
+from pasta_jax.decode.runtime import Runtime
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.speculation import load_drafter
+from pasta_jax.methods import Pasta, Propd, Sequential, prepare_run
 from pasta_jax.model.load import load_model
 
 SIZE_ONE = {1: 0.001, 2: 1.0, 4: 1.0}  # seconds per step: no tree ever pays
@@ -63,17 +65,18 @@ def configurations(model, args) -> dict[str, list[api.Prepared]]:
   """{name: the prepared runs it times}: each workload deferred and in-branch (and plain beside ProPD)."""
   ids = held_out_prompt_ids(model, max(args.limit, 8, args.pasta_batch))
   sampling = SamplingConfig(repetition_penalty=1.1, distinct_topics=True)
-  pasta = [api.prepare_method(model, [p], method="pasta", max_new_tokens=args.max_new_tokens, lanes=8,
-                              sampling=sampling, certify_head=True) for p in ids[:args.limit]]
-  common = dict(max_new_tokens=args.propd_tokens, certify_head=True)
-  propd = api.prepare_method(model, ids[:8], method="propd", heads=load_drafter(model, None), tree_size=4,
-                             latency=SIZE_ONE, prune=False, **common)
-  plain = api.prepare_method(model, ids[:8], method="sequential", **common)
+  certified = Runtime(certify_head=True)
+  pasta = [prepare_run(model, [p], Pasta(lanes=8), max_new_tokens=args.max_new_tokens, sampling=sampling,
+                       runtime=certified) for p in ids[:args.limit]]
+  common = dict(max_new_tokens=args.propd_tokens, runtime=certified)
+  propd = prepare_run(model, ids[:8], Propd(tree_size=4, heads=load_drafter(model, None), latency=SIZE_ONE,
+                                            prune=False), **common)
+  plain = prepare_run(model, ids[:8], Sequential(), **common)
   configs = {"pasta deferred": [deferred(p) for p in pasta], "pasta in-branch": [in_branch(p) for p in pasta],
              "propd b8 deferred": [deferred(propd)], "propd b8 in-branch": [in_branch(propd)], "plain b8": [plain]}
   if args.pasta_batch:
-    wide = api.prepare_method(model, ids[:args.pasta_batch], method="pasta", max_new_tokens=args.max_new_tokens,
-                              lanes=8, sampling=sampling, certify_head=True)
+    wide = prepare_run(model, ids[:args.pasta_batch], Pasta(lanes=8), max_new_tokens=args.max_new_tokens,
+                       sampling=sampling, runtime=certified)
     name = f"pasta b{args.pasta_batch}"
     configs.update({f"{name} deferred": [deferred(wide)], f"{name} in-branch": [in_branch(wide)]})
   return configs

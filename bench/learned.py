@@ -24,7 +24,6 @@ from pathlib import Path
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from pasta_jax.commands.eval import make_judge
 from pasta_jax.data import sources
 from pasta_jax.decode import api
 from pasta_jax.eval import methods as M
@@ -33,6 +32,8 @@ from pasta_jax.eval.learned_plot import plot_quality_pareto
 from pasta_jax.eval.quality import answer_logprob
 from pasta_jax.eval.report import speed_table, write_outputs
 from pasta_jax.eval.runner import evaluate
+from pasta_jax.judges.factory import make_judge
+from pasta_jax.methods import Pasta
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,13 +72,16 @@ def main(argv=None) -> int:
                               head_dtype=args.head_dtype, certify_head=args.certify_head)
   baseline_model = M.cached_model(args.baseline)
   models = [M.cached_model(path) for path in args.model]
-  methods = [M.InterpreterMethod(f"pasta:{path or 'default'}", m, settings) for path, m in zip(args.model, models)]
-  baseline = M.InterpreterMethod(f"sequential:{args.baseline}", baseline_model, settings)
+  # Both decode with PASTA's interpreter rules (Baseline-SFT writes no tags, so its answers are sequential ones).
+  pasta = Pasta(lanes=args.lanes)
+  methods = [M.InterpreterMethod(f"pasta:{path or 'default'}", m, settings, pasta)
+             for path, m in zip(args.model, models)]
+  baseline = M.InterpreterMethod(f"sequential:{args.baseline}", baseline_model, settings, pasta)
   for method, model in zip(methods, models):
     print(f"{method.name}: {model.describe()}")
   print(f"{baseline.name}: {baseline_model.describe()}")
   out = Path(args.out)
-  judge, note = make_judge(args.judge, out)
+  judge, note = make_judge(args.judge, out, M.cached_model)
   identity = dict(prompts=sources.dataset_name(args.prompts), models=[m.source for m in models],
                   baseline=baseline_model.source, **settings.identity())
   results = evaluate(records, baseline, methods, out, identity=identity, judge=judge, judge_note=note)

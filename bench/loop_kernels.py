@@ -127,15 +127,17 @@ def compiled_programs(args) -> dict[str, str]:
 
   from bench.synthetic import TEXT, answers, random_model
   from pasta_jax.decode import api, loop
+  from pasta_jax.decode.runtime import Runtime
+  from pasta_jax.methods import Pasta, Sequential, prepare_run
 
   dtype = jnp.dtype(args.dtype)
   model = random_model(args.config, dtype)
   print(f"device: {jax.devices()[0].device_kind}; {args.config} random weights, {args.dtype}")
   prompt = [model.tokenizer.encode("question: " + TEXT)]
-  kw = dict(max_new_tokens=args.tokens + 64, lanes=args.lanes, dtype=dtype, forced_answers=[answers(args.tokens, 1)[0]])
+  kw = dict(max_new_tokens=args.tokens + 64, runtime=Runtime(dtype=dtype), forced_answers=[answers(args.tokens, 1)[0]])
   programs = {}
-  for label, method in (("plain", "sequential"), ("pasta", "pasta")):
-    prep = api.prepare_method(model, prompt, method=method, **kw)
+  for label, method in (("plain", Sequential()), ("pasta", Pasta(lanes=args.lanes))):
+    prep = prepare_run(model, prompt, method, **kw)
     programs[label] = api.COMPILED.get(prep, loop.prefill_and_run).as_text()  # the program generate would run
   return programs
 

@@ -2,7 +2,7 @@
 
 For each batch size: the same held-out prompts (alpaca_eval_805, chat turns, greedy, up to --new-tokens
 answer tokens) decoded by
-  - plain   one token per step (method "sequential");
+  - plain   one token per step (`Sequential()`);
   - medusa  Medusa's fixed tree of --tree nodes (64: the size of Medusa's default tree), built by Medusa's
             recipe from the heads' calibrated hit rates, and every smaller fixed tree in --small-trees;
   - propd   ProPD's dynamic tree size (prefixes of the --tree-node tree), its step times T(s) (each lane bucket's
@@ -37,7 +37,9 @@ from tqdm import tqdm
 from bench.common import held_out_prompt_ids
 from pasta_jax.decode import api
 from pasta_jax.decode.latency import calibrate_latency
+from pasta_jax.decode.runtime import Runtime
 from pasta_jax.decode.speculation import LATENCY_MODELS, load_drafter
+from pasta_jax.methods import Medusa, Method, Propd, Sequential, prepare_run
 from pasta_jax.model.load import load_model
 
 
@@ -69,15 +71,16 @@ def parse_args(argv=None):
   return args
 
 
-def timed(model, groups, runs: int, methods: dict[str, dict]) -> dict[str, dict]:
-  """Every method ({name: `prepare_method` options}) on every group (a batch of prompt ids), side by side: per
+def timed(model, groups, runs: int, methods: dict[str, Method], **kw) -> dict[str, dict]:
+  """Every method ({name: method value}, `prepare_run`'s options `kw`) on every group (a batch of prompt ids), side
+  by side: per
   group, each method's program is compiled and run once, then `runs` rounds run every method once in turn, and
   each method keeps its median. In rounds, a slow spell of a shared machine lands on every method alike instead
   of on whichever was being timed (a method-major order once put medusa-4 at 1.05x plain and, on another run,
   1.24x). The group's programs are dropped after it (kept, every group's exhaust the process's memory maps)."""
   outs, seconds = {name: [] for name in methods}, {name: [] for name in methods}
   for ids in groups:
-    preps = {name: api.prepare_method(model, ids, **kw) for name, kw in methods.items()}
+    preps = {name: prepare_run(model, ids, method, **kw) for name, method in methods.items()}
     for name, prep in preps.items():
       outs[name].extend(api.run_prepared(prep)[0])
     times = {name: [] for name in methods}
@@ -87,7 +90,7 @@ def timed(model, groups, runs: int, methods: dict[str, dict]) -> dict[str, dict]
     for name in methods:
       seconds[name].append(statistics.median(times[name]))
     drop_programs()
-  return {name: summary(outs[name], sum(seconds[name])) for name in methods}
+  return {name: {**summary(outs[name], sum(seconds[name])), "method": method} for name, method in methods.items()}
 
 
 def drop_programs() -> None:
@@ -117,11 +120,11 @@ def mismatches(plain, other) -> int:
 def bench_batch(model, drafter, ids, batch: int, args) -> dict:
   ids = ids[: args.limit_b1] if batch == 1 else ids
   groups = [ids[i:i + batch] for i in range(0, len(ids), batch)]
-  common = dict(max_new_tokens=args.new_tokens, **({"certify_head": True} if args.certify_head else {}))
-  methods = {"plain": dict(method="sequential", **common)}
+  runtime = Runtime(certify_head=args.certify_head)
+  methods: dict[str, Method] = {"plain": Sequential()}
   big = [args.tree] if str(batch) in args.big_tree_batches.split(",") else []
   for size in big + [int(s) for s in args.small_trees.split(",") if s]:
-    methods[f"medusa-{size}"] = dict(method="medusa", heads=drafter, tree_size=size, **common)
+    methods[f"medusa-{size}"] = Medusa(tree_size=size, heads=drafter)
   calibrations = {}
   # Without a trained early head ProPD does not prune (speculation.early_prune): "propd-unpruned" would be the
   # same configuration, timed twice.
@@ -129,13 +132,13 @@ def bench_batch(model, drafter, ids, batch: int, args) -> dict:
   models = args.latency_model.split(",")  # the first is ProPD's own row, the others "propd-<model>"
   variants = [(f"{name}-{m}" if i else name, prune, m) for name, prune in prunings for i, m in enumerate(models)]
   for name, prune, latency_model in variants:
-    calibrations[name] = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16, prune=prune,
-                                           run_tokens=args.new_tokens, latency_model=latency_model,
-                                           **({"certify_head": True} if args.certify_head else {}))
-    methods[name] = dict(method="propd", heads=drafter, tree_size=calibrations[name]["tree_size"],
-                         latency=calibrations[name]["table"], prune=prune, **common)
+    calibrations[name] = calibrate_latency(model, groups[0], drafter, tree_size=args.tree, steps=16,
+                                           run_tokens=args.new_tokens, latency_model=latency_model, runtime=runtime,
+                                           prune=prune)
+    methods[name] = Propd(tree_size=calibrations[name]["tree_size"], heads=drafter,
+                          latency=calibrations[name]["table"], prune=prune)
   drop_programs()  # the calibrations'
-  rows = timed(model, groups, args.runs, methods)
+  rows = timed(model, groups, args.runs, methods, max_new_tokens=args.new_tokens, runtime=runtime)
   for name, calibration in calibrations.items():
     rows[name]["calibration"] = calibration
   return rows
@@ -152,10 +155,10 @@ def report(batch: int, rows: dict) -> None:
     for s in r["stats"]:
       for k, v in s["tree_sizes"].items():
         sizes[k] = sizes.get(k, 0) + v
-    chosen = " ".join(f"{k}:{v}" for k, v in sorted(sizes.items()) if v) if name.startswith("propd") else ""
+    chosen = " ".join(f"{k}:{v}" for k, v in sorted(sizes.items()) if v) if isinstance(r["method"], Propd) else ""
     print(f"{name:>14} {r['tok_s']:9.2f} {r['tok_s'] / plain:8.3f} {r['accept']:7.2f} "
           f"{mismatches(rows['plain'], r):8d} {pruned:7.1%}  {chosen}")
-  for name in (n for n in rows if n.startswith("propd")):
+  for name in (n for n, r in rows.items() if isinstance(r["method"], Propd)):
     cal = rows[name]["calibration"]
     times = lambda c: " ".join(f"T({s})={t * 1e3:.1f}ms" for s, t in zip(c["sizes"], c["seconds"]))
     if cal.get("first_pass"):
@@ -165,7 +168,7 @@ def report(batch: int, rows: dict) -> None:
     print(f"{name} latency calibration, {cal['timed_tree']}-node program: {times(cal)} (table: "
           f"{cal['latency_model']}); fit "
           f"alpha={cal['alpha'] * 1e3:.2f} ms/node beta={cal['beta'] * 1e3:.1f} ms; {compiled}")
-  medusa_key = max((k for k in rows if k.startswith("medusa-")), key=lambda k: rows[k]["accept"])
+  medusa_key = max((k for k, r in rows.items() if type(r["method"]) is Medusa), key=lambda k: rows[k]["accept"])
   top1, topk = head_rates(rows[medusa_key]["stats"])
   print(f"per-head acceptance ({medusa_key}): top-1 " + " ".join(f"{x:.3f}" for x in top1)
         + " | top-k " + " ".join(f"{x:.3f}" for x in topk))
@@ -192,7 +195,7 @@ def main(argv=None) -> None:
     rows = results.get(batch) or {}
     return rows[name]["tok_s"] / rows["plain"]["tok_s"] if name in rows else float("nan")  # nan: not timed
 
-  small = {b: max((k for k in rows if k.startswith("medusa-") and k != f"medusa-{args.tree}"),
+  small = {b: max((k for k, r in rows.items() if type(r["method"]) is Medusa and r["method"].tree_size != args.tree),
                   key=lambda k: rows[k]["tok_s"], default=None) for b, rows in results.items()}
   for b, k in small.items():
     if k:

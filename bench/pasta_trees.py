@@ -30,6 +30,7 @@ from bench.common import held_out_prompt_ids
 from pasta_jax.decode import api
 from pasta_jax.decode.speculation import load_drafter
 from pasta_jax.decode.tokenizing import LangTokenizer
+from pasta_jax.methods import Medusa, Method, Pasta, PastaTrees, Sequential, prepare_run
 from pasta_jax.model.load import load_model
 
 
@@ -46,19 +47,19 @@ def parse_args(argv=None):
   return parser.parse_args(argv)
 
 
-def timed(model, groups, runs: int, **kw) -> dict:
+def timed(model, groups, runs: int, method: Method, **kw) -> dict:
   """Decodes every group once to compile, then `runs` times: median seconds, the results, mean accepted length."""
   outs, seconds = [], 0.0
   lang = LangTokenizer(model.tokenizer)
   for ids in groups:
-    prep = api.prepare_method(model, ids, **kw)
+    prep = prepare_run(model, ids, method, **kw)
     runs_out, _ = api.run_prepared(prep)
     time = statistics.median(api.run_prepared(prep)[1] for _ in range(runs))
     seconds += time
     outs.extend(api.to_result(r, time, lang, prep) for r in runs_out)
   jax.clear_caches()  # every row compiles its own programs: kept, they exhaust the process's memory maps
   accept = [o.speculation["accept_length"] for o in outs if o.speculation and o.speculation["tree_steps"]]
-  return {"seconds": seconds, "outs": outs, "accept": float(np.mean(accept)) if accept else 1.0}
+  return {"seconds": seconds, "outs": outs, "accept": float(np.mean(accept)) if accept else 1.0, "method": method}
 
 
 def steps(row: dict) -> int:
@@ -80,19 +81,18 @@ def main(argv=None) -> None:
   trees = [int(s) for s in args.trees.split(",") if s]
   print(f"model {model.source}; heads {drafter.source}; {len(ids)} prompts, batch {args.batch}, "
         f"{args.new_tokens} new tokens, greedy, {args.lanes} PASTA lanes; medians of {args.runs} runs")
-  methods = {"sequential": dict(method="sequential")}
-  methods.update({f"medusa-{n}": dict(method="medusa", heads=drafter, tree_size=n) for n in trees})
-  methods["pasta"] = dict(method="pasta", lanes=args.lanes)
-  methods.update({f"pasta+medusa-{n}": dict(method="pasta+medusa", heads=drafter, tree_size=n, lanes=args.lanes)
-                  for n in trees})
-  rows = {name: timed(model, groups, args.runs, max_new_tokens=args.new_tokens, **options)
-          for name, options in tqdm(methods.items(), desc="methods")}
+  methods: dict[str, Method] = {"sequential": Sequential()}
+  methods.update({f"medusa-{n}": Medusa(tree_size=n, heads=drafter) for n in trees})
+  methods["pasta"] = Pasta(lanes=args.lanes)
+  methods.update({f"pasta+medusa-{n}": PastaTrees(lanes=args.lanes, tree_size=n, heads=drafter) for n in trees})
+  rows = {name: timed(model, groups, args.runs, method, max_new_tokens=args.new_tokens)
+          for name, method in tqdm(methods.items(), desc="methods")}
   forks = sum(len(r.threads) > 1 for r in rows["pasta"]["outs"])
   print(f"answers that fork (pasta): {forks} of {len(ids)}")
   print(f"{'method':>16} {'seconds':>8} {'content tok':>11} {'steps':>6} {'x sequential':>12} {'x pasta':>8} "
         f"{'accept':>7} {'differ':>6}")
   for name, r in rows.items():
-    reference = rows["pasta"] if name.startswith("pasta") else rows["sequential"]
+    reference = rows["pasta"] if isinstance(r["method"], (Pasta, PastaTrees)) else rows["sequential"]
     content = sum(o.content_tokens for o in r["outs"])
     print(f"{name:>16} {r['seconds']:8.2f} {content:11d} {steps(r):6d} "
           f"{rows['sequential']['seconds'] / r['seconds']:12.3f} {rows['pasta']['seconds'] / r['seconds']:8.3f} "

@@ -5,7 +5,7 @@ LIMA answers (their first ~200 tokens) are annotated with the paper's structural
 `<scope>`, each item's elaboration an `<async>` block, nested lists nested scopes:
 `pasta_jax.data.structural_scoped`). For each answer:
   - realized speedup: time(tag-free twin replayed) / time(scoped answer replayed), both through the same
-    interpreter (`method="pasta-v0"`), each the second of two runs, against the trace's theoretical speedup
+    interpreter (`Scoped`, "pasta-v0"), each the second of two runs, against the trace's theoretical speedup
     (content tokens / critical path);
   - identical: both replays finish and their clean texts equal the twin's text;
   - changed predictions (the paper's section 5.1 filter keeps answers under 20%): the share of the answer's
@@ -35,6 +35,7 @@ from pasta_jax.lang import scoped
 from pasta_jax.lang.layout import plain_layout
 from pasta_jax.lang.metrics import arithmetic_mean, geometric_mean
 from pasta_jax.lang.scoped_layout import scoped_layout
+from pasta_jax.methods import Scoped, generate
 from pasta_jax.model.gemma import Gemma
 from pasta_jax.model.load import load_model
 
@@ -72,7 +73,8 @@ def changed_predictions(model, ids: list[int], annotated: str) -> tuple[int, int
   apply = Gemma(model.config).apply
 
   def predictions(lay):
-    logits, _ = apply(model.params, jnp.asarray(lay.tokens)[None], jnp.asarray(lay.positions)[None], lay.mask()[None])
+    logits = apply(model.params, jnp.asarray(lay.tokens)[None], jnp.asarray(lay.positions)[None],
+                   lay.mask()[None]).logits
     return np.asarray(jnp.argmax(logits[0], axis=-1))
 
   # The query that predicts each content token is its predecessor in its own thread's stream.
@@ -89,10 +91,11 @@ def changed_predictions(model, ids: list[int], annotated: str) -> tuple[int, int
 
 
 def measure(model, prompt: str, ids: list[int], annotated: str, args) -> dict:
-  kw = dict(method="pasta-v0", max_new_tokens=args.new_tokens, lanes=args.lanes)
+  kw = dict(max_new_tokens=args.new_tokens)
+  method = Scoped(lanes=args.lanes)
   twin_text = scoped.compose_text(annotated)
-  ann = second_of_two(lambda: api.generate(model, [prompt], forced_answers=[annotated], **kw)[0])
-  twin = second_of_two(lambda: api.generate(model, [prompt], forced_answers=[twin_text], **kw)[0])
+  ann = second_of_two(lambda: generate(model, [prompt], method, forced_answers=[annotated], **kw)[0])
+  twin = second_of_two(lambda: generate(model, [prompt], method, forced_answers=[twin_text], **kw)[0])
   changed, content = changed_predictions(model, ids, annotated)
   items = scoped.parse(annotated)
   return dict(tokens=twin.content_tokens, blocks=len(ann.threads) - 1, depth=max(scoped.depth(items)),

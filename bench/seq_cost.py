@@ -25,9 +25,10 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from bench.common import copy_bandwidth, plain_step, second_of_two
+from bench.common import copy_bandwidth, plain_step, run_ids, second_of_two
 from bench.synthetic import TEXT, answers, random_model
-from pasta_jax.decode import api
+from pasta_jax.decode.runtime import Runtime
+from pasta_jax.methods import Pasta
 from pasta_jax.model.kv_rows import defer_by_default
 
 
@@ -62,22 +63,22 @@ def main(argv=None):
   dtype = jnp.dtype(args.dtype)
   model = random_model(args.config, dtype)
   prompt = [model.tokenizer.encode("question: " + TEXT)]
+  runtime = Runtime(dtype=dtype)
   step, prefill = plain_step(model, prompt[0], answers(args.tokens, 1)[0], args.repeats,
-                             max_new_tokens=args.tokens + 64, dtype=dtype)
+                             max_new_tokens=args.tokens + 64, runtime=runtime)
   floor, bandwidth = weight_roofline(model)
   print(f"device: {jax.devices()[0].device_kind}; {args.config} random weights, {args.dtype}")
   print(f"plain decoding (sequential rules): {1e3 * step:.3f} ms/step ({1 / step:.1f} tokens/s at batch 1), "
         f"prefill {1e3 * prefill:.2f} ms; weight-read floor {1e3 * floor:.3f} ms at {bandwidth / 1e9:.0f} GB/s "
         f"copy bandwidth: {100 * floor / step:.0f}% of the roofline")
   print(f"{'blocks':>6} {'lane_buckets':>12} {'deferred':>8} {'steps':>6} {'ms/step':>8} {'vs plain':>9}")
-  ratios = {}
+  ratios, method = {}, Pasta(lanes=args.lanes)
   for blocks in (int(b) for b in args.blocks.split(",")):
     sequential, pasta, _ = answers(args.tokens, blocks)
     for buckets, defer in settings(args):
-      kw = dict(max_new_tokens=args.tokens + 64, lanes=args.lanes, dtype=dtype, lane_buckets=buckets,
-                defer_kv_writes=defer)
+      kw = dict(max_new_tokens=args.tokens + 64, runtime=runtime, lane_buckets=buckets, defer_kv_writes=defer)
       text = sequential if blocks == 1 else pasta
-      runs = [second_of_two(lambda kw=kw, text=text: api.generate_ids(model, prompt, forced_answers=[text], **kw)[0])
+      runs = [second_of_two(lambda kw=kw, text=text: run_ids(model, prompt, method, forced_answers=[text], **kw)[0])
               for _ in range(args.repeats)]
       per_step = statistics.median((r.seconds - prefill) / r.steps for r in runs)
       ratios[blocks, buckets, defer] = per_step / step

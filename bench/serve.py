@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -157,26 +158,35 @@ def level_report(clients: int, answers: list[dict], seconds: float) -> dict:
                                  for m in sorted({a["method"] for a in ok})}}
 
 
-def reference_text(model, prompt: str, method: str, max_tokens: int, lanes: int) -> str:
-  """What the server must answer, greedy: `generate` alone; ProPD's is plain greedy decoding's (lossless);
-  SoT's is `SkeletonOfThought.run` with the server's budgets and lanes."""
+def served_method(name: str, lanes: int):
+  """The method value `pasta serve --lanes LANES` serves as `name`: its defaults, with `lanes` where it has lanes
+  (the server's option flags set that option of every method that has it)."""
+  from pasta_jax.methods import resolve
+  method = resolve(name)
+  has_lanes = any(f.name == "lanes" for f in method.options())
+  return dataclasses.replace(method, lanes=lanes) if has_lanes else method
+
+
+def reference_text(model, prompt: str, method, max_tokens: int) -> str:
+  """What the server must answer, greedy: `generate` alone of the served `method` (a method value); ProPD's is
+  plain greedy decoding's (lossless); SoT's is `SkeletonOfThought.run` with the server's budgets and lanes."""
   from pasta_jax.baselines.sot import SkeletonOfThought, SotConfig
-  from pasta_jax.decode import api
-  if method == "sot":
-    config = SotConfig(point_tokens=max_tokens, answer_tokens=max_tokens, lanes=lanes)
+  from pasta_jax.methods import Propd, Sequential, Sot, generate
+  if isinstance(method, Sot):
+    config = SotConfig(point_tokens=max_tokens, answer_tokens=max_tokens, lanes=method.lanes)
     return SkeletonOfThought(model, config).run(prompt).text
-  method = "sequential" if method == "propd" else method
-  return api.generate(model, [prompt], method=method, max_new_tokens=max_tokens, lanes=lanes)[0].text
+  method = Sequential() if isinstance(method, Propd) else method
+  return generate(model, [prompt], method, max_new_tokens=max_tokens)[0].text
 
 
 def check_answers(model, answers: list[dict], max_tokens: int, lanes: int) -> list[dict]:
-  """Every answer against its greedy reference alone (`reference_text`); returns those that differ (mixed up),
-  each with its method, prompt, text and reference."""
+  """Every answer against its greedy reference alone (`reference_text`, of the method the server serves under the
+  answer's method name); returns those that differ (mixed up), each with its method, prompt, text and reference."""
   refs, mixed = {}, []
   for a in tqdm([a for a in answers if not a["lost"]], desc="greedy references", unit="answer"):
     key = (a["prompt"], a["method"])
     if key not in refs:
-      refs[key] = reference_text(model, a["prompt"], a["method"], max_tokens, lanes)
+      refs[key] = reference_text(model, a["prompt"], served_method(a["method"], lanes), max_tokens)
     if a["text"] != refs[key]:
       mixed.append({"method": a["method"], "prompt": a["prompt"], "text": a["text"], "reference": refs[key]})
   return mixed
@@ -186,14 +196,15 @@ def batching_ceiling(model, prompts: list[str], max_tokens: int, certify_head: b
                      texts: list | None = None) -> tuple[float, float]:
   """Content tokens / s of plain greedy `generate`: all `prompts` in one batch, and one at a time (each warm).
   The batched answers' texts are appended to `texts` when given."""
-  from pasta_jax.decode import api
-  kw = dict(method="sequential", max_new_tokens=max_tokens, certify_head=certify_head)
+  from pasta_jax.decode.runtime import Runtime
+  from pasta_jax.methods import Sequential, generate
+  kw = dict(max_new_tokens=max_tokens, runtime=Runtime(certify_head=certify_head))
   def rate(batches, keep=None):
     for batch in batches:  # compile every shape first
-      api.generate(model, batch, **kw)
+      generate(model, batch, Sequential(), **kw)
     start, tokens = time.perf_counter(), 0
     for batch in batches:
-      results = api.generate(model, batch, **kw)
+      results = generate(model, batch, Sequential(), **kw)
       tokens += sum(r.content_tokens for r in results)
       if keep is not None:
         keep.extend(r.text for r in results)
@@ -219,12 +230,15 @@ def ceiling_only(args, prompts: list[str]) -> None:
 
 
 def generate_rate(model, prompt: str, method: str, max_tokens: int, certify_head: bool = False) -> float:
-  """Content tokens per second of `generate` alone, wall time of its second (warm) call."""
-  from pasta_jax.decode import api
-  kw = dict(method=method, max_new_tokens=max_tokens, certify_head=certify_head and method != "superposed")
-  api.generate(model, [prompt], **kw)
+  """Content tokens per second of `generate` alone (the method of that name, its default options), wall time of
+  its second (warm) call; the certified head where the method can take one."""
+  from pasta_jax.decode.runtime import Runtime
+  from pasta_jax.methods import generate, resolve
+  method = resolve(method)
+  kw = dict(max_new_tokens=max_tokens, runtime=Runtime(certify_head=certify_head and method.capabilities.certify_head))
+  generate(model, [prompt], method, **kw)
   start = time.perf_counter()
-  result = api.generate(model, [prompt], **kw)[0]
+  result = generate(model, [prompt], method, **kw)[0]
   return result.content_tokens / (time.perf_counter() - start)
 
 
@@ -277,6 +291,7 @@ def main(argv=None) -> None:
   out.mkdir(parents=True, exist_ok=True)
   levels = [int(x) for x in args.levels.split(",")]
   methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+  served = {name: served_method(name, args.lanes) for name in methods}  # an unknown name fails here, not mid-run
   prompts = [r["instruction"] for r in sources.read_records(args.prompts, max_records=200)]
   if args.ceiling_only:
     return ceiling_only(args, prompts)
@@ -290,8 +305,11 @@ def main(argv=None) -> None:
       (out / name.replace("server", "metrics").replace(".log", ".txt")).write_text(httpx.get(f"{url}/metrics").text)
       peaks.append(peak_rss_mib(proc.pid))
   reports, peak = by_setting[settings[0]], max(peaks)
-  # the batch-1 overhead compares with `generate` alone: methods it runs as one call
-  alone_jobs = [(a["prompt"], a["method"]) for a in answers_all if a["method"] not in ("sot", "propd")][:4]
+  # the batch-1 overhead compares with `generate` alone: methods it runs as one call (not SoT's two stages on
+  # scripts, nor ProPD, which a server runs on step times it learns and `generate` on ones it calibrates first)
+  caps = {name: method.capabilities for name, method in served.items()}
+  alone_jobs = [(a["prompt"], a["method"]) for a in answers_all
+                if not (caps[a["method"]].needs_scripts or caps[a["method"]].learns_latency)][:4]
   chunks = sorted({args.chunk, *(int(k) for k in args.batch1_chunks.split(",") if k)})
   alone_by_chunk = {}
   for chunk in chunks:  # the chunking overhead alone: one row, chunk K

@@ -26,8 +26,8 @@ from pasta_jax.model.load import load_model
 def jitted_step(apply_fn):
   @jax.jit
   def step(params, tokens, positions, mask, pool, slots, kv_positions):
-    logits, pool = apply_fn(params, tokens, positions, mask, pool, slots, kv_positions)
-    return logits, pool
+    out = apply_fn(params, tokens, positions, mask, pool, slots, kv_positions)
+    return out.logits, out.kv
   return step
 
 

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from bench.loop_kernels import family
 from bench.synthetic import TEXT, answers, random_model
-from pasta_jax.decode import api
+from pasta_jax.decode.runtime import Runtime
+from pasta_jax.methods import Pasta, Sequential, generate_ids
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,9 +84,9 @@ def main(argv=None):
   model = random_model(args.config, dtype)
   prompt = [model.tokenizer.encode("question: " + TEXT)]
   text = answers(args.tokens, 1)[0]
-  kw = dict(max_new_tokens=args.tokens + 64, lanes=args.lanes, dtype=dtype, forced_answers=[text])
-  runs = {"plain": lambda: api.generate_ids(model, prompt, method="sequential", **kw)[0],
-          "pasta": lambda: api.generate_ids(model, prompt, **kw)[0]}
+  kw = dict(max_new_tokens=args.tokens + 64, runtime=Runtime(dtype=dtype), forced_answers=[text])
+  runs = {"plain": lambda: generate_ids(model, prompt, Sequential(), **kw)[0],
+          "pasta": lambda: generate_ids(model, prompt, Pasta(lanes=args.lanes), **kw)[0]}
   print(f"device: {jax.devices()[0].device_kind}; {args.config} random weights, {args.dtype}, {args.tokens} tokens")
   rows, families = {}, {}
   with tempfile.TemporaryDirectory() as scratch:

@@ -32,9 +32,11 @@ from tqdm import tqdm
 from bench.common import median_time
 from pasta_jax.data import sources
 from pasta_jax.data.ngram_corpus import ensure_default_index
-from pasta_jax.decode import api, ngram
+from pasta_jax.decode import ngram
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.eval.quality import continuation_perplexity
+from pasta_jax.methods import Sequential, Superposed, generate_ids
+from pasta_jax.methods.superposed import load_index
 from pasta_jax.model.load import load_model
 
 NUCLEUS = [SamplingConfig(temperature=1.0, top_p=0.9, seed=s) for s in range(8)]
@@ -67,34 +69,35 @@ def timed(fn):
   return out, time.perf_counter() - start
 
 
-def run_length(model, index, ids, gen: int, ks: list[int]) -> dict:
-  """Per-prefix wall times and perplexities for one generation length."""
+def run_length(model, index_dir: str, ids, gen: int, ks: list[int]) -> dict:
+  """Per-prefix wall times and perplexities for one generation length (`index_dir`: the n-gram index's folder)."""
   kmax = max(ks)
-  seq = dict(method="sequential", max_new_tokens=gen, ignore_eos=True)
+  seq = dict(max_new_tokens=gen)
+  plain = Sequential(ignore_eos=True)
+  spd_of = {k: Superposed(drafts=k, ngram=index_dir) for k in ks}
   warm = [ids[0]]
-  api.generate_ids(model, warm, **seq)
-  api.generate_ids(model, warm, sampling=NUCLEUS[0], **seq)
+  generate_ids(model, warm, plain, **seq)
+  generate_ids(model, warm, plain, sampling=NUCLEUS[0], **seq)
   for k in ks:
-    api.generate_ids(model, warm, method="superposed", drafts=k, ngram=index, max_new_tokens=gen)
-    api.generate_ids(model, warm * k, sampling=NUCLEUS[0], **seq)
+    generate_ids(model, warm, spd_of[k], max_new_tokens=gen)
+    generate_ids(model, warm * k, plain, sampling=NUCLEUS[0], **seq)
   rows = {"greedy": [], **{f"spd{k}": [] for k in ks}, **{f"nucleus_seq{k}": [] for k in ks},
           **{f"nucleus_batch{k}": [] for k in ks}, **{f"ppl_best{k}": [] for k in ks},
           **{f"ppl_draft{k}_1": [] for k in ks}, "ppl_nucleus": [], "ppl_greedy": []}
   for prefix in tqdm(ids, desc=f"length {gen}", unit="prefix"):
-    greedy, t = timed(lambda prefix=prefix: api.generate_ids(model, [prefix], **seq)[0])
+    greedy, t = timed(lambda prefix=prefix: generate_ids(model, [prefix], plain, **seq)[0])
     rows["greedy"].append(t)
     rows["ppl_greedy"].append(continuation_perplexity(model, prefix, greedy.records[:, 3].tolist()))
     samples = []
     for s in range(kmax):
-      out, t = timed(lambda s=s, prefix=prefix: api.generate_ids(model, [prefix], sampling=NUCLEUS[s], **seq)[0])
+      out, t = timed(lambda s=s, prefix=prefix: generate_ids(model, [prefix], plain, sampling=NUCLEUS[s], **seq)[0])
       samples.append((out.records[:, 3].tolist(), t))
     rows["ppl_nucleus"].append(statistics.mean(continuation_perplexity(model, prefix, toks) for toks, _ in samples))
     for k in ks:
       rows[f"nucleus_seq{k}"].append(sum(t for _, t in samples[:k]))
-      _, t = timed(lambda k=k, prefix=prefix: api.generate_ids(model, [prefix] * k, sampling=NUCLEUS[0], **seq))
+      _, t = timed(lambda k=k, prefix=prefix: generate_ids(model, [prefix] * k, plain, sampling=NUCLEUS[0], **seq))
       rows[f"nucleus_batch{k}"].append(t)
-      spd, t = timed(lambda k=k, prefix=prefix: api.generate_ids(model, [prefix], method="superposed", drafts=k,
-                                                               ngram=index, max_new_tokens=gen)[0])
+      spd, t = timed(lambda k=k, prefix=prefix: generate_ids(model, [prefix], spd_of[k], max_new_tokens=gen)[0])
       rows[f"spd{k}"].append(t)
       ppls = [continuation_perplexity(model, prefix, d) for d in spd_drafts(model, spd)]
       rows[f"ppl_best{k}"].append(min(ppls))
@@ -124,7 +127,8 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   model = load_model(args.model)
   start = time.perf_counter()
-  index = api.superposed_index(str(ensure_default_index(model.tokenizer, model.describe())))
+  index_dir = str(ensure_default_index(model.tokenizer, model.describe()))
+  index = load_index(index_dir)
   print(f"n-gram index: {index.num_tokens:,} tokens, {index.nbytes / 2**20:.1f} MiB, build "
         f"{index.meta.get('build_seconds', float('nan'))} s (loaded in {time.perf_counter() - start:.1f} s), "
         f"corpora {index.meta.get('corpora')}")
@@ -135,7 +139,7 @@ def main(argv=None) -> int:
   ks = [int(k) for k in args.drafts.split(",")]
   summary = {}
   for gen in (int(g) for g in args.lengths.split(",")):
-    rows = run_length(model, index, ids, gen, ks)
+    rows = run_length(model, index_dir, ids, gen, ks)
     med = {key: statistics.median(v) for key, v in rows.items()}
     print(f"\n## {len(ids)} prefixes of {args.prefix} tokens, {gen} generated tokens (median seconds / perplexity)")
     print(f"greedy {med['greedy']:.3f} s, ppl {med['ppl_greedy']:.2f}; nucleus ppl (mean of samples) "

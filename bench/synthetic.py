@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import second_of_two
-from pasta_jax.decode import api
+from pasta_jax.decode.runtime import Runtime
 from pasta_jax.lang.tags import TagVocab, round_length
+from pasta_jax.methods import Apar, Pasta, generate_ids
 from pasta_jax.model.config import get_config
 from pasta_jax.model.gemma import Gemma
 from pasta_jax.model.load import LoadedModel
@@ -81,7 +82,8 @@ def main(argv=None):
   dtype = jnp.dtype(args.dtype)
   model = random_model(args.config)
   prompt = [model.tokenizer.encode("question: " + TEXT)]
-  kw = dict(max_new_tokens=args.tokens + 64, lanes=args.lanes, dtype=dtype)
+  kw = dict(max_new_tokens=args.tokens + 64, runtime=Runtime(dtype=dtype))
+  method = Pasta(lanes=args.lanes)
   print(f"device: {jax.devices()[0].device_kind}; {args.config} random weights, {args.dtype}, "
         f"{args.tokens}-token answers, {args.lanes} lanes")
   print(f"{'blocks':>6} {'t_seq':>8} {'t_pasta':>8} {'pasta':>7} {'theory':>7} {'t_apar':>8} {'apar':>7} "
@@ -89,11 +91,11 @@ def main(argv=None):
   ratios = []
   for blocks in (1, 2, 4, 8):
     plain, pasta, apar = answers(args.tokens, blocks)
-    seq = second_of_two(lambda plain=plain: api.generate_ids(model, prompt, forced_answers=[plain], **kw)[0])
-    par = second_of_two(lambda pasta=pasta: api.generate_ids(model, prompt, forced_answers=[pasta], **kw)[0])
-    apar_lanes = max(args.lanes, blocks + 1)
-    apar_kw = dict(kw, lanes=apar_lanes, forced_answers=[apar], method="apar")
-    tree = second_of_two(lambda apar_kw=apar_kw: api.generate_ids(model, prompt, **apar_kw)[0])
+    seq = second_of_two(lambda plain=plain: generate_ids(model, prompt, method, forced_answers=[plain], **kw)[0])
+    par = second_of_two(lambda pasta=pasta: generate_ids(model, prompt, method, forced_answers=[pasta], **kw)[0])
+    apar_method = Apar(lanes=max(args.lanes, blocks + 1))
+    tree = second_of_two(lambda apar=apar, apar_method=apar_method: generate_ids(
+        model, prompt, apar_method, forced_answers=[apar], **kw)[0])
     assert seq.text == par.text == tree.text, "the three replays must write the same text"
     r_pasta, r_apar = seq.seconds / par.seconds, seq.seconds / tree.seconds
     ratios.append((blocks, r_pasta / par.theoretical_speedup, r_apar / tree.theoretical_speedup))

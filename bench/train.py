@@ -28,7 +28,8 @@ from bench.synthetic import random_model
 from pasta_jax.lang.layout import layout_example, stack_layouts
 from pasta_jax.model.config import PRESETS
 from pasta_jax.model.load import load_model
-from pasta_jax.training.config import MeshConfig, TrainConfig, load_train_config
+from pasta_jax.model.mesh import MeshConfig
+from pasta_jax.training.config import TrainConfig, load_train_config
 from pasta_jax.training.metrics_log import read_metrics
 from pasta_jax.training.plan import plan_for
 from pasta_jax.training.trainer import Trainer

@@ -13,10 +13,14 @@ from pasta_jax import xla_flags
 xla_flags.apply()  # before any backend starts: the decode loop runs as one CUDA graph on a GPU
 
 _EXPORTS = {
-    "generate": "pasta_jax.decode.api",
-    "Result": "pasta_jax.decode.api",
-    "PastaResult": "pasta_jax.decode.api",
-    "stream": "pasta_jax.decode.api",
+    "generate": "pasta_jax.methods",
+    "generate_ids": "pasta_jax.methods",
+    "stream": "pasta_jax.methods",
+    "stream_ids": "pasta_jax.methods",
+    "Result": "pasta_jax.decode.result",
+    "Runtime": "pasta_jax.decode.runtime",
+    **{name: "pasta_jax.methods" for name in ("Apar", "Medusa", "Method", "Pasta", "PastaTrees", "Propd", "Scoped",
+                                              "Sequential", "Sot", "Superposed")},
     "SamplingConfig": "pasta_jax.decode.sampling",
     "load_model": "pasta_jax.model.load",
 }

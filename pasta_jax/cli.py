@@ -6,7 +6,9 @@ import argparse
 import sys
 
 from pasta_jax import compile_cache
+from pasta_jax.commands.method_flags import add_method_flags
 from pasta_jax.errors import PastaError
+from pasta_jax.methods.registry import names
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
@@ -39,24 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "trained on chat turns; off for a base model, which continues plain text)")
   gen.add_argument("--pasta", action="store_true", help="decode with the PASTA interpreter and show threads "
                                                         "(= --method pasta)")
-  gen.add_argument("--method", choices=["sequential", "pasta", "pasta-v0", "superposed", "medusa", "propd",
-                                        "pasta+medusa"],
-                   default=None,
-                   help="default: the model's generation.json (the tuned default: pasta), else sequential. "
-                        "sequential (streams), pasta (threads), pasta-v0 (the earlier paper's scoped tags, threads), "
-                        "superposed (k drafts from one decode), medusa (token-tree speculation "
-                        "with the model's Medusa heads; streams), propd (medusa with ProPD's dynamic tree size), "
-                        "pasta+medusa (pasta, every live thread with a Medusa tree)")
-  gen.add_argument("--heads", default=None,
-                   help="--method medusa/propd/pasta+medusa: Medusa heads folder (default: shipped)")
-  gen.add_argument("--tree-size", type=int, default=None,
-                   help="--method medusa: tree nodes (default 16); propd: the largest tree (default 64); "
-                        "pasta+medusa: each thread's tree (default 4)")
-  gen.add_argument("--drafts", type=int, default=3, help="--method superposed: how many drafts (k)")
-  gen.add_argument("--ngram", default="default",
-                   help="--method superposed: n-gram index folder (`pasta ngram build`), 'default' (the training "
-                        "pools', built on first use) or 'none' (no smoothing)")
-  gen.add_argument("--lanes", type=int, default=8, help="parallel lanes for --pasta (lane 0 is main)")
+  add_method_flags(gen, names(needs_scripts=False), "default: the model's generation.json (the tuned default: "
+                                                    "pasta), else sequential")
   gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
   gen.add_argument("--certify-head", action="store_true",
                    help="greedy: multiply the output head in int8 (bfloat16 off a CPU) and certify each choice "

@@ -20,7 +20,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from pasta_jax.decode import api, loop  # noqa: E402
+from pasta_jax.decode.runtime import Runtime
 from pasta_jax.decode.sampling import SamplingConfig  # noqa: E402
+from pasta_jax.methods import Apar, Pasta, Sequential, generate, prepare_run
 from tests.tiny import tiny_model  # noqa: E402
 
 PASTA = ('Two tips:\n<promise topic="sleep" tokens="20"/><async>- Sleep eight hours.\n</async>'
@@ -41,11 +43,11 @@ def runs(model, mesh_or_none, cases=None):
   prompts = ["q", "tips?"]
   kw = dict(mesh=mesh_or_none, max_new_tokens=12, lanes=4, return_logits=True)
   table = {
-      "sequential-greedy": lambda: api.generate(model, prompts, method="sequential", **kw),
-      "sequential-sampled": lambda: api.generate(model, prompts, method="sequential", sampling=SAMPLED, **kw),
-      "pasta-free-sampled": lambda: api.generate(model, prompts, sampling=SAMPLED, **kw),
-      "pasta-forced": lambda: api.generate(model, prompts, forced_answers=[PASTA] * 2, **kw),
-      "apar-forced": lambda: api.generate(model, prompts, method="apar", forced_answers=[APAR] * 2, **kw),
+      "sequential-greedy": lambda: generate(model, prompts, Sequential(), **kw),
+      "sequential-sampled": lambda: generate(model, prompts, Sequential(), sampling=SAMPLED, **kw),
+      "pasta-free-sampled": lambda: generate(model, prompts, Pasta(), sampling=SAMPLED, **kw),
+      "pasta-forced": lambda: generate(model, prompts, Pasta(), forced_answers=[PASTA] * 2, **kw),
+      "apar-forced": lambda: generate(model, prompts, Apar(), forced_answers=[APAR] * 2, **kw),
   }
   return {name: [(r.records.tolist(), r.finished, r.truncated, [dataclass_tuple(t) for t in r.threads], r.logits)
                  for r in run()] for name, run in table.items() if cases is None or name in cases}
@@ -67,7 +69,7 @@ def compare(one, many):
 def compiled_loop(model, m) -> dict:
   """The compiled sequential loop on mesh `m`: its all-gathers whose result has a whole weight matrix's
   shape, and the pool's global and per-device shapes after a run."""
-  prep = api.prepare_method(model, [[2, 3, 4], [2, 5]], method="sequential", max_new_tokens=8, mesh=m)
+  prep = prepare_run(model, [[2, 3, 4], [2, 5]], Sequential(), max_new_tokens=8, runtime=Runtime(mesh=m))
   executable = api.COMPILED.get(prep, loop.prefill_and_run)
   weights = {tuple(np.shape(x)) for x in jax.tree.leaves(prep.params) if np.ndim(x) >= 2}
   gathered = []
@@ -83,7 +85,7 @@ def compiled_loop(model, m) -> dict:
 def memory_check(model, name: str, m) -> dict:
   """`pasta plan`'s decode figures against XLA's memory analysis of the compiled loop, per device."""
   from pasta_jax.training.decode_plan import DecodeConfig, decode_plan
-  prep = api.prepare_method(model, [[2] + [100] * 200] * 4, method="pasta", max_new_tokens=512, lanes=8, mesh=m)
+  prep = prepare_run(model, [[2] + [100] * 200] * 4, Pasta(lanes=8), max_new_tokens=512, runtime=Runtime(mesh=m))
   stats = api.COMPILED.get(prep, loop.prefill_and_run).memory_analysis()
   xla = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
          - stats.alias_size_in_bytes)

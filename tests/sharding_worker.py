@@ -15,7 +15,8 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pasta_jax.training.config import MeshConfig, TrainConfig  # noqa: E402
+from pasta_jax.model.mesh import MeshConfig  # noqa: E402
+from pasta_jax.training.config import TrainConfig  # noqa: E402
 from pasta_jax.training.metrics_log import read_metrics  # noqa: E402
 from pasta_jax.training.trainer import Trainer  # noqa: E402
 from tests import training_data  # noqa: E402

@@ -53,7 +53,7 @@ def superposed_reference(apply, params, prompt: list[int], *, k: int, candidates
   def last_logits():
     n = len(rows_ids)
     ids, w = jnp.asarray([rows_ids]), jnp.asarray([rows_w], jnp.float32)
-    logits, _ = apply(params, ids, jnp.arange(n)[None], causal_mask(1, n), token_weights=w)
+    logits = apply(params, ids, jnp.arange(n)[None], causal_mask(1, n), token_weights=w).logits
     return np.asarray(logits[0, -1])
 
   alive = [([], 0.0)]  # (tokens, log p)

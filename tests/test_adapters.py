@@ -12,8 +12,8 @@ from pasta_jax.model import lora
 from pasta_jax.model.checkpoint import save_checkpoint
 from pasta_jax.model.gemma import Gemma
 from pasta_jax.model.load import load_model
+from pasta_jax.model.partitioning import param_specs
 from pasta_jax.training.config import TrainConfig
-from pasta_jax.training.partitioning import param_specs
 from pasta_jax.training.trainer import Trainer, adapter_config
 from tests import training_data
 from tests.tiny import tiny_model
@@ -43,8 +43,8 @@ def test_fresh_adapter_gives_the_base_logits_exactly(name):
   config = lora.AdapterConfig(rank=4, alpha=8.0, targets=lora.TARGETS, row_ids=ROWS)
   adapter = lora.init_adapter(model.params, config, jax.random.key(0))
   inputs = _inputs(model)
-  base, _ = Gemma(model.config).apply(model.params, *inputs)
-  tuned, _ = Gemma(model.config, adapter=config).apply(lora.merge(model.params, adapter), *inputs)
+  base = Gemma(model.config).apply(model.params, *inputs).logits
+  tuned = Gemma(model.config, adapter=config).apply(lora.merge(model.params, adapter), *inputs).logits
   np.testing.assert_array_equal(np.asarray(tuned), np.asarray(base))
 
 
@@ -54,9 +54,9 @@ def test_folded_equals_unfolded_forward(targets):
   config = lora.AdapterConfig(rank=4, alpha=8.0, targets=targets, row_ids=ROWS)
   adapter = _random_adapter(model, config)
   inputs = _inputs(model)
-  unfolded, _ = Gemma(model.config, adapter=config).apply(lora.merge(model.params, adapter), *inputs)
-  folded, _ = Gemma(model.config).apply(lora.fold(model.params, adapter, config), *inputs)
-  base, _ = Gemma(model.config).apply(model.params, *inputs)
+  unfolded = Gemma(model.config, adapter=config).apply(lora.merge(model.params, adapter), *inputs).logits
+  folded = Gemma(model.config).apply(lora.fold(model.params, adapter, config), *inputs).logits
+  base = Gemma(model.config).apply(model.params, *inputs).logits
   assert float(jnp.max(jnp.abs(unfolded - base))) > 1e-2  # the adapter really changes the model
   np.testing.assert_allclose(np.asarray(folded), np.asarray(unfolded), atol=2e-5, rtol=2e-5)
 
@@ -193,57 +193,60 @@ def test_pasta_generate_takes_the_folders_penalty_unless_the_flag_is_given(tmp_p
   import argparse
 
   from pasta_jax.commands.generate import _model_defaults, _sampling
+  from pasta_jax.methods import Pasta
   from pasta_jax.model.load import LoadedModel
 
   (tmp_path / "generation.json").write_text('{"repetition_penalty": 1.1}')
   model = LoadedModel(None, {}, None, str(tmp_path))
   args = argparse.Namespace(temperature=0.0, top_k=0, top_p=1.0, seed=0, repetition_penalty=None)
-  assert _model_defaults(_sampling(args), args, model).repetition_penalty == 1.1
+  assert _model_defaults(_sampling(args), args, model, Pasta()).repetition_penalty == 1.1
   said = capsys.readouterr().err
   assert "generation.json" in said and "--repetition-penalty 1 turns it off" in said  # said aloud, with its way out
   assert "--no-distinct-topics" not in said  # no flag named for what the folder did not set
   args.repetition_penalty = 1.0
-  assert _model_defaults(_sampling(args), args, model).repetition_penalty == 1.0
+  assert _model_defaults(_sampling(args), args, model, Pasta()).repetition_penalty == 1.0
 
 
 def test_pasta_generate_takes_the_folders_distinct_topics_for_pasta_only(tmp_path, capsys):
   import argparse
 
   from pasta_jax.commands.generate import _model_defaults, _sampling
+  from pasta_jax.methods import Pasta, PastaTrees
   from pasta_jax.model.load import LoadedModel
 
   (tmp_path / "generation.json").write_text('{"distinct_topics": true}')
   model = LoadedModel(None, {}, None, str(tmp_path))
   args = argparse.Namespace(temperature=0.0, top_k=0, top_p=1.0, seed=0, repetition_penalty=None, distinct_topics=None)
-  assert _model_defaults(_sampling(args), args, model, "pasta").distinct_topics
+  assert _model_defaults(_sampling(args), args, model, Pasta()).distinct_topics
   said = capsys.readouterr().err
   assert "distinct topics" in said and "--no-distinct-topics turns it off" in said  # said aloud, with its way out
-  assert not _model_defaults(_sampling(args), args, model, "pasta+medusa").distinct_topics  # it cannot keep it
+  assert not _model_defaults(_sampling(args), args, model, PastaTrees()).distinct_topics  # it cannot keep it
   args.distinct_topics = False  # --no-distinct-topics
-  assert not _model_defaults(_sampling(args), args, model, "pasta").distinct_topics
+  assert not _model_defaults(_sampling(args), args, model, Pasta()).distinct_topics
 
 
 def test_pasta_generate_decodes_with_the_method_the_models_folder_names(tmp_path, capsys):
   import argparse
 
   from pasta_jax.commands.generate import _method
-  from pasta_jax.errors import PastaError, WeightsError
+  from pasta_jax.errors import PastaError
+  from pasta_jax.methods import Medusa, Pasta, Sequential
   from pasta_jax.model.load import LoadedModel
 
   model = LoadedModel(None, {}, None, str(tmp_path))
   args = argparse.Namespace(method=None, pasta=False)
-  assert _method(args, model) == "sequential" and capsys.readouterr().err == ""  # no folder setting: plain
+  assert _method(args, model) == Sequential() and capsys.readouterr().err == ""  # no folder setting: plain
   (tmp_path / "generation.json").write_text('{"method": "pasta"}')
-  assert _method(args, model) == "pasta"
+  assert _method(args, model) == Pasta()
   said = capsys.readouterr().err
   assert "generation.json" in said and "--method sequential" in said  # said aloud, with its way out
-  for flags, want in (({"method": "sequential"}, "sequential"), ({"method": "medusa"}, "medusa"),
-                      ({"pasta": True}, "pasta")):
+  for flags, want in (({"method": "sequential"}, Sequential()), ({"method": "medusa"}, Medusa()),
+                      ({"pasta": True}, Pasta())):
     assert _method(argparse.Namespace(**{"method": None, "pasta": False, **flags}), model) == want
   with pytest.raises(PastaError, match="disagree"):
     _method(argparse.Namespace(method="medusa", pasta=True), model)
   (tmp_path / "generation.json").write_text('{"method": "telepathy"}')
-  with pytest.raises(WeightsError, match="telepathy"):
+  with pytest.raises(PastaError, match="generation.json: unknown method 'telepathy'"):
     _method(args, model)
 
 

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pasta_jax.decode import api
 from pasta_jax.decode.apar_text import encode_apar_text
 from pasta_jax.decode.api import LangTokenizer, prompt_ids
 from pasta_jax.errors import TagError
 from pasta_jax.lang import apar_tree as tree
+from pasta_jax.methods import Apar, generate
 from tests.tiny import tiny_model
 
 MODEL = tiny_model()
@@ -30,7 +30,7 @@ def strip(text: str) -> str:
 @pytest.mark.parametrize("lanes", [3, 4])
 @pytest.mark.parametrize("answer", [LIST, NESTED, "no forks at all"])
 def test_forced_apar_answers_replay_in_tree_order(answer, lanes):
-  (result,) = api.generate(MODEL, ["q"], method="apar", forced_answers=[answer], lanes=lanes)
+  (result,) = generate(MODEL, ["q"], Apar(lanes=lanes), forced_answers=[answer])
   assert result.finished and not result.truncated
   assert result.annotated == answer and result.text == strip(answer)
   assert len(result.thread_texts) == 1 + answer.count("<fork/>")
@@ -40,13 +40,13 @@ def test_forced_apar_answers_replay_in_tree_order(answer, lanes):
 def test_a_forced_deadlock_stops_cleanly(answer, lanes):
   """Every running lane waits on a fork no lane can take: the run stops at once as truncated,
   keeping what was written (the step budget is not spent spinning)."""
-  (result,) = api.generate(MODEL, ["q"], method="apar", forced_answers=[answer], lanes=lanes)
+  (result,) = generate(MODEL, ["q"], Apar(lanes=lanes), forced_answers=[answer])
   assert result.truncated and not result.finished and result.steps < 40
   assert strip(answer).startswith(result.text.split(" B:")[0].split("\n1.")[0])
 
 
 def test_peak_live_slots_below_sequential_on_a_list():
-  (apar,) = api.generate(MODEL, ["q"], method="apar", forced_answers=[LIST], lanes=4)
+  (apar,) = generate(MODEL, ["q"], Apar(lanes=4), forced_answers=[LIST])
   prompt = len(prompt_ids(MODEL.tokenizer, ["q"], chat=True)[0])
   sequential_peak = prompt + len(LANG.encode(strip(LIST)))  # plain decoding keeps every token
   assert apar.peak_live_slots < sequential_peak
@@ -59,7 +59,7 @@ def test_peak_live_slots_below_sequential_on_a_list():
                                            min_size=1, max_size=4).map("".join), max_leaves=8),
        st.integers(2, 5))
 def test_thread_numbering_matches_the_interpreter(answer, lanes):
-  (result,) = api.generate(MODEL, ["q"], method="apar", forced_answers=[answer], lanes=lanes, max_threads=16)
+  (result,) = generate(MODEL, ["q"], Apar(lanes=lanes, max_threads=16), forced_answers=[answer])
   if lanes > answer.count("<fork/>"):  # a lane for every thread: no stall can deadlock
     assert not result.truncated
   if not result.truncated:
@@ -73,7 +73,7 @@ def test_malformed_apar_text_names_the_place(bad, needle):
   with pytest.raises(TagError, match=needle):
     encode_apar_text(bad, LANG, VOCAB)
   with pytest.raises(TagError, match="forced answer 0"):
-    api.generate(MODEL, ["q"], method="apar", forced_answers=[bad])
+    generate(MODEL, ["q"], Apar(), forced_answers=[bad])
 
 
 def test_critical_path_by_hand():

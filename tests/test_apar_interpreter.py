@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import run_interpreter
-from pasta_jax.decode.reference import run_reference
+from pasta_jax.decode.reference import AparRequest, run_reference
 from pasta_jax.decode.rules import AparRules
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
@@ -61,7 +61,7 @@ def apar_scripts(draw) -> list[list[int]]:
 def reference(cfg: InterpreterConfig, params, prompt_batch, scripts=None):
   return run_reference(toy_apply, params, prompt_batch, cfg.vocab, lanes=cfg.lanes, max_threads=cfg.max_threads,
                        pool_slots=cfg.pool_slots, max_steps=cfg.max_steps, sampling=cfg.sampling,
-                       script=scripts, mode="apar", max_depth=cfg.rules.max_depth)
+                       script=scripts, request=AparRequest, max_depth=cfg.rules.max_depth)
 
 
 def assert_same(jitted, oracle):
@@ -156,7 +156,7 @@ def test_fan_out_with_script_prefixes_matches_reference(data):
                         scripts=scripts)
   want = run_reference(toy_apply, SAMPLING_PARAMS, prompt_batch, cfg.vocab, lanes=cfg.lanes,
                        max_threads=cfg.max_threads, pool_slots=cfg.pool_slots, max_steps=cfg.max_steps,
-                       sampling=cfg.sampling, script=scripts, mode="apar", max_depth=depth, initial_threads=k,
+                       sampling=cfg.sampling, script=scripts, request=AparRequest, max_depth=depth, initial_threads=k,
                        sample_after_script=True)
   assert_same(got, want)
   for out, script, prompt in zip(got, scripts, prompt_batch):

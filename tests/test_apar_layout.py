@@ -52,7 +52,7 @@ def test_apar_training_forward_equals_decode_replay(answer, family):
   config, model, params = random_params(family)
   layout = apar_layout(PROMPT, ids, VOCAB, eos_id=E)
   mask = layout.mask()[None]
-  logits, _ = model.apply(params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None], mask)
+  logits = model.apply(params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None], mask).logits
   logits = np.asarray(logits[0])
 
   scripts = tree.thread_scripts(tree.parse_tree(ids, VOCAB), VOCAB, lanes=4, max_threads=8)

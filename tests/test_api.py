@@ -22,6 +22,7 @@ from pasta_jax.errors import PastaError, TagError
 from pasta_jax.lang import metrics
 from pasta_jax.lang.text import strip_tags
 from pasta_jax.lang.tokens import encode_answer
+from pasta_jax.methods import Pasta, generate
 from pasta_jax.model.config import get_config
 from pasta_jax.model.gemma import Gemma
 from tests.tiny import CharTokenizer
@@ -41,7 +42,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def results(model):
-  return api.generate(model, ["Give tips", "Say it"], forced_answers=[ANSWER, PLAIN], max_new_tokens=96, lanes=4)
+  return generate(model, ["Give tips", "Say it"], Pasta(lanes=4), forced_answers=[ANSWER, PLAIN], max_new_tokens=96)
 
 
 def test_forced_text_and_annotated_round_trip(results):
@@ -76,20 +77,20 @@ def test_trace_is_consistent(model, results):
 def test_malformed_forced_answer_names_the_place(model):
   bad = 'Hi <promise topic="x" tokens="10"/><async>never closed'
   with pytest.raises(TagError, match=r"forced answer 1: .*line 1, col"):
-    api.generate(model, ["a", "b"], forced_answers=[ANSWER, bad])
+    generate(model, ["a", "b"], Pasta(), forced_answers=[ANSWER, bad])
   with pytest.raises(TagError, match="tokens"):
-    api.generate(model, ["a"], forced_answers=['<promise topic="x" tokens="15"/><async>y</async>'])
+    generate(model, ["a"], Pasta(), forced_answers=['<promise topic="x" tokens="15"/><async>y</async>'])
 
 
 @pytest.mark.parametrize("prompts", [[""], ["ok", "   "], []])
 def test_empty_prompt_is_a_pasta_error(model, prompts):
   with pytest.raises(PastaError, match="prompt"):
-    api.generate(model, prompts)
+    generate(model, prompts, Pasta())
 
 
 def test_forced_answers_must_match_prompts(model):
   with pytest.raises(PastaError, match="2 prompts"):
-    api.generate(model, ["a", "b"], forced_answers=[PLAIN])
+    generate(model, ["a", "b"], Pasta(), forced_answers=[PLAIN])
 
 
 def test_thread_chart(model, results):
@@ -119,7 +120,7 @@ def test_structural_annotator_keeps_every_character():
 def test_a_cut_answer_says_why(model, results):
   tagged, _ = results
   assert tagged.stop_reason == "end" and tagged.stop_note == ""
-  free = api.generate(model, ["Say it"], max_new_tokens=3, lanes=2)[0]  # a random model never ends in 3 tokens
+  free = generate(model, ["Say it"], Pasta(lanes=2), max_new_tokens=3)[0]  # a random model never ends in 3 tokens
   assert (free.finished, free.budget_spent, free.stop_reason, free.content_tokens) == (False, True, "tokens", 3)
   assert "content-token budget" in free.stop_note
   full = dataclasses.replace(free, budget_spent=False, pool_full=True)

@@ -20,6 +20,7 @@ from pasta_jax.decode.loop import run_interpreter
 from pasta_jax.decode.rules import AparRules, PastaRules, SequentialRules
 from pasta_jax.decode.state import THREAD
 from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
+from pasta_jax.methods import prepare_run
 from tests.programs import VOCAB, VOCAB_SIZE
 from tests.test_interpreter_vs_reference import POOL_SPEC, TAG_BIAS
 
@@ -106,11 +107,10 @@ def test_compiled_shapes_cover_every_chunk_and_admission():
 
 
 def test_budgets_equal_what_generate_sizes():
-  from pasta_jax.decode import api
   from tests.tiny import tiny_model
   model = tiny_model()
   for method, new, length in [("pasta", 7, 5), ("sequential", 40, 30), ("apar", 100, 3)]:
-    prep = api.prepare_method(model, [[2] * length], method=method, max_new_tokens=new)
+    prep = prepare_run(model, [[2] * length], method, max_new_tokens=new)
     cfg = batching.batch_config(dataclasses.replace(prep.cfg, pool_slots=4096), new)
     budget = batching.row_budgets(cfg, length, new)
     assert (budget.slots, budget.steps, budget.content) == (prep.cfg.pool_slots, prep.cfg.max_steps,

@@ -11,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pasta_jax.decode import api, certified_head
+from pasta_jax.decode.runtime import Runtime
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.errors import PastaError
+from pasta_jax.methods import Pasta, Sequential, Superposed, generate
 from tests.tiny import tiny_model
 
 PROMPTS = ["hello there", "list three colours"]
@@ -78,9 +80,9 @@ def test_certified_greedy_decoding_writes_the_float32_tokens(name, method, head_
   model = tiny_model(name, seed=3)
   assert (model.config.final_logit_softcap is not None) == (name == "tiny-gemma2")
   sampling = SamplingConfig(repetition_penalty=1.3)
-  plain = api.generate(model, PROMPTS, method=method, max_new_tokens=24, sampling=sampling)
-  certified = api.generate(model, PROMPTS, method=method, max_new_tokens=24, sampling=sampling, certify_head=True,
-                           head_dtype=head_dtype)
+  plain = generate(model, PROMPTS, method, max_new_tokens=24, sampling=sampling)
+  certified = generate(model, PROMPTS, method, max_new_tokens=24, sampling=sampling, runtime=Runtime(certify_head=True,
+                                                                                                     head_dtype=head_dtype))
   assert tokens_of(certified) == tokens_of(plain)
   assert [r.text for r in certified] == [r.text for r in plain]
   assert all(0 <= r.head_fallbacks <= r.steps for r in certified) and not any(r.head_fallbacks for r in plain)
@@ -100,9 +102,9 @@ def test_the_float32_head_decides_where_the_certificate_fails(monkeypatch, head_
                                                                                           loose(embedding, wide)))
   model = tiny_model("tiny-gemma3", seed=3)
   sampling = SamplingConfig(repetition_penalty=1.3)
-  plain = api.generate(model, PROMPTS, method="sequential", max_new_tokens=24, sampling=sampling)
-  certified = api.generate(model, PROMPTS, method="sequential", max_new_tokens=24, sampling=sampling,
-                           certify_head=True, head_dtype=head_dtype)
+  plain = generate(model, PROMPTS, Sequential(), max_new_tokens=24, sampling=sampling)
+  certified = generate(model, PROMPTS, Sequential(), max_new_tokens=24, sampling=sampling,
+                       runtime=Runtime(certify_head=True, head_dtype=head_dtype))
   assert tokens_of(certified) == tokens_of(plain)
   assert all(r.head_fallbacks > r.steps // 2 for r in certified)  # counted: nearly every step fell back
   jax.clear_caches()  # the programs traced with K = 1
@@ -111,21 +113,22 @@ def test_the_float32_head_decides_where_the_certificate_fails(monkeypatch, head_
 @pytest.mark.parametrize("options,match", [
     (dict(sampling=SamplingConfig(temperature=1.0)), "greedy"),
     (dict(return_logits=True), "greedy"),
-    (dict(method="superposed", ngram=None), "superposed"),
+    (dict(method=Superposed(ngram=None)), "superposed"),
 ])
 def test_certify_head_refuses_what_reads_more_than_the_argmax(options, match):
   model = tiny_model("tiny-gemma3", seed=3)
   with pytest.raises(PastaError, match=match):
-    api.generate(model, PROMPTS[:1], max_new_tokens=4, certify_head=True, **options)
+    generate(model, PROMPTS[:1], **{"method": Pasta(), **options}, max_new_tokens=4,
+             runtime=Runtime(certify_head=True))
 
 
 def test_a_forced_replay_with_a_certified_head_replays_the_same_records():
   """Forced tokens need no certificate (a check would fail on every scripted token and fall back each step)."""
   model = tiny_model("tiny-gemma3", seed=3)
   answer = '<promise topic="red" tokens="10"/><async> Red is warm.</async> <sync/> Done.'
-  plain = api.generate(model, ["Two colors:", "Two more:"], forced_answers=[answer] * 2, chat=False)
-  certified = api.generate(model, ["Two colors:", "Two more:"], forced_answers=[answer] * 2, chat=False,
-                           certify_head=True)
+  plain = generate(model, ["Two colors:", "Two more:"], Pasta(), forced_answers=[answer] * 2, chat=False)
+  certified = generate(model, ["Two colors:", "Two more:"], Pasta(), forced_answers=[answer] * 2, chat=False,
+                       runtime=Runtime(certify_head=True))
   for a, b in zip(plain, certified):
     np.testing.assert_array_equal(a.records, b.records)
     assert a.annotated == b.annotated
@@ -134,7 +137,7 @@ def test_a_forced_replay_with_a_certified_head_replays_the_same_records():
 def test_an_int8_head_runs_only_certified():
   model = tiny_model("tiny-gemma3", seed=3)
   with pytest.raises(PastaError, match="int8.*certif"):
-    api.generate(model, PROMPTS[:1], max_new_tokens=4, head_dtype="int8")
+    generate(model, PROMPTS[:1], Pasta(), max_new_tokens=4, runtime=Runtime(head_dtype="int8"))
   assert api.check_head_dtype("int8", jnp.float32, certify_head=True) == "int8"
   assert api.narrow_head_dtype(None, certify_head=True) == "int8"  # a CPU's default certified head
   assert api.narrow_head_dtype("bfloat16", certify_head=True) == "bfloat16"

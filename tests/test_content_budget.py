@@ -11,7 +11,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pasta_jax.decode import api
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import run_interpreter
 from pasta_jax.decode.result import content_ids
@@ -19,6 +18,7 @@ from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.state import STEP
 from pasta_jax.decode.toy_model import toy_apply
 from pasta_jax.lang import metrics
+from pasta_jax.methods import Apar, Pasta, Sequential, generate
 from tests.programs import PLAIN_TOKENS, VOCAB, VOCAB_SIZE
 from tests.test_interpreter_vs_reference import POOL_SPEC, SAMPLING_PARAMS
 
@@ -57,10 +57,11 @@ def test_budget_cuts_at_the_first_step_that_reaches_it(prompt_batch, seed, budge
       assert whole.content < budget or whole.finished
 
 
-@pytest.mark.parametrize("method", ["pasta", "apar", "sequential"])
+@pytest.mark.parametrize("method", [Pasta(lanes=2, max_threads=4), Apar(lanes=2, max_threads=4), Sequential()],
+                         ids=lambda m: m.name)
 def test_max_new_tokens_is_the_content_budget(method):
   from tests.tiny import tiny_model
-  [r] = api.generate(tiny_model(), ["hello"], method=method, max_new_tokens=9, lanes=2, max_threads=4)
+  [r] = generate(tiny_model(), ["hello"], method, max_new_tokens=9)
   assert (r.stop_reason, r.content_tokens, r.budget_spent) == ("tokens", 9, True)
   assert "content-token budget" in r.stop_note
 

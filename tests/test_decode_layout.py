@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pasta_jax.decode import api
+from pasta_jax.decode.runtime import Runtime
 from pasta_jax.errors import PastaError
+from pasta_jax.methods import Sequential, generate
 from pasta_jax.model.gemma import (
   DECODE_SUFFIX,
   HEAD_COPY,
@@ -65,21 +67,21 @@ def test_decode_layout_step_equals_training_layout(name, batch, rows, seed):
   mask = jnp.asarray(rng.random((batch, rows, slots)) < 0.6)
   write = jnp.asarray(rng.permutation(slots)[:rows][None].repeat(batch, 0), jnp.int32)
   kv_positions = jnp.asarray(rng.integers(0, 40, (batch, slots)), jnp.int32)
-  want, want_pool = Gemma(cfg).apply(model.params, tokens, positions, mask, pool, write, kv_positions)
-  got, got_pool = api.model_fn(cfg, jnp.float32)(to_decode_layout(model.params), tokens, positions, mask, pool,
-                                                 write, kv_positions)
-  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(got_pool.k, want_pool.k, atol=1e-5)
-  np.testing.assert_allclose(got_pool.v, want_pool.v, atol=1e-5)
+  want = Gemma(cfg).apply(model.params, tokens, positions, mask, pool, write, kv_positions)
+  got = api.model_fn(cfg, jnp.float32)(to_decode_layout(model.params), tokens, positions, mask, pool, write,
+                                       kv_positions)
+  np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(got.kv.k, want.kv.k, atol=1e-5)
+  np.testing.assert_allclose(got.kv.v, want.kv.v, atol=1e-5)
 
 
 def test_decode_layout_full_forward_equals_training_layout():
   model = MODELS["tiny-gemma2"]
   tokens = jnp.arange(40, 80)[None]
   positions = jnp.arange(40)[None]
-  want, _ = Gemma(model.config).apply(model.params, tokens, positions, causal_mask(1, 40))
-  got, _ = Gemma(model.config, decode_layout=True).apply(to_decode_layout(model.params), tokens, positions,
-                                                         causal_mask(1, 40))
+  want = Gemma(model.config).apply(model.params, tokens, positions, causal_mask(1, 40)).logits
+  got = Gemma(model.config, decode_layout=True).apply(to_decode_layout(model.params), tokens, positions,
+                                                      causal_mask(1, 40)).logits
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -147,13 +149,14 @@ def test_generate_with_a_bfloat16_head_follows_the_rounded_logits():
   forward's hidden state times the rounded head (a replay of the answer), so the narrow head is what chose it."""
   model = MODELS["tiny-gemma3"]
   cfg = model.config
-  [result] = api.generate(model, ["hello there"], method="sequential", max_new_tokens=12, head_dtype="bfloat16")
-  [plain] = api.generate(model, ["hello there"], method="sequential", max_new_tokens=12)
+  [result] = generate(model, ["hello there"], Sequential(), max_new_tokens=12, runtime=Runtime(head_dtype="bfloat16"))
+  [plain] = generate(model, ["hello there"], Sequential(), max_new_tokens=12)
   prompt = api.prompt_ids(model.tokenizer, ["hello there"], True)[0]
   answer = [int(t) for t in result.records[:, 3]]
   ids = jnp.asarray([prompt + answer], jnp.int32)
   length = ids.shape[1]
-  hidden = Gemma(cfg).apply(model.params, ids, jnp.arange(length)[None], causal_mask(1, length), hidden_only=True)
+  hidden = Gemma(cfg).apply(model.params, ids, jnp.arange(length)[None], causal_mask(1, length),
+                            skip_head=True).head_input
   head = narrow_head(model.params["params"]["embedder"], jnp.bfloat16)
   rows = hidden[:, len(prompt) - 1: length - 1]
   chosen = np.asarray(jnp.argmax(output_head(rows, head, True), -1))[0]
@@ -167,11 +170,12 @@ def test_the_step_with_a_narrow_head_multiplies_by_the_copy():
   cfg = model.config
   tokens, positions = jnp.asarray([[5, 9, 11]]), jnp.arange(3)[None]
   narrow = api.decode_params(model.params, jnp.float32, head_dtype="bfloat16")
-  logits, _, hidden = Gemma(cfg, decode_layout=True, head_dtype="bfloat16").apply(
-      narrow, tokens, positions, causal_mask(1, 3), return_hidden=True)
+  out = Gemma(cfg, decode_layout=True, head_dtype="bfloat16").apply(narrow, tokens, positions, causal_mask(1, 3),
+                                                                    return_hidden=True)
+  logits, hidden = out.logits, out.head_input
   np.testing.assert_allclose(logits, output_head(hidden, narrow["params"][HEAD_COPY], True), atol=1e-5, rtol=1e-5)
   wide = api.model_fn(cfg, jnp.float32)(api.decode_params(model.params, jnp.float32), tokens, positions,
-                                        causal_mask(1, 3))[0]
+                                        causal_mask(1, 3)).logits
   np.testing.assert_allclose(logits, wide, atol=0.1)  # the same function, rounded
   assert not np.allclose(logits, wide, atol=1e-6)
 

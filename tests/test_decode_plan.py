@@ -11,6 +11,7 @@ import pytest
 from pasta_jax.cli import main as cli
 from pasta_jax.decode import api, loop
 from pasta_jax.errors import ConfigError
+from pasta_jax.methods import Sequential, prepare_run
 from pasta_jax.training.decode_plan import DecodeConfig, decode_plan, pool_bytes
 from tests.tiny import tiny_model
 
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_pool_term_is_the_pool_decoding_allocates():
   model = tiny_model()
-  prep = api.prepare_method(model, [[2, 3, 4], [2, 5]], method="sequential", max_new_tokens=8)
+  prep = prepare_run(model, [[2, 3, 4], [2, 5]], Sequential(), max_new_tokens=8)
   state = loop.start(prep.model_fn, *api.dynamic_args(prep), cfg=loop.static_config(prep.cfg), forced=False,
                      vocab_size=prep.vocab_size, pool_spec=prep.pool_spec)
   real = state.pool.k.nbytes + state.pool.v.nbytes

@@ -5,12 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
-import types
 
 import pytest
 
-from pasta_jax.commands.eval import build_eval_parser, make_judge, run_eval
+from pasta_jax.commands.eval import build_eval_parser, run_eval
 from pasta_jax.errors import PastaError
 from pasta_jax.eval import methods as M
 from tests.tiny import tiny_model
@@ -71,9 +69,9 @@ def test_end_to_end_on_the_tiny_model(tmp_path, monkeypatch, capsys):
 
 
 def test_unknown_methods_list_the_known_ones(tmp_path, no_model_loads):
-  with pytest.raises(PastaError, match="unknown method 'bogus'; known methods: sequential, pasta, pasta-forced"):
+  with pytest.raises(PastaError, match="unknown method 'bogus'; known methods: pasta, sequential, pasta-v0, apar"):
     run_eval(parse("--methods", "bogus", "--out", str(tmp_path)))
-  with pytest.raises(PastaError, match=r"known methods: .*apar, apar-forced, sot, sot-router"):
+  with pytest.raises(PastaError, match=r"known methods: .*pasta-forced, .*apar-forced, sot, sot-router"):
     run_eval(parse("--methods", "bogus", "--out", str(tmp_path)))
   with pytest.raises(PastaError, match="empty model path"):
     run_eval(parse("--methods", "pasta:", "--out", str(tmp_path)))
@@ -96,24 +94,6 @@ def test_forced_methods_need_reference_answers(tmp_path, monkeypatch):
     run_eval(parse("--prompts", prompts, "--judge", "none", "--out", str(tmp_path / "run")))
 
 
-def test_judges_are_built_lazily_and_cached_in_the_run_folder(tmp_path, monkeypatch):
-  monkeypatch.delenv("PASTA_JUDGE_BASE_URL", raising=False)
-  assert make_judge("auto", tmp_path)[0] is None
-  assert make_judge("none", tmp_path) == (None, "--judge none.")
-  with pytest.raises(PastaError, match="unknown judge 'oracle'"):
-    make_judge("oracle", tmp_path)
-  fake = types.ModuleType("pasta_jax.judges")
-  fake.LocalJudge = lambda model: ("local", model)
-  fake.CachedJudge = lambda judge, path: ("cached", judge, path)
-  monkeypatch.setitem(sys.modules, "pasta_jax.judges", fake)
-  monkeypatch.setattr(M, "cached_model", lambda path: f"model at {path}")
-  judge, note = make_judge("local:some/model", tmp_path)
-  assert judge == ("cached", ("local", "model at some/model"), tmp_path / "verdicts.jsonl") and note == ""
-  assert "not a meaningful judge" in make_judge("local", tmp_path)[1]
-  with pytest.raises(PastaError, match=r"needs pasta_jax.judges.EndpointConfig, HttpJudge"):
-    make_judge("http", tmp_path)
-
-
 SCOPED_RECORDS = [dict(id="fuels", instruction="Name two fuels.",
                        output="Fuels:\n- **Coal**: a rock that burns hot\n- **Wood**: grows back in forests\n")]
 
@@ -130,11 +110,11 @@ def test_scoped_methods_on_the_tiny_model(tmp_path, monkeypatch):
   assert run_eval(args) == 0
   results = json.loads((out / "results.json").read_text())
   assert [(m["name"], m["role"]) for m in results["methods"]] == [
-    ("sequential", "baseline"), ("sequential-forced-v0", "reference"), ("pasta-v0-forced", "method"),
+    ("sequential", "baseline"), ("pasta-v0-tag-free", "reference"), ("pasta-v0-forced", "method"),
     ("pasta-v0", "method")]
   runs = results["prompts"][0]["runs"]
-  assert runs["pasta-v0-forced"]["text"] == runs["sequential-forced-v0"]["text"] == SCOPED_RECORDS[0]["output"]
+  assert runs["pasta-v0-forced"]["text"] == runs["pasta-v0-tag-free"]["text"] == SCOPED_RECORDS[0]["output"]
   assert "<scope>" in runs["pasta-v0-forced"]["annotated"] and runs["pasta-v0-forced"]["threads"] == 3
-  assert runs["sequential-forced-v0"]["threads"] == 1
-  assert runs["pasta-v0-forced"]["critical_path"] < runs["sequential-forced-v0"]["critical_path"]
+  assert runs["pasta-v0-tag-free"]["threads"] == 1
+  assert runs["pasta-v0-forced"]["critical_path"] < runs["pasta-v0-tag-free"]["critical_path"]
   assert "pasta-v0-forced" in (out / "report.md").read_text()

@@ -16,6 +16,7 @@ from pasta_jax.decode.result import Result
 from pasta_jax.decode.rules import AparRules, PastaRules, SequentialRules, SotRules
 from pasta_jax.errors import PastaError
 from pasta_jax.lang.text import strip_tags
+from pasta_jax.methods import Apar, Pasta, Sequential, Sot, generate, generate_ids, prepare_run, stream
 from tests.tiny import tiny_model
 
 PASTA = ('Two tips:\n<promise topic="sleep" tokens="20"/><async>- Sleep eight hours.\n</async>'
@@ -30,9 +31,9 @@ def model():
 
 def test_every_method_returns_the_one_result_type(model):
   plain = strip_tags(PASTA)
-  runs = {"pasta": api.generate(model, ["q"], forced_answers=[PASTA], lanes=4)[0],
-          "apar": api.generate(model, ["q"], method="apar", forced_answers=[APAR], lanes=4)[0],
-          "sequential": api.generate(model, ["q"], method="sequential", forced_answers=[plain])[0]}
+  runs = {"pasta": generate(model, ["q"], Pasta(lanes=4), forced_answers=[PASTA])[0],
+          "apar": generate(model, ["q"], Apar(lanes=4), forced_answers=[APAR])[0],
+          "sequential": generate(model, ["q"], Sequential(), forced_answers=[plain])[0]}
   for method, result in runs.items():
     assert isinstance(result, Result) and result.method == method and result.finished, method
   assert runs["pasta"].text == plain and runs["sequential"].text == plain
@@ -44,8 +45,8 @@ def test_every_method_returns_the_one_result_type(model):
 def test_sequential_rules_decode_like_pasta_rules_on_one_lane(model):
   """Free greedy decoding of the random model: whatever it writes, the sequential rules and PASTA's
   rules (which never fork here) must agree token for token until an end or a tag token."""
-  [seq] = api.generate(model, ["hello"], method="sequential", max_new_tokens=24)
-  [pasta] = api.generate(model, ["hello"], method="pasta", max_new_tokens=24, lanes=1)
+  [seq] = generate(model, ["hello"], Sequential(), max_new_tokens=24)
+  [pasta] = generate(model, ["hello"], Pasta(lanes=1), max_new_tokens=24)
   vocab = model.tokenizer.tag_vocab()
   seq_tokens, pasta_tokens = seq.records[:, 3].tolist(), pasta.records[:, 3].tolist()
   cut = next((i for i, t in enumerate(seq_tokens) if t in vocab.tag_ids), len(seq_tokens))
@@ -53,8 +54,8 @@ def test_sequential_rules_decode_like_pasta_rules_on_one_lane(model):
 
 
 def test_stream_ends_with_what_generate_returns(model):
-  chunks = list(api.stream(model, ["q"], forced_answers=[PASTA], lanes=4, chunk_steps=5))
-  [whole] = api.generate(model, ["q"], forced_answers=[PASTA], lanes=4)
+  chunks = list(stream(model, ["q"], Pasta(lanes=4), forced_answers=[PASTA], chunk_steps=5))
+  [whole] = generate(model, ["q"], Pasta(lanes=4), forced_answers=[PASTA])
   sizes = [len(c[0].records) for c in chunks]
   assert len(chunks) >= 3 and sizes == sorted(sizes) and sizes[0] == 1  # after prefill: main's first token
   final = chunks[-1][0]
@@ -64,20 +65,22 @@ def test_stream_ends_with_what_generate_returns(model):
 
 
 def test_return_logits_are_the_logits_behind_each_record(model):
-  [result] = api.generate(model, ["hello"], method="sequential", max_new_tokens=12, return_logits=True)
+  [result] = generate(model, ["hello"], Sequential(), max_new_tokens=12, return_logits=True)
   assert result.logits.shape == (len(result.records), model.config.vocab_size)
   np.testing.assert_array_equal(result.logits.argmax(axis=-1), result.records[:, 3])  # greedy, no constraint
 
 
 def test_bad_methods_and_settings_are_named(model):
   with pytest.raises(PastaError, match="unknown method 'eagle'"):
-    api.generate(model, ["q"], method="eagle")
+    generate(model, ["q"], "eagle")
   with pytest.raises(PastaError, match="sot.*point prompts"):
-    api.generate(model, ["q"], method="sot")
+    generate(model, ["q"], Sot())
   with pytest.raises(PastaError, match="tag-free"):
-    api.generate(model, ["q"], method="sequential", forced_answers=[PASTA])
-  with pytest.raises(PastaError, match="ignore_eos"):
-    api.generate_ids(model, [[2, 3]], method="pasta", ignore_eos=True)
+    generate(model, ["q"], Sequential(), forced_answers=[PASTA])
+  with pytest.raises(TypeError, match="ignore_eos"):  # an option the method does not have
+    generate_ids(model, [[2, 3]], Pasta(ignore_eos=True))
+  with pytest.raises(PastaError, match="method 'pasta': lanes must be at least 1"):
+    Pasta(lanes=0)
 
 
 def test_rules_refuse_settings_they_cannot_honour(model):
@@ -98,5 +101,5 @@ def test_rules_refuse_settings_they_cannot_honour(model):
 def test_compile_cache_is_bounded(model):
   cache = api.CompileCache(maxsize=1)
   for budget in (8, 40):  # two pool buckets: two compiled loops, the first pushed out
-    cache.get(api.prepare_method(model, [[2, 3]], method="sequential", max_new_tokens=budget), api.loop.prefill_and_run)
+    cache.get(prepare_run(model, [[2, 3]], Sequential(), max_new_tokens=budget), api.loop.prefill_and_run)
   assert len(cache.entries) == 1 and next(iter(cache.entries))[2].max_content == 40  # the newer one kept

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from pasta_jax.decode import api, certified_head
+from pasta_jax.decode.runtime import Runtime
 from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.methods import Pasta, generate
 from pasta_jax.model import head_timing
 from pasta_jax.model.gemma import output_head
 from pasta_jax.model.head_plan import FIXED, HeadPlan, choose, describe
@@ -125,7 +127,8 @@ def test_certified_decoding_with_exact_row_counts_writes_the_float32_tokens(monk
   monkeypatch.setattr(certified_head, "certified_requests", no_certificate)
   model = tiny_model("tiny-gemma3", seed=3)
   sampling = SamplingConfig(repetition_penalty=1.3)
-  plain = api.generate(model, PROMPTS, method="pasta", max_new_tokens=24, sampling=sampling)
-  certified = api.generate(model, PROMPTS, method="pasta", max_new_tokens=24, sampling=sampling, certify_head=True)
+  plain = generate(model, PROMPTS, Pasta(), max_new_tokens=24, sampling=sampling)
+  certified = generate(model, PROMPTS, Pasta(), max_new_tokens=24, sampling=sampling,
+                       runtime=Runtime(certify_head=True))
   assert api.model_fn(model.config, jnp.float32).__self__.head_plan == plan  # the decode model is kept per plan
   assert [list(r.records[:, 3]) for r in certified] == [list(r.records[:, 3]) for r in plain]

@@ -92,7 +92,7 @@ def _forward(config):
   def run(params, tokens):
     b, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length), (b, length))
-    return model.apply(params, tokens, positions, causal_mask(b, length))[0]
+    return model.apply(params, tokens, positions, causal_mask(b, length)).logits
 
   return jax.jit(run)
 
@@ -138,8 +138,9 @@ def test_exported_folder_loads_in_transformers(tiny, tmp_path):
 def _pool_step(config):
   model = Gemma(config)
 
-  def step(params, pool, tokens, positions, mask, slots, kv_positions):
-    return model.apply(params, tokens, positions, mask, pool=pool, slots=slots, kv_positions=kv_positions)
+  def step(params, pool, tokens, positions, mask, slots, kv_positions):  # -> (logits, pool written)
+    out = model.apply(params, tokens, positions, mask, pool=pool, slots=slots, kv_positions=kv_positions)
+    return out.logits, out.kv
 
   return jax.jit(step)
 

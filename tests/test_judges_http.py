@@ -14,9 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pasta_jax.commands.eval import VERDICTS_FILE, make_judge
 from pasta_jax.endpoint import MALFORMED_RETRIES, ChatClient, EndpointConfig, EndpointError
 from pasta_jax.judges import CachedJudge, HttpJudge
+from pasta_jax.judges.factory import VERDICTS_FILE, make_judge
 from pasta_jax.judges.prompt import PROMPT_VERSION, parse_choice
 from pasta_jax.runfiles import read_rows
 
@@ -288,7 +288,7 @@ def test_make_judge_http_from_env(serve, monkeypatch, tmp_path):
   monkeypatch.setenv("PASTA_JUDGE_MODEL", "judge-model")
   monkeypatch.setenv("PASTA_JUDGE_API_KEY", KEY)
   for spec in ("http", "auto"):
-    judge, note = make_judge(spec, tmp_path)
+    judge, note = make_judge(spec, tmp_path, load_model=lambda path: pytest.fail("an HTTP judge loads no model"))
     assert isinstance(judge, CachedJudge) and isinstance(judge.inner, HttpJudge) and note == ""
   assert judge.compare("q", "a", "b").p_first == pytest.approx(0.9)
   assert judge.compare("q", "a", "b").p_first == pytest.approx(0.9) and len(server.requests) == 1

@@ -34,7 +34,7 @@ def test_p_first_is_the_softmax_of_the_reference_forward(model):
   ids = judge.prompt_ids("Which fruit?", "apple", "pear")
   assert model.tokenizer.decode(ids).endswith(END)
   n = len(ids)  # unpadded, unjitted: the padded bucket must not change the last position's logits
-  logits, _ = Gemma(model.config).apply(model.params, jnp.asarray([ids]), jnp.arange(n)[None], causal_mask(1, n))
+  logits = Gemma(model.config).apply(model.params, jnp.asarray([ids]), jnp.arange(n)[None], causal_mask(1, n)).logits
   expected = softmax_a(np.asarray(logits[0, -1]), judge.a_id, judge.b_id)
   assert verdict.p_first == pytest.approx(expected, rel=1e-5)
   both = judge_both_orders(judge, "Which fruit?", "apple", "pear")

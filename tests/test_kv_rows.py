@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pasta_jax.decode import api, loop
+from pasta_jax.methods import Pasta, Sequential, prepare_run
 from pasta_jax.model.gemma import KVPool, RowSelect
 from pasta_jax.model.kv_rows import write_fresh
 from tests.tiny import tiny_model
@@ -42,11 +43,11 @@ def random_call(cfg, batch: int, rows: int, seed: int):
 
 
 def both_ways(cfg, params, call, **kw):
-  """(logits, pool) written in place, and (logits, pool) with the writes deferred and then written."""
+  """The model's output with the pool written in place, and with the writes deferred (its kv then written)."""
   apply = api.model_fn(cfg, jnp.float32)
-  logits, pool, *rest = apply(params, *call, **kw)
-  got_logits, fresh, *got_rest = apply(params, *call, defer_writes=True, **kw)
-  return (logits, pool, rest), (got_logits, KVPool(*write_fresh(call[3].k, call[3].v, fresh)), got_rest)
+  in_place = apply(params, *call, **kw)
+  deferred = apply(params, *call, defer_writes=True, **kw)
+  return in_place, dataclasses.replace(deferred, kv=KVPool(*write_fresh(call[3].k, call[3].v, deferred.kv)))
 
 
 def assert_same(want, got):
@@ -80,15 +81,15 @@ def test_deferred_writes_equal_writing_in_place_under_early_pruning(seed):
   cut = np.setdiff1d(np.arange(rows), kept)[0]
   slot = int(call[4][0, cut])
   if slot < SLOTS:  # a row cut: layer 0 written, layer 1 as before
-    np.testing.assert_array_equal(np.asarray(got[1].k[1, 0, slot]), np.asarray(call[3].k[1, 0, slot]))
-    assert not np.array_equal(np.asarray(got[1].k[0, 0, slot]), np.asarray(call[3].k[0, 0, slot]))
+    np.testing.assert_array_equal(np.asarray(got.kv.k[1, 0, slot]), np.asarray(call[3].k[1, 0, slot]))
+    assert not np.array_equal(np.asarray(got.kv.k[0, 0, slot]), np.asarray(call[3].k[0, 0, slot]))
 
 
-def pool_copies(method: str, **kw) -> list[str]:
+def pool_copies(method, **kw) -> list[str]:
   """Copies of the KV pool in the compiled decode loop of the tiny model, other than the entry's initial zeros."""
   model = MODELS["tiny-gemma3"]
   ids = [model.tokenizer.encode("a b c d")] * 2
-  prep = api.prepare_method(model, ids, method=method, max_new_tokens=8, lanes=4, **kw)
+  prep = prepare_run(model, ids, method, max_new_tokens=8, **kw)
   text = api.COMPILED.get(prep, loop.prefill_and_run).as_text()
   cfg = model.config
   shape = rf"f32\[{cfg.num_layers},2,{prep.cfg.pool_slots},{cfg.num_kv_heads},{cfg.head_dim}\]"
@@ -102,8 +103,8 @@ def test_the_decode_loop_never_copies_the_pool():
   branch (the model writes as it goes). Either way the step updates the loop's pool in place: a write inside the
   switch, or after the reads without one, shows here as copies (measured: a ProPD step at batch 8 1.16x a plain
   one on a 2-core CPU, from 150 MB of copies a step)."""
-  assert pool_copies("pasta") == []
-  assert pool_copies("sequential") == []
+  assert pool_copies(Pasta(lanes=4)) == []
+  assert pool_copies(Sequential()) == []
 
 
 @pytest.mark.production_xla
@@ -111,9 +112,9 @@ def test_writing_in_the_branch_copies_the_pool_on_a_cpu_and_is_the_default_elsew
   """The setting is honoured: written inside the switch, the CPU loop copies the pool (what deferring removes).
   Off a CPU writing in the branch is the default (an H100 measured a one-lane step 1.11x plain decoding written in
   the branch, 1.73x deferred: bench.seq_cost --defer off,on)."""
-  assert pool_copies("pasta", defer_kv_writes=False) != []
+  assert pool_copies(Pasta(lanes=4), defer_kv_writes=False) != []
   model = MODELS["tiny-gemma3"]
-  prepare = lambda: api.prepare_method(model, [model.tokenizer.encode("a b")], method="pasta", max_new_tokens=8)
+  prepare = lambda: prepare_run(model, [model.tokenizer.encode("a b")], Pasta(), max_new_tokens=8)
   assert prepare().cfg.defer_kv_writes is True
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert prepare().cfg.defer_kv_writes is False

@@ -129,7 +129,7 @@ def test_answer_logprob_equals_an_independent_forward():
   answer_ids = tok.encode(answer, add_bos=False) + [tok.eos_ids[0]]
   ids = jnp.asarray([prompt_ids + answer_ids])
   length = ids.shape[1]
-  logits, _ = Gemma(model.config).apply(model.params, ids, jnp.arange(length)[None], causal_mask(1, length))
+  logits = Gemma(model.config).apply(model.params, ids, jnp.arange(length)[None], causal_mask(1, length)).logits
   logp = jax.nn.log_softmax(logits[0], axis=-1)
   picked = [float(logp[i - 1, int(ids[0, i])]) for i in range(len(prompt_ids), length)]
   assert count == len(answer_ids)

@@ -8,6 +8,7 @@ import pytest
 from bench.loop_kernels import decode_loop, launches, parse_module
 from pasta_jax.decode import api, loop
 from pasta_jax.decode.rules.base import lane_buckets
+from pasta_jax.methods import Pasta, prepare_run
 from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.production_xla  # counts kernels of the program XLA's default flags compile
@@ -37,7 +38,7 @@ def test_the_pasta_step_has_one_lane_bucket_conditional_and_no_inner_loop():
   # jnp.searchsorted picked the bucket with a while loop: ~19 kernels of a 556-kernel step on an H200
   model = tiny_model()
   lanes = 4
-  prep = api.prepare_method(model, [model.tokenizer.encode("hi")], method="pasta", max_new_tokens=8, lanes=lanes)
+  prep = prepare_run(model, [model.tokenizer.encode("hi")], Pasta(lanes=lanes), max_new_tokens=8)
   outside, branches = compiled_loop(api.COMPILED.get(prep, loop.prefill_and_run).as_text())
   assert "while-condition" not in outside, outside
   assert [len(b) for b in branches] == [len(lane_buckets(lanes))]

@@ -31,6 +31,7 @@ from pasta_jax.decode.speculation import (
 )
 from pasta_jax.decode.tree import TokenTree, build_tree, node_probabilities
 from pasta_jax.errors import PastaError
+from pasta_jax.methods import Medusa, Pasta, Propd, Sequential, generate, generate_ids, prepare_run, stream
 from pasta_jax.model import medusa
 from pasta_jax.model.gemma import Gemma, causal_mask
 from tests.test_tree import choices_lists
@@ -227,14 +228,16 @@ def test_tree_step_logits_equal_a_sequential_replay_of_each_path(choices):
   state, fed, prep, _ = tree_step(tree, prompt)
   from pasta_jax.visibility import ThreadMask
   mask = ThreadMask(state.horizon, state.slot_owner, state.slot_order, state.slot_valid)
-  logits, _, hidden = prep.model_fn(prep.params, state.token, state.position, mask, state.pool, fed.slots,
-                                    state.slot_pos, return_hidden=True)
+  out = prep.model_fn(prep.params, state.token, state.position, mask, state.pool, fed.slots, state.slot_pos,
+                      return_hidden=True)
+  logits, hidden = out.logits, out.head_input
   module = Gemma(MODEL.config)
   for i, c in enumerate(tree.choices):
     path = [int(state.token[0, j]) for j, other in enumerate(tree.choices) if other == c[: len(other)]]
     seq = jnp.asarray([prompt + path])
     n = seq.shape[1]
-    full, _, full_hidden = module.apply(MODEL.params, seq, jnp.arange(n)[None], causal_mask(1, n), return_hidden=True)
+    whole = module.apply(MODEL.params, seq, jnp.arange(n)[None], causal_mask(1, n), return_hidden=True)
+    full, full_hidden = whole.logits, whole.head_input
     np.testing.assert_allclose(logits[0, i], full[0, -1], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(hidden[0, i], full_hidden[0, -1], rtol=1e-4, atol=1e-4)  # what the heads read
 
@@ -243,14 +246,14 @@ def test_tree_step_logits_equal_a_sequential_replay_of_each_path(choices):
 @functools.cache
 def plain_greedy():
   """Plain greedy decoding of PROMPTS (computed by the worker that needs it, not at collection)."""
-  return api.generate_ids(MODEL, PROMPTS, method="sequential", max_new_tokens=48)
+  return generate_ids(MODEL, PROMPTS, Sequential(), max_new_tokens=48)
 
 
 @settings(max_examples=2, deadline=None)
 @given(choices_lists(max_depth=3, max_rank=4, max_nodes=12), st.integers(0, 3), st.booleans())
 def test_greedy_tree_decoding_is_plain_greedy_decoding(choices, seed, next_token):
   d = drafter(seed=seed, next_token=next_token)
-  results = api.generate_ids(MODEL, PROMPTS, method="medusa", heads=d, choices=choices, max_new_tokens=48)
+  results = generate_ids(MODEL, PROMPTS, Medusa(heads=d, choices=choices), max_new_tokens=48)
   assert_same_greedy(plain_greedy(), results)
   for r in results:
     s = r.speculation
@@ -260,7 +263,7 @@ def test_greedy_tree_decoding_is_plain_greedy_decoding(choices, seed, next_token
 def test_tree_steps_really_accept_paths():
   """Not vacuous: on these prompts the trees accept several tokens a step, and still equal greedy."""
   d = drafter(seed=0, scale=0.05)
-  results = api.generate_ids(MODEL, PROMPTS, method="medusa", heads=d, tree_size=12, max_new_tokens=48)
+  results = generate_ids(MODEL, PROMPTS, Medusa(heads=d, tree_size=12), max_new_tokens=48)
   assert_same_greedy(plain_greedy(), results)
   assert max(r.speculation["accept_length"] for r in results) > 1.5
 
@@ -270,7 +273,7 @@ def test_typical_acceptance_bounds():
   key for key; with a zero threshold it accepts the deepest path every step."""
   from pasta_jax.decode.sampling import SamplingConfig
   sampling = SamplingConfig(temperature=0.8, seed=5)
-  plain = api.generate_ids(MODEL, PROMPTS, method="sequential", max_new_tokens=24, sampling=sampling)
+  plain = generate_ids(MODEL, PROMPTS, Sequential(), max_new_tokens=24, sampling=sampling)
   d = drafter()
   for eps, delta, check in [(1e9, 1e9, "none"), (0.0, 0.0, "all")]:
     rules, inputs = rules_and_inputs(d, tree_size=8, acceptance="typical")
@@ -287,10 +290,8 @@ def test_typical_acceptance_bounds():
 
 def test_propd_picks_sizes_by_its_latency_model_and_stays_lossless():
   d = drafter()
-  cheap = api.generate_ids(MODEL, PROMPTS, method="propd", heads=d, tree_size=16, latency=(1e-6, 1.0),
-                           max_new_tokens=32)
-  dear = api.generate_ids(MODEL, PROMPTS, method="propd", heads=d, tree_size=16, latency=(1.0, 1e-6),
-                          max_new_tokens=32)
+  cheap = generate_ids(MODEL, PROMPTS, Propd(heads=d, tree_size=16, latency=(1e-06, 1.0)), max_new_tokens=32)
+  dear = generate_ids(MODEL, PROMPTS, Propd(heads=d, tree_size=16, latency=(1.0, 1e-06)), max_new_tokens=32)
   for runs in (cheap, dear):
     assert_same_greedy(plain_greedy(), runs)
   assert all(set(k for k, v in r.speculation["tree_sizes"].items() if v) <= {1} for r in dear)
@@ -330,8 +331,8 @@ def test_propd_takes_trees_up_again_when_its_heads_start_to_hit():
   estimate, and ProPD takes trees up: still plain greedy's tokens. Without probes it would never learn."""
   good = drafter(seed=0, scale=0.05)  # heads that hit on the tiny model (see the Medusa test above)
   hopeless = dataclasses.replace(good, hit_rates=np.zeros_like(good.hit_rates))
-  runs = api.generate_ids(MODEL, PROMPTS, method="propd", heads=hopeless, tree_size=4,
-                          latency={1: 1.0, 2: 1.05, 4: 1.1}, max_new_tokens=48)
+  runs = generate_ids(MODEL, PROMPTS, Propd(heads=hopeless, tree_size=4, latency={1: 1.0, 2: 1.05, 4: 1.1}),
+                      max_new_tokens=48)
   assert_same_greedy(plain_greedy(), runs)
   assert any(sum(v for k, v in r.speculation["tree_sizes"].items() if k > 1) > 0 for r in runs)
   assert max(r.speculation["accept_length"] for r in runs) > 1.2
@@ -423,35 +424,46 @@ def test_propd_where_no_tree_can_pay_runs_plain_decodings_program(monkeypatch):
   from types import SimpleNamespace
 
   from pasta_jax.decode import latency
-  def prepare(model, ids, *, latency, max_new_tokens, tree_size, **kw):
-    return min(latency, key=latency.get), max_new_tokens
+  def prepare(model, ids, *, rules, rule_inputs, max_new_tokens, **kw):
+    return pinned_size(rules, rule_inputs), max_new_tokens
   def run(prep):
     size, steps = prep
     return [SimpleNamespace(steps=steps)], steps * (0.01 if size == 1 else 0.05 * size)  # T(2) = 10 T(1)
   with monkeypatch.context() as patch:
-    patch.setattr(latency.api, "prepare_method", prepare)
+    patch.setattr(latency.api, "prepare", prepare)
     patch.setattr(latency.api, "run_prepared", run)
     info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=4, steps=8, repeats=1)
   assert info["tree_size"] == 1 and not info["tree_pays"]
-  propd = api.prepare_method(MODEL, PROMPTS, method="propd", heads=drafter(), tree_size=info["tree_size"],
-                             latency=info["table"], max_new_tokens=16)
-  plain = api.prepare_method(MODEL, PROMPTS, method="sequential", max_new_tokens=16)
+  propd = prepare_run(MODEL, PROMPTS, Propd(heads=drafter(), tree_size=info["tree_size"], latency=info["table"]),
+                      max_new_tokens=16)
+  plain = prepare_run(MODEL, PROMPTS, Sequential(), max_new_tokens=16)
   assert propd.cfg == plain.cfg
   assert [tokens_of(r) for r in api.run_prepared(propd)[0]] == [tokens_of(r) for r in api.run_prepared(plain)[0]]
 
 
-def test_pasta_generate_says_when_propd_decodes_plainly(monkeypatch, capsys):
-  """`pasta generate --method propd` names the fallback and its step times, rather than printing no tree line."""
-  from types import SimpleNamespace
-
-  from pasta_jax.commands import generate
+def test_propd_prepared_once_names_a_fallback_to_plain_decoding(monkeypatch, capsys):
+  """ProPD's preparation (for `generate`, `pasta generate` and `pasta eval` alike) names the fallback and its step
+  times, rather than printing no tree line."""
   from pasta_jax.decode import latency
+  from pasta_jax.methods import Setup, prepared
   cal = {"table": {1: 0.1, 2: 0.2}, "tree_size": 1, "timed_tree": 2, "tree_pays": False}
   monkeypatch.setattr(latency, "calibrate_latency", lambda *a, **kw: cal)
-  args = SimpleNamespace(heads=drafter(), tree_size=None, certify_head=False, max_new_tokens=16)
-  options = generate.tree_options(MODEL, PROMPTS[0], args, "propd")
-  assert options["tree_size"] == 1 and options["latency"] == cal["table"]
+  ready = prepared(Propd(heads=drafter()), MODEL, Setup([PROMPTS[0]], 16))
+  assert ready.tree_size == 1 and ready.latency == cal["table"]
   assert "no tree of 2 nodes can beat a plain step here (T(1) 100.0 ms, T(2) 200.0 ms" in capsys.readouterr().err
+
+
+def pinned_size(rules, rule_inputs) -> int:
+  """The tree size a calibration run pins: the one whose step time is not 1e9."""
+  return rules.sizes[int(np.argmin(np.asarray(rule_inputs["latency"])))]
+
+
+def test_propd_from_python_measures_its_own_step_times_as_the_cli_does():
+  """`generate(model, prompts, "propd")` with no step-time table: ProPD times its sizes on this batch first (once
+  per model and batch shape) and decodes plain greedy's tokens."""
+  runs = generate_ids(MODEL, PROMPTS[:1], Propd(heads=drafter(), tree_size=4), max_new_tokens=12)
+  [plain] = generate_ids(MODEL, PROMPTS[:1], Sequential(), max_new_tokens=12)
+  assert tokens_of(runs[0]) == tokens_of(plain)
 
 
 def test_calibration_times_every_size():
@@ -465,9 +477,9 @@ def test_calibration_times_every_size():
 
 def test_a_short_run_can_step_in_a_longer_runs_pool():
   """`pool_tokens` sizes the pool for a longer run and changes nothing else: the same tokens, the same steps."""
-  short = api.prepare_method(MODEL, PROMPTS, method="sequential", max_new_tokens=8)
-  wide = api.prepare_method(MODEL, PROMPTS, method="sequential", max_new_tokens=8, pool_tokens=200)
-  long = api.prepare_method(MODEL, PROMPTS, method="sequential", max_new_tokens=200)
+  short = prepare_run(MODEL, PROMPTS, Sequential(), max_new_tokens=8)
+  wide = prepare_run(MODEL, PROMPTS, Sequential(), max_new_tokens=8, pool_tokens=200)
+  long = prepare_run(MODEL, PROMPTS, Sequential(), max_new_tokens=200)
   assert wide.cfg.pool_slots == long.cfg.pool_slots > short.cfg.pool_slots
   (a, _), (b, _) = api.run_prepared(short), api.run_prepared(wide)
   assert [tokens_of(r) for r in a] == [tokens_of(r) for r in b] and [r.steps for r in a] == [r.steps for r in b]
@@ -479,12 +491,12 @@ def test_calibration_cancels_the_prefill(monkeypatch):
   from types import SimpleNamespace
 
   from pasta_jax.decode import latency
-  def prepare(model, ids, *, latency, max_new_tokens, **kw):
-    return min(latency, key=latency.get), max_new_tokens  # (the pinned size, the tokens asked)
+  def prepare(model, ids, *, rules, rule_inputs, max_new_tokens, **kw):
+    return pinned_size(rules, rule_inputs), max_new_tokens  # (the pinned size, the tokens asked)
   def run(prep):
     size, steps = prep
     return [SimpleNamespace(steps=steps)], 0.5 + steps * (0.04 if size == 1 else 0.02 + 0.01 * size)
-  monkeypatch.setattr(latency.api, "prepare_method", prepare)
+  monkeypatch.setattr(latency.api, "prepare", prepare)
   monkeypatch.setattr(latency.api, "run_prepared", run)
   info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=4, steps=8, repeats=1)
   assert info["tree_size"] == 4 and info["first_pass"] is None  # T(4) = 0.06 < 2 T(1): every size can pay
@@ -501,14 +513,14 @@ def test_a_slow_spell_during_calibration_costs_every_size_alike(monkeypatch):
 
   from pasta_jax.decode import latency
   calls = []
-  def prepare(model, ids, *, latency, max_new_tokens, **kw):
-    return min(latency, key=latency.get), max_new_tokens
+  def prepare(model, ids, *, rules, rule_inputs, max_new_tokens, **kw):
+    return pinned_size(rules, rule_inputs), max_new_tokens
   def run(prep):
     size, steps = prep
     calls.append(prep)
     slow = 3.0 if 3 <= len(calls) <= 2 + 6 else 1.0  # after the 2 compiling runs, one round of 3 sizes x 2 runs
     return [SimpleNamespace(steps=steps)], slow * steps * (0.04 if size == 1 else 0.02 + 0.01 * size)
-  monkeypatch.setattr(latency.api, "prepare_method", prepare)
+  monkeypatch.setattr(latency.api, "prepare", prepare)
   monkeypatch.setattr(latency.api, "run_prepared", run)
   info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=4, steps=8, repeats=2)
   assert len(calls) == 2 + 2 * 6
@@ -522,13 +534,13 @@ def test_calibration_times_a_smaller_tree_in_its_own_program(monkeypatch):
 
   from pasta_jax.decode import latency
   pools = set()
-  def prepare(model, ids, *, latency, max_new_tokens, tree_size, pool_tokens, **kw):
+  def prepare(model, ids, *, rules, rule_inputs, max_new_tokens, pool_tokens, **kw):
     pools.add(pool_tokens)
-    return min(latency, key=latency.get), max_new_tokens, tree_size
+    return pinned_size(rules, rule_inputs), max_new_tokens, rules.tree.size
   def run(prep):
     size, steps, compiled = prep  # each compiled lane costs 0.01 a step; a tree node 0.05 more
     return [SimpleNamespace(steps=steps)], steps * (0.01 * compiled + (0.0 if size == 1 else 0.05 * size))
-  monkeypatch.setattr(latency.api, "prepare_method", prepare)
+  monkeypatch.setattr(latency.api, "prepare", prepare)
   monkeypatch.setattr(latency.api, "run_prepared", run)
   info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=8, steps=8, repeats=1, run_tokens=128)
   assert pools == {128}  # every program steps in the pool of the run it calibrates
@@ -541,31 +553,30 @@ def test_calibration_times_a_smaller_tree_in_its_own_program(monkeypatch):
 
 def test_bad_requests_name_the_problem(tmp_path):
   with pytest.raises(PastaError, match="no Medusa heads"):
-    api.generate_ids(MODEL, PROMPTS, method="medusa", heads=tmp_path, max_new_tokens=8)
-  with pytest.raises(PastaError, match="latency"):
-    api.generate_ids(MODEL, PROMPTS, method="propd", heads=drafter(), max_new_tokens=8)
+    generate_ids(MODEL, PROMPTS, Medusa(heads=tmp_path), max_new_tokens=8)
+  with pytest.raises(PastaError, match="latency"):  # the layout of a method value not prepared
+    Propd(heads=drafter(), tree_size=4).layout(MODEL, None)
   with pytest.raises(PastaError, match="forced"):
-    api.generate_ids(MODEL, PROMPTS, method="medusa", heads=drafter(), forced_answers=["a"] * 3)
+    generate_ids(MODEL, PROMPTS, Medusa(heads=drafter()), forced_answers=["a"] * 3)
   with pytest.raises(Exception, match="Medusa heads"):
-    api.generate_ids(MODEL, PROMPTS, method="medusa", heads=drafter(num_heads=1), choices=[[0], [0, 0]])
+    generate_ids(MODEL, PROMPTS, Medusa(heads=drafter(num_heads=1), choices=[[0], [0, 0]]))
 
 
 def test_generate_and_stream_take_tree_methods():
   d = drafter()
-  [whole] = api.generate(MODEL, ["hello"], method="medusa", heads=d, tree_size=6, max_new_tokens=20)
-  chunks = list(api.stream(MODEL, ["hello"], method="medusa", heads=d, tree_size=6, max_new_tokens=20,
-                           chunk_steps=3))
+  [whole] = generate(MODEL, ["hello"], Medusa(heads=d, tree_size=6), max_new_tokens=20)
+  chunks = list(stream(MODEL, ["hello"], Medusa(heads=d, tree_size=6), max_new_tokens=20, chunk_steps=3))
   assert len(chunks) >= 2 and chunks[-1][0].text == whole.text
   assert whole.method == "medusa" and whole.speculation["tree_steps"] > 0
-  [plain] = api.generate(MODEL, ["hello"], method="sequential", max_new_tokens=20)
+  [plain] = generate(MODEL, ["hello"], Sequential(), max_new_tokens=20)
   assert whole.text == plain.text
-  with pytest.raises(PastaError, match="medusa and propd"):
-    api.generate(MODEL, ["hello"], method="pasta", tree_size=4)
+  with pytest.raises(TypeError, match="tree_size"):  # an option of the tree methods only
+    Pasta(tree_size=4)
 
 
 def test_eval_methods_use_the_models_heads_and_name_a_missing_one():
-  from pasta_jax.commands.eval_registry import METHODS
+  from pasta_jax.commands.eval_registry import eval_methods
   from pasta_jax.eval.methods import DecodeSettings, MethodSpec
   for name in ("medusa", "propd"):
     with pytest.raises(PastaError, match="no Medusa heads for random:tiny-gemma3"):
-      METHODS[name](MethodSpec(name), MODEL, DecodeSettings())
+      eval_methods()[name](MethodSpec(name), MODEL, DecodeSettings())

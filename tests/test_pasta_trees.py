@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pasta_jax.decode import api
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import run_interpreter
 from pasta_jax.decode.result import content_ids
@@ -25,6 +24,7 @@ from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
 from pasta_jax.decode.tree import TokenTree
 from pasta_jax.errors import PastaError
 from pasta_jax.lang.metrics import annotated_from_records
+from pasta_jax.methods import Pasta, PastaTrees, generate_ids
 from pasta_jax.model import medusa
 from tests.programs import VOCAB, VOCAB_SIZE
 from tests.test_medusa import MODEL, PROMPTS, drafter
@@ -247,9 +247,8 @@ def test_lanes_must_fit_the_trees():
 # --- the API on a real (tiny) Gemma: its hidden states feed the heads --------------------------------------
 def test_generate_pasta_medusa_equals_pasta_on_a_tiny_gemma():
   d = drafter(seed=0, scale=0.05)
-  results = api.generate_ids(MODEL, PROMPTS, method="pasta+medusa", heads=d, tree_size=4, lanes=2,
-                             max_new_tokens=41)
-  plain_runs = api.generate_ids(MODEL, PROMPTS, method="pasta", lanes=2, max_new_tokens=41)
+  results = generate_ids(MODEL, PROMPTS, PastaTrees(heads=d, tree_size=4, lanes=2), max_new_tokens=41)
+  plain_runs = generate_ids(MODEL, PROMPTS, Pasta(lanes=2), max_new_tokens=41)
   for plain, tree in zip(plain_runs, results, strict=True):
     assert tree.text == plain.text and tree.annotated == plain.annotated
     assert tree.method == "pasta+medusa"
@@ -262,11 +261,11 @@ def test_generate_pasta_medusa_equals_pasta_on_a_tiny_gemma():
 
 def test_tree_options_are_refused_where_they_do_not_apply():
   with pytest.raises(PastaError, match="forced"):
-    api.generate_ids(MODEL, PROMPTS, method="pasta+medusa", heads=drafter(), scripts=[[[5]]] * 3)
+    generate_ids(MODEL, PROMPTS, PastaTrees(heads=drafter()), scripts=[[[5]]] * 3)
 
 
 def test_eval_method_uses_the_models_heads():
-  from pasta_jax.commands.eval_registry import METHODS
+  from pasta_jax.commands.eval_registry import eval_methods
   from pasta_jax.eval.methods import DecodeSettings, MethodSpec
   with pytest.raises(PastaError, match="no Medusa heads for random:tiny-gemma3"):
-    METHODS["pasta+medusa"](MethodSpec("pasta+medusa"), MODEL, DecodeSettings())
+    eval_methods()["pasta+medusa"](MethodSpec("pasta+medusa"), MODEL, DecodeSettings())

@@ -14,7 +14,8 @@ from pasta_jax.cli import main
 from pasta_jax.errors import ConfigError
 from pasta_jax.model.config import PRESETS
 from pasta_jax.model.gemma import Gemma, causal_mask
-from pasta_jax.training.config import MeshConfig, TrainConfig, load_train_config
+from pasta_jax.model.mesh import MeshConfig
+from pasta_jax.training.config import TrainConfig, load_train_config
 from pasta_jax.training.plan import (
   HARDWARE,
   check_fits,

@@ -17,6 +17,7 @@ from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.errors import ConfigError, PastaError
 from pasta_jax.judges.base import Verdict
 from pasta_jax.lang import metrics
+from pasta_jax.methods import Pasta, generate_ids
 from pasta_jax.model.gemma import Gemma
 from pasta_jax.preference import scoring
 from pasta_jax.preference.build import PAIRS, SAMPLES, SCORES, Samplers, build_pairs
@@ -129,8 +130,8 @@ def forced_sample(model, prompts, cfg, *, seed):
   repeated = [p for p in prompts for _ in range(cfg.num_samples)]
   forced = [ANSWERS[(i // cfg.num_samples + i % cfg.num_samples + seed) % 3] for i in range(len(repeated))]
   ids = api.prompt_ids(model.tokenizer, repeated, cfg.chat)
-  results = api.generate_ids(model, ids, forced_answers=forced, max_new_tokens=cfg.max_new_tokens, lanes=cfg.lanes,
-                             sampling=SamplingConfig(temperature=cfg.temperature, seed=seed))
+  results = generate_ids(model, ids, Pasta(lanes=cfg.lanes), forced_answers=forced, max_new_tokens=cfg.max_new_tokens,
+                         sampling=SamplingConfig(temperature=cfg.temperature, seed=seed))
   flat = [to_sample(r, model.tokenizer.tag_vocab()) for r in results]
   n = cfg.num_samples
   return [flat[k * n:(k + 1) * n] for k in range(len(prompts))]
@@ -138,8 +139,9 @@ def forced_sample(model, prompts, cfg, *, seed):
 
 def forced_greedy(model, prompts, cfg):
   ids = api.prompt_ids(model.tokenizer, list(prompts), cfg.chat)
-  results = api.generate_ids(model, ids, forced_answers=["one fish two fish red fish blue fish"] * len(prompts),
-                             max_new_tokens=cfg.max_new_tokens, lanes=cfg.lanes)
+  results = generate_ids(model, ids, Pasta(lanes=cfg.lanes),
+                         forced_answers=["one fish two fish red fish blue fish"] * len(prompts),
+                         max_new_tokens=cfg.max_new_tokens)
   return [to_sample(r, model.tokenizer.tag_vocab()) for r in results]
 
 

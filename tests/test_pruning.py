@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pasta_jax.decode import api
 from pasta_jax.decode.rules import pruning
 from pasta_jax.decode.rules.pruning import EarlyPrune
 from pasta_jax.decode.speculation import PROPD_PRUNE, early_prune, rules_and_inputs
 from pasta_jax.decode.tree import TokenTree
 from pasta_jax.errors import PastaError
+from pasta_jax.methods import Medusa, Propd, Sequential, generate, generate_ids
 from pasta_jax.model.gemma import RowSelect
 from pasta_jax.visibility import ThreadMask
 from tests.test_medusa import MODEL, PROMPTS, assert_same_greedy, drafter, plain_greedy, tokens_of, tree_step
@@ -45,8 +45,10 @@ def test_kept_rows_equal_the_full_call_and_pruned_rows_write_no_deep_kv(choices,
   select = RowSelect(LAYER, keep, lambda x, tokens: (rows, ok))
   mask = ThreadMask(state.horizon, state.slot_owner, state.slot_order, state.slot_valid)
   args = (prep.params, state.token, state.position, mask, state.pool, fed.slots, state.slot_pos)
-  full_logits, _, full_hidden = prep.model_fn(*args, return_hidden=True)
-  logits, pool, hidden, kept = prep.model_fn(*args, return_hidden=True, row_select=select)
+  full = prep.model_fn(*args, return_hidden=True)
+  pruned = prep.model_fn(*args, return_hidden=True, row_select=select)
+  full_logits, full_hidden = full.logits, full.head_input
+  logits, pool, hidden, kept = pruned.logits, pruned.kv, pruned.head_input, pruned.kept
   expected_kept = np.zeros(n, bool)
   expected_kept[np.flatnonzero(alive)[:keep]] = True
   np.testing.assert_array_equal(kept[0], expected_kept)
@@ -124,8 +126,8 @@ PRUNE = EarlyPrune(layer=LAYER, top_k=24, keep=0.5, min_size=4)
 @settings(max_examples=2, deadline=None)
 @given(choices_lists(max_depth=3, max_rank=4, max_nodes=12), st.integers(0, 3))
 def test_greedy_tree_decoding_with_early_pruning_is_plain_greedy_decoding(choices, seed):
-  results = api.generate_ids(MODEL, PROMPTS, method="medusa", heads=drafter(seed=seed), choices=choices,
-                             max_new_tokens=48, prune=PRUNE)
+  results = generate_ids(MODEL, PROMPTS, Medusa(heads=drafter(seed=seed), choices=choices, prune=PRUNE),
+                         max_new_tokens=48)
   assert_same_greedy(plain_greedy(), results)
 
 
@@ -133,8 +135,8 @@ def test_pruning_cuts_nodes_and_keeps_accepting_paths():
   """Not vacuous: nodes are cut (by the early lists and by the row budget), paths are still accepted, and greedy
   is unchanged; with pruning off nothing is cut."""
   d = drafter(seed=0, scale=0.05)
-  pruned = api.generate_ids(MODEL, PROMPTS, method="medusa", heads=d, tree_size=8, max_new_tokens=48, prune=PRUNE)
-  whole = api.generate_ids(MODEL, PROMPTS, method="medusa", heads=d, tree_size=8, max_new_tokens=48, prune=False)
+  pruned = generate_ids(MODEL, PROMPTS, Medusa(heads=d, tree_size=8, prune=PRUNE), max_new_tokens=48)
+  whole = generate_ids(MODEL, PROMPTS, Medusa(heads=d, tree_size=8, prune=False), max_new_tokens=48)
   assert_same_greedy(plain_greedy(), pruned)
   assert min(r.speculation["prune_rate"] for r in pruned) > 0.3
   assert all(r.speculation["prune_rate"] == 0 for r in whole)
@@ -144,21 +146,21 @@ def test_pruning_cuts_nodes_and_keeps_accepting_paths():
 
 def test_propd_prunes_by_default_only_with_a_trained_early_head_and_options_are_checked():
   plain, trained = drafter(), dataclasses.replace(drafter(), early_head=logit_lens_numpy(), early_layer=LAYER)
-  assert early_prune("propd", None, plain) is None  # the logit lens alone is no default
-  assert early_prune("propd", None, trained) == dataclasses.replace(PROPD_PRUNE, layer=LAYER)
-  assert early_prune("medusa", None, trained) is None and early_prune("propd", False, trained) is None
+  assert early_prune(True, None, plain) is None  # the logit lens alone is no default
+  assert early_prune(True, None, trained) == dataclasses.replace(PROPD_PRUNE, layer=LAYER)
+  assert early_prune(False, None, trained) is None and early_prune(True, False, trained) is None
   with pytest.raises(PastaError, match="reads layer 1, not 2"):
-    early_prune("propd", dataclasses.replace(PRUNE, layer=2), trained)
+    early_prune(True, dataclasses.replace(PRUNE, layer=2), trained)
   rules, inputs = rules_and_inputs(trained, tree_size=8, dynamic=True, latency=(1.0, 1.0), prune=PRUNE)
   assert rules.prune == PRUNE and set(inputs["early"]) == set(pruning.EARLY_HEAD_KEYS)
-  runs = api.generate_ids(MODEL, PROMPTS[:1], method="propd", heads=plain, tree_size=8, latency=(1e-6, 1.0),
-                          max_new_tokens=16, prune=dataclasses.replace(PRUNE, top_k=4))
+  runs = generate_ids(MODEL, PROMPTS[:1], Propd(heads=plain, tree_size=8, latency=(1e-06, 1.0),
+                                                prune=dataclasses.replace(PRUNE, top_k=4)), max_new_tokens=16)
   assert_same_greedy(plain_greedy()[:1], runs)
   assert runs[0].speculation["prune_rate"] > 0
   with pytest.raises(PastaError, match="prune must be"):
-    api.generate_ids(MODEL, PROMPTS[:1], method="propd", heads=plain, latency=(1.0, 1.0), prune="yes")
+    generate_ids(MODEL, PROMPTS[:1], Propd(heads=plain, latency=(1.0, 1.0), prune="yes"))
   with pytest.raises(PastaError, match="prune are for methods medusa and propd"):
-    api.generate(MODEL, ["hi"], method="sequential", prune=PRUNE)
+    generate(MODEL, ["hi"], Sequential(prune=PRUNE))
 
 
 def logit_lens_numpy():

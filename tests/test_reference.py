@@ -24,6 +24,7 @@ from pasta_jax.decode.reference import (
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
 from pasta_jax.lang.tags import TagVocab
+from pasta_jax.model.output import ModelOutput
 
 VOCAB = TagVocab.from_base(60, eos_ids=(1,))
 PROMISE, ASYNC, END, SYNC, APAR_FORK, APAR_CHILD = 60, 61, 62, 63, 64, 65
@@ -226,7 +227,7 @@ def test_logits_are_the_model_on_the_visible_tokens(toy, record, query, seen):
   tokens = jnp.asarray([[r.pool[k].token for k in keys]])
   positions = jnp.asarray([[r.pool[k].position for k in keys]])
   mask = jnp.asarray([[[j in r.pool[i].visible for j in keys] for i in keys]])
-  logits, _ = TOY_FN(toy, tokens, positions, mask)
+  logits = TOY_FN(toy, tokens, positions, mask).logits
   np.testing.assert_allclose(r.logits[r.records.index(record)], logits[0, query], rtol=1e-5, atol=1e-5)
 
 
@@ -339,7 +340,7 @@ def test_bad_arguments(toy):
 # --- random forced programs -----------------------------------------------------------------------
 def zero_model(params, tokens, positions, mask, pool, slots, kv_positions):
   del params, positions, mask, pool, slots, kv_positions
-  return jnp.zeros(tokens.shape + (TOY.vocab_size,)), None
+  return ModelOutput(logits=jnp.zeros(tokens.shape + (TOY.vocab_size,)))
 
 
 @st.composite

@@ -50,7 +50,7 @@ def random_params(name: str, seed: int = 0):
 @functools.partial(jax.jit, static_argnums=0)
 def _full_forward(apply, params, ids):  # [1, W] -> logits [1, W, V]; one compile per (model, width)
   width = ids.shape[1]
-  return apply(params, ids, jnp.arange(width)[None], causal_mask(1, width))[0]
+  return apply(params, ids, jnp.arange(width)[None], causal_mask(1, width)).logits
 
 
 def greedy_without_cache(apply, params, prompt: list[int], n: int, eos_ids, width: int = 64) -> list[int]:
@@ -123,8 +123,8 @@ def test_training_forward_equals_decode_replay(name, mode):
   cfg, model, params = random_params(name)
   assert parse_tokens(with_blocks(ANSWER), VOCAB)  # well-formed
   layout = layout_example(PROMPT, with_blocks(ANSWER), VOCAB, mode=mode)
-  train_logits, _ = model.apply(params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
-                                layout.mask()[None])
+  train_logits = model.apply(params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
+                             layout.mask()[None]).logits
   replay = replay_logits(model, params, cfg, scripts_of(ANSWER), mode)
   matched = 0
   for j in range(len(PROMPT) - 1, int(np.asarray(layout.valid).sum())):
@@ -144,10 +144,10 @@ def test_replay_sees_the_mask():
   cfg, model, params = random_params("tiny-gemma3")
   layout = layout_example(PROMPT, with_blocks(ANSWER), VOCAB)
   n = len(layout.tokens)
-  causal, _ = model.apply(params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
-                          causal_mask(1, n))
-  pasta, _ = model.apply(params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
-                         layout.mask()[None])
+  causal = model.apply(params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
+                       causal_mask(1, n)).logits
+  pasta = model.apply(params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
+                      layout.mask()[None]).logits
   assert np.abs(np.asarray(causal - pasta)).max() > 1e-2
 
 
@@ -204,8 +204,8 @@ def test_real_270m_training_forward_equals_decode_replay(real_model):
       by_input[(thread, last_pos[thread])] = logits
     last_pos[thread] = position
   layout = layout_example(prompt, annotated_from_records(out.records, vocab), vocab)
-  train, _ = Gemma(cfg).apply(model.params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
-                layout.mask()[None])
+  train = Gemma(cfg).apply(model.params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
+                           layout.mask()[None]).logits
   matched = 0
   for j in range(len(prompt) - 1, len(layout.tokens)):
     key = (int(layout.thread[j]), int(layout.positions[j]))

@@ -76,14 +76,14 @@ def compare(layout, train_logits, out, prompt_len: int, atol: float) -> int:
 def test_scoped_training_forward_equals_decode_replay(name):
   cfg, model, params = random_params(name)
   layout = scoped_layout(PROMPT, ANSWER, VOCAB)
-  train_logits, _ = model.apply(params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
-                                layout.mask()[None])
+  train_logits = model.apply(params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
+                             layout.mask()[None]).logits
   out = forced_replay(cfg, params, PROMPT, ANSWER, VOCAB)
   matched = compare(layout, np.asarray(train_logits[0]), out, len(PROMPT), atol=1e-4)
   # Every answer token is fed (its query's logits recorded) except each `</async>` and main's end id.
   assert matched == 1 + len(ANSWER) - ANSWER.count(AC) - 1
-  causal, _ = model.apply(params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
-                          causal_mask(1, len(layout.tokens)))
+  causal = model.apply(params, jnp.asarray(layout.tokens)[None], jnp.asarray(layout.positions)[None],
+                       causal_mask(1, len(layout.tokens))).logits
   assert np.abs(np.asarray(causal - train_logits)).max() > 1e-2  # the mask matters: the check is not vacuous
 
 
@@ -102,8 +102,8 @@ def test_real_270m_scoped_training_forward_equals_decode_replay():
   answer = scoped.encode(scoped.parse(text), lang.encode, vocab) + [vocab.eos_ids[0]]
   prompt = model.tokenizer.encode("Name two fuels.", add_bos=True)
   layout = scoped_layout(prompt, answer, vocab)
-  train_logits, _ = Gemma(model.config).apply(model.params, jnp.asarray(layout.tokens)[None],
-                                              jnp.asarray(layout.positions)[None], layout.mask()[None])
+  train_logits = Gemma(model.config).apply(model.params, jnp.asarray(layout.tokens)[None],
+                                           jnp.asarray(layout.positions)[None], layout.mask()[None]).logits
   out = forced_replay(model.config, model.params, prompt, answer, vocab)
   matched = compare(layout, np.asarray(train_logits[0]), out, len(prompt), atol=1e-4)
   assert matched == 1 + len(answer) - answer.count(vocab.async_close) - 1

@@ -19,9 +19,9 @@ import openai
 import pytest
 
 from pasta_jax.baselines.sot import SkeletonOfThought, SotConfig
-from pasta_jax.decode import api
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.speculation import Drafter
+from pasta_jax.methods import Medusa, Pasta, PastaTrees, Propd, Sequential, Sot, Superposed, generate, resolve
 from pasta_jax.model import medusa
 from pasta_jax.serve.app import make_server
 from pasta_jax.serve.engine import Engine, ServeConfig
@@ -32,8 +32,10 @@ NAME = "tiny"
 # Medusa heads that start as the tied output head (so the tiny model's loops get real multi-token paths)
 HEADS = Drafter(medusa.init_heads(medusa.MedusaConfig(num_heads=2), MODEL.params["params"]["embedder"]),
                 medusa.MedusaConfig(num_heads=2), np.full((2, 8), 0.3, np.float32))
-CFG = ServeConfig(batch=4, pool_slots=512, lanes=8, chunk_steps=4, max_queue=8, max_tokens=48, default_max_tokens=24,
-                  heads=HEADS, tree_size=4, drafts=3, ngram=None)
+CFG = ServeConfig(batch=4, pool_slots=512, chunk_steps=4, max_queue=8, max_tokens=48, default_max_tokens=24,
+                  methods=(Medusa(heads=HEADS, tree_size=4), Propd(heads=HEADS, tree_size=4),
+                           PastaTrees(heads=HEADS, tree_size=4), Superposed(drafts=3, ngram=None)))
+SERVED = {m.name: m for m in CFG.methods}
 PROMPTS = ["Tell me a tea.", "x", "Why blue sky?", "abc def"]  # one prompt bucket (few compiles)
 
 
@@ -70,16 +72,15 @@ def client(server):
 
 
 def reference(prompt: str, method: str, max_tokens: int, chat: bool) -> str:
-  if method == "sot":  # the tiny model writes no outline: SoT answers plainly (tests/test_serve_sot.py expands)
-    config = SotConfig(chat=chat, point_tokens=max_tokens, answer_tokens=max_tokens, lanes=CFG.lanes)
+  value = SERVED.get(method) or resolve(method)
+  if isinstance(value, Sot):  # the tiny model writes no outline: SoT answers plainly (tests/test_serve_sot.py expands)
+    config = SotConfig(chat=chat, point_tokens=max_tokens, answer_tokens=max_tokens, lanes=value.lanes)
     return SkeletonOfThought(MODEL, config).run(prompt).text
-  if method == "propd":  # greedy tree decoding is lossless: plain greedy's tokens, whatever sizes it picks
-    method = "sequential"
-  if method == "pasta+medusa":  # and PASTA's, with a tree on every thread
-    method = "pasta"
-  tree = {"heads": HEADS, "tree_size": CFG.tree_size} if method == "medusa" else {}
-  return api.generate(MODEL, [prompt], method=method, max_new_tokens=max_tokens, lanes=CFG.lanes, chat=chat,
-                      **tree)[0].text
+  if isinstance(value, Propd):  # greedy tree decoding is lossless: plain greedy's tokens, whatever sizes it picks
+    value = Sequential()
+  if isinstance(value, PastaTrees):  # and PASTA's, with a tree on every thread
+    value = Pasta(lanes=value.lanes)
+  return generate(MODEL, [prompt], value, max_new_tokens=max_tokens, chat=chat)[0].text
 
 
 @pytest.mark.parametrize("method",
@@ -123,15 +124,15 @@ def test_chat_streams_pasta_and_returns_the_trace(client):
   assert whole.choices[0].message.content == text
   extra = whole.model_extra["pasta"]
   assert extra["method"] == "pasta" and extra["threads"][0]["thread"] == 0
-  assert whole.usage.completion_tokens == api.generate(MODEL, [PROMPTS[0]], max_new_tokens=24)[0].content_tokens
+  assert whole.usage.completion_tokens == generate(MODEL, [PROMPTS[0]], Pasta(), max_new_tokens=24)[0].content_tokens
 
 
 def test_repetition_penalty_reaches_the_decoder(client):
   """vLLM's extra field: the answer equals generate's under the same penalty, and differs from the plain one."""
   done = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=20,
                                    extra_body={"method": "sequential", "repetition_penalty": 3.0})
-  want = api.generate(MODEL, [PROMPTS[1]], method="sequential", max_new_tokens=20, chat=False,
-                      sampling=SamplingConfig(repetition_penalty=3.0))[0].text
+  want = generate(MODEL, [PROMPTS[1]], Sequential(), max_new_tokens=20, chat=False,
+                  sampling=SamplingConfig(repetition_penalty=3.0))[0].text
   assert done.choices[0].text == want != reference(PROMPTS[1], "sequential", 20, chat=False)
 
 
@@ -140,8 +141,8 @@ def test_a_request_that_sets_no_penalty_or_method_gets_the_models_generation_jso
   a request's own value wins."""
   (tmp_path / "generation.json").write_text('{"repetition_penalty": 3.0, "method": "sequential"}')
   engine = Engine(MODEL._replace(source=str(tmp_path)), ServeConfig(batch=1, pool_slots=256, max_tokens=20)).start()
-  penalized = api.generate(MODEL, [PROMPTS[1]], method="sequential", max_new_tokens=20, chat=False,
-                           sampling=SamplingConfig(repetition_penalty=3.0))[0].text
+  penalized = generate(MODEL, [PROMPTS[1]], Sequential(), max_new_tokens=20, chat=False,
+                       sampling=SamplingConfig(repetition_penalty=3.0))[0].text
   with running_server(engine) as (url, _), httpx.Client(timeout=120) as http:
     def ask(**fields) -> str:
       body = {"prompt": PROMPTS[1], "max_tokens": 20, "method": "sequential", **fields}
@@ -216,7 +217,7 @@ def test_bad_input_gets_its_status_and_an_openai_error_body(server, body, status
 
 def test_superposed_returns_its_best_n_drafts(client):
   """`n` choices are the best n of one decode's k drafts, as `generate` ranks them, streamed or whole."""
-  want = api.generate(MODEL, [PROMPTS[0]], method="superposed", max_new_tokens=12, chat=False, ngram=None)[0].drafts
+  want = generate(MODEL, [PROMPTS[0]], Superposed(ngram=None), max_new_tokens=12, chat=False)[0].drafts
   kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=12, extra_body={"method": "superposed"})
   whole = client.completions.create(n=2, **kw)
   assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == list(want[:2])

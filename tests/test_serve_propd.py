@@ -7,8 +7,9 @@ import queue
 import numpy as np
 import pytest
 
-from pasta_jax.decode import api, speculation
+from pasta_jax.decode import speculation
 from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.methods import Propd, Sequential, generate_ids
 from pasta_jax.serve.engine import Engine, Request, ServeConfig
 from pasta_jax.serve.propd import PINNED_ELSEWHERE, OnlineLatency
 from tests.test_serve import HEADS, MODEL
@@ -46,8 +47,8 @@ def test_online_latency_pins_each_size_then_fits():
 def test_the_engine_calibrates_propd_while_it_serves():
   """One request is enough to time every size (one sample each) in its rows bucket; the answer stays plain
   greedy decoding's, and the fit shows in /metrics."""
-  cfg = ServeConfig(batch=2, pool_slots=256, chunk_steps=2, max_tokens=32, heads=HEADS, tree_size=4,
-                    propd_samples=1)
+  cfg = ServeConfig(batch=2, pool_slots=256, chunk_steps=2, max_tokens=32,
+                    methods=(Propd(heads=HEADS, tree_size=4),), propd_samples=1)
   engine = Engine(MODEL, cfg).start()
   updates: queue.Queue = queue.Queue()
   ids = MODEL.tokenizer.encode("Tell me a tea.", add_bos=True)
@@ -59,7 +60,7 @@ def test_the_engine_calibrates_propd_while_it_serves():
     fits = [b.latency.fits() for b in list(engine.batches.values()) if b.latency is not None]
   finally:
     engine.stop(grace_s=0)
-  want = api.generate_ids(MODEL, [ids], method="sequential", max_new_tokens=32)[0].text
+  want = generate_ids(MODEL, [ids], Sequential(), max_new_tokens=32)[0].text
   assert "".join(u.delta for u in got) == want
   assert len(fits) == 1 and 1 in fits[0]
   assert 'pasta_propd_step_seconds{coefficient="beta",rows="1"}' in engine.metrics.text().decode()
@@ -68,7 +69,8 @@ def test_the_engine_calibrates_propd_while_it_serves():
 @pytest.mark.parametrize("tree_size,want", [(None, speculation.SERVED_PROPD_TREE), (4, 4)])
 def test_a_served_propd_compiles_a_small_tree_unless_told(tree_size, want):
   """The server has no calibration run to size ProPD's compiled tree, and its online model times every size."""
-  engine = Engine(MODEL, ServeConfig(batch=2, pool_slots=256, max_tokens=32, heads=HEADS, tree_size=tree_size))
-  entry = engine._batch_for(("propd", SamplingConfig()))
+  engine = Engine(MODEL, ServeConfig(batch=2, pool_slots=256, max_tokens=32,
+                                     methods=(Propd(heads=HEADS, tree_size=tree_size),)))
+  entry = engine._batch_for((engine.method_named("propd"), SamplingConfig()))
   assert entry.prep.cfg.rules.tree.size == want
   assert entry.latency.sizes == tuple(s for s in (1, 2, 4, 8) if s <= want)

@@ -8,12 +8,14 @@ import queue
 
 from pasta_jax.baselines.sot import SkeletonOfThought, SotConfig
 from pasta_jax.lang.schema import THREAD
+from pasta_jax.methods import Sot
 from pasta_jax.serve import sot as served_sot
 from pasta_jax.serve.engine import Engine, Request, ServeConfig
 from tests.tiny import tiny_model
 
 MODEL = tiny_model()
-CFG = ServeConfig(batch=2, pool_slots=2048, lanes=8, chunk_steps=4, max_tokens=24)
+CFG = ServeConfig(batch=2, pool_slots=2048, chunk_steps=4, max_tokens=24)
+LANES = Sot().lanes
 QUESTIONS = ["How to make tea?", "Why is the sky blue?", "Hi?"]
 THREE = "1. Leaves\n2. Hot water\n3. Wait"
 EIGHT = "\n".join(f"{i}. Part {i}" for i in range(1, 9))
@@ -50,7 +52,7 @@ def test_served_sot_equals_skeleton_of_thought(monkeypatch):
   finally:
     engine.stop(grace_s=0)
   assert sorted(decoded) == sorted(QUESTIONS)  # stage 1 ran for each question
-  config = SotConfig(point_tokens=20, answer_tokens=20, lanes=CFG.lanes)
+  config = SotConfig(point_tokens=20, answer_tokens=20, lanes=LANES)
   for question, updates in zip(QUESTIONS, answers):
     want = SkeletonOfThought(MODEL, config).run(question, outlines.get(question))
     streamed = "".join(u.delta for u in updates)
@@ -60,8 +62,8 @@ def test_served_sot_equals_skeleton_of_thought(monkeypatch):
       for update in updates[:-1]:  # point by point: each piece ends where a point ends
         assert update.delta.endswith("\n") and update.delta.count(". ") >= 1
       threads = updates[-1].result.records[:, THREAD]
-      spare = [int((threads == u).sum()) for u in range(len(want.points), CFG.lanes)]
-      assert spare == [2] * (CFG.lanes - len(want.points))  # spare threads end after one step, taking no room
+      spare = [int((threads == u).sum()) for u in range(len(want.points), LANES)]
+      assert spare == [2] * (LANES - len(want.points))  # spare threads end after one step, taking no room
     else:
       assert not want.used_sot and "no skeleton" in updates[-1].note
   assert 'method="sot"' in engine.metrics.text().decode()
@@ -77,7 +79,7 @@ def test_expansions_get_the_room_skeleton_of_thought_gives_them_or_a_plain_answe
   sizes (rows capped at the server's pool cut the mixed-load bench's SoT answers short): on a 512-slot server
   the expansion rows hold 1,024 slots, this expansion needs them, and the answer equals SoT's own; one that needs
   more than the rows hold is answered plainly, and the note says why."""
-  small = ServeConfig(batch=1, pool_slots=512, lanes=8, chunk_steps=8, max_tokens=24)
+  small = ServeConfig(batch=1, pool_slots=512, chunk_steps=8, max_tokens=24)
   config = SotConfig(point_tokens=24, answer_tokens=24, lanes=8)
   stage_two = served_sot.stage_two
   seen = []

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pasta_jax.baselines import sot
-from pasta_jax.decode import api
 from pasta_jax.errors import PastaError
+from pasta_jax.methods import Apar, generate_ids
 from tests.tiny import tiny_model
 
 MODEL = tiny_model()
@@ -36,8 +36,8 @@ def test_each_point_lane_equals_a_plain_decode_of_its_own_prompt():
   assert result.used_sot and result.points == ("Routine", "Light", "Calm")
   shared, suffixes = sot.expansion_inputs(MODEL.tokenizer, "How to sleep?", result.skeleton, result.points, True)
   for suffix, expansion in zip(suffixes, result.expansions, strict=True):
-    [alone] = api.generate_ids(MODEL, [shared + suffix], method="apar", max_new_tokens=CFG.point_tokens, lanes=1,
-                               max_threads=1, max_depth=0)
+    [alone] = generate_ids(MODEL, [shared + suffix], Apar(lanes=1, max_threads=1, max_depth=0),
+                           max_new_tokens=CFG.point_tokens)
     n = min(len(alone.text), len(expansion))
     assert n > 0 and expansion[:n] == alone.text[:n]
   assert result.text.startswith("1. Routine:") and "\n2. Light:" in result.text and "\n3. Calm:" in result.text
@@ -47,8 +47,9 @@ def test_no_skeleton_falls_back_to_normal_decoding():
   runner = sot.SkeletonOfThought(MODEL, CFG)
   result = runner.run("Hi?", forced_skeleton="just prose, no list")
   assert not result.used_sot and "no skeleton" in result.note
-  [plain] = api.generate_ids(MODEL, [sot._chat_ids(MODEL.tokenizer, "Hi?", True)], method="apar",
-                             max_new_tokens=CFG.answer_tokens, lanes=1, max_threads=1, max_depth=0)
+  plain_method = Apar(lanes=1, max_threads=1, max_depth=0)
+  [plain] = generate_ids(MODEL, [sot._chat_ids(MODEL.tokenizer, "Hi?", True)], plain_method,
+                         max_new_tokens=CFG.answer_tokens)
   assert result.text == plain.text
 
 

@@ -17,6 +17,7 @@ from pasta_jax.decode.rules import SequentialRules, SuperposedRules
 from pasta_jax.decode.rules.superposed import superposition_weights
 from pasta_jax.decode.state import TOKEN
 from pasta_jax.decode.toy_model import toy_apply, toy_params
+from pasta_jax.methods import Pasta, Sequential, Superposed, generate
 from tests.programs import VOCAB, VOCAB_SIZE
 from tests.superposed_reference import brute_count, p_ngram, superposed_reference
 from tests.test_interpreter_vs_reference import POOL_SPEC, TOY
@@ -124,23 +125,22 @@ def test_bad_settings_name_the_problem():
 
 
 def test_generate_returns_the_drafts_best_first():
-  from pasta_jax.decode import api
   from pasta_jax.errors import PastaError
   from tests.tiny import tiny_model
   model = tiny_model()
   docs = [model.tokenizer.encode(t, add_bos=False) for t in ("the cat sat on the mat", "a dog ran to the cat")]
   index = ngram.NgramIndex.build(docs)
-  [one] = api.generate(model, ["q"], method="superposed", drafts=1, ngram=None, max_new_tokens=8)
-  [greedy] = api.generate(model, ["q"], method="sequential", max_new_tokens=8)
+  [one] = generate(model, ["q"], Superposed(drafts=1, ngram=None), max_new_tokens=8)
+  [greedy] = generate(model, ["q"], Sequential(), max_new_tokens=8)
   assert one.drafts == (greedy.text,) and one.text == greedy.text
-  [three] = api.generate(model, ["q"], method="superposed", drafts=3, ngram=index, max_new_tokens=8)
+  [three] = generate(model, ["q"], Superposed(drafts=3, ngram=index), max_new_tokens=8)
   assert len(three.drafts) == 3 and three.text == three.drafts[0] and three.method == "superposed"
   assert list(three.draft_scores) == sorted(three.draft_scores, reverse=True)
   assert three.stop_reason in ("end", "tokens")
-  with pytest.raises(PastaError, match="drafts is for method='superposed'"):
-    api.generate(model, ["q"], method="pasta", drafts=3)
+  with pytest.raises(TypeError, match="drafts"):  # an option of Superposed only
+    Pasta(drafts=3)
   with pytest.raises(PastaError, match="no n-gram index"):
-    api.generate(model, ["q"], method="superposed", ngram="/nonexistent/index")
+    generate(model, ["q"], Superposed(ngram="/nonexistent/index"))
 
 
 def test_corpus_index_counts_the_tokenized_documents(tmp_path):

@@ -13,6 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pasta_jax.decode.runtime import Runtime
+from pasta_jax.methods import Pasta, generate
 from pasta_jax.model.thread_attention import AttentionSpec, attention, block_summaries, resolve
 from pasta_jax.visibility import HIDDEN, UNBOUNDED, ThreadMask
 from tests.marks import HEAVY
@@ -119,7 +121,7 @@ def test_training_forward_and_gradients_with_the_kernel_equal_xla(name):
 
   def loss(attention):
     model = Gemma(cfg, attention=attention)
-    return lambda p: jnp.mean(jax.nn.log_softmax(model.apply(p, *batch, mask)[0])[..., 7])
+    return lambda p: jnp.mean(jax.nn.log_softmax(model.apply(p, *batch, mask).logits)[..., 7])
 
   want_value, want_grad = jax.value_and_grad(loss("xla"))(params)
   got_value, got_grad = jax.value_and_grad(loss("pallas"))(params)
@@ -157,12 +159,11 @@ def test_the_interpreter_with_the_kernel_equals_the_reference(program):
 
 
 def test_unknown_attention_is_refused_by_name():
-  from pasta_jax.decode import api
   from pasta_jax.errors import PastaError
   from pasta_jax.training.config import TrainConfig
   from tests.tiny import tiny_model
   with pytest.raises(PastaError, match="attention must be one of xla, pallas"):
-    api.generate(tiny_model(), ["hi"], attention="flash")
+    generate(tiny_model(), ["hi"], Pasta(), runtime=Runtime(attention="flash"))
   with pytest.raises(Exception, match="attention='flash'"):
     TrainConfig(attention="flash")
 

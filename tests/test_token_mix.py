@@ -61,8 +61,8 @@ def recompute_greedy(prompt, alpha, steps=10):
     ids = np.stack([seq, [PARTNER] * n], axis=-1)[None]  # [1, n, 2]
     weights = np.array([[1.0, 0.0]] * len(prompt) + [[1.0 - alpha, alpha]] * len(out), np.float32)[None]
     positions = jnp.arange(n)[None]
-    logits, _ = toy_apply(PARAMS, jnp.asarray(ids), positions, causal_mask(1, n),
-                          token_weights=jnp.asarray(weights))
+    logits = toy_apply(PARAMS, jnp.asarray(ids), positions, causal_mask(1, n),
+                       token_weights=jnp.asarray(weights)).logits
     out.append(int(jnp.argmax(logits[0, -1])))
   return out
 
@@ -89,7 +89,7 @@ MODEL = tiny_model()
 def _gemma(params, tokens, weights):
   n = tokens.shape[1]
   mask = causal_mask(1, n)
-  return Gemma(MODEL.config).apply(params, tokens, jnp.arange(n)[None], mask, token_weights=weights)[0]
+  return Gemma(MODEL.config).apply(params, tokens, jnp.arange(n)[None], mask, token_weights=weights).logits
 
 
 @settings(max_examples=3, deadline=None)

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from pasta_jax.errors import ConfigError
-from pasta_jax.training.config import MeshConfig, TrainConfig, load_train_config
+from pasta_jax.model.mesh import MeshConfig, make_mesh, parse_mesh
+from pasta_jax.model.partitioning import param_specs
+from pasta_jax.training.config import TrainConfig, load_train_config
 from pasta_jax.training.metrics_log import read_metrics
-from pasta_jax.training.partitioning import make_mesh, param_specs
 from pasta_jax.training.trainer import Trainer
 from tests import train_worker, training_data
 from tests.tiny import tiny_model
@@ -110,6 +111,13 @@ def test_loss_goes_down_and_export_loads(tmp_path):
 def test_bad_training_configs_name_the_problem(fields, message):
   with pytest.raises(ConfigError, match=message):
     TrainConfig(**fields)
+
+
+def test_mesh_text_reads_as_data_fsdp_tensor():
+  assert parse_mesh("1,4,2") == MeshConfig(data=1, fsdp=4, tensor=2)
+  for text in ("1,4", "1,4,2,1", "a,b,c", ""):
+    with pytest.raises(ConfigError, match="expected three integers data,fsdp,tensor"):
+      parse_mesh(text)
 
 
 def test_mesh_that_does_not_match_devices_or_shapes_is_refused():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pasta_jax.data import verify as V
+from pasta_jax.methods import Pasta, Sequential, generate
 from tests.tiny import tiny_model
 
 MODEL = tiny_model()
@@ -51,15 +52,14 @@ def test_changed_share_matches_an_independent_count():
   """The filter's count from two training-layout forwards equals a count made with the interpreter
   instead: the annotated answer replayed with PASTA and its tag-free text replayed sequentially,
   comparing the logits the interpreter recorded behind each content token."""
-  from pasta_jax.decode import api
   from pasta_jax.lang.text import strip_tags
   model = sharp_model()
   vocab = model.tokenizer.tag_vocab()
   verdict = V.verify({"instruction": "Name fruits.", "annotated": ANNOTATED}, model,
                      V.VerifyConfig(max_changed=1.01, min_speedup=0.0))
-  [pasta] = api.generate(model, ["Name fruits."], forced_answers=[ANNOTATED], return_logits=True, max_new_tokens=8)
-  [plain] = api.generate(model, ["Name fruits."], method="sequential", forced_answers=[strip_tags(ANNOTATED)],
-                         return_logits=True, max_new_tokens=8)
+  [pasta] = generate(model, ["Name fruits."], Pasta(), forced_answers=[ANNOTATED], return_logits=True, max_new_tokens=8)
+  [plain] = generate(model, ["Name fruits."], Sequential(), forced_answers=[strip_tags(ANNOTATED)], return_logits=True,
+                     max_new_tokens=8)
   a, b = predictions_by_content_index(pasta, vocab), predictions_by_content_index(plain, vocab)
   compared = sorted(set(a) & set(b))
   assert len(compared) > 40  # most content tokens are compared (block openings and main after a sync are not)

@@ -163,7 +163,7 @@ def test_config_errors(change, needle):
 def _logits(config, params, tokens):
   b, length = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(length), (b, length))
-  return np.asarray(jax.jit(Gemma(config).apply)(params, tokens, positions, causal_mask(b, length))[0])
+  return np.asarray(jax.jit(Gemma(config).apply)(params, tokens, positions, causal_mask(b, length)).logits)
 
 
 @pytest.fixture(scope="module")

@@ -86,12 +86,13 @@ def prompt_records(args) -> list[dict]:
 
 def judge_factory(spec: str, quality_weight: float, quality_measure: str = "judge"):
   """folder -> the (cached) judge of that folder, or None when speed (or ROUGE-L) alone decides."""
-  from pasta_jax.commands.eval import make_judge
+  from pasta_jax.eval.methods import cached_model
+  from pasta_jax.judges.factory import make_judge
 
   def judge_for(folder):
     if quality_weight == 0 or quality_measure != "judge":
       return None
-    judge, note = make_judge(spec, run_path(folder))
+    judge, note = make_judge(spec, run_path(folder), cached_model)
     if judge is None:
       raise PastaError(f"quality_weight={quality_weight} needs a judge: {note}")
     if note:

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from pasta_jax.errors import PastaError
-from pasta_jax.training.config import MeshConfig, TrainConfig, load_train_config
+from pasta_jax.model.mesh import MeshConfig, parse_mesh
+from pasta_jax.training.config import TrainConfig, load_train_config
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -48,11 +49,7 @@ def train_config(args: argparse.Namespace, device_count: int, **fixed) -> TrainC
   if args.remat is not None:
     overrides["remat"] = args.remat
   if args.mesh:
-    try:
-      data, fsdp, tensor = (int(x) for x in args.mesh.split(","))
-    except ValueError:
-      raise PastaError(f"--mesh {args.mesh!r}: expected three integers data,fsdp,tensor") from None
-    overrides["mesh"] = MeshConfig(data, fsdp, tensor)
+    overrides["mesh"] = parse_mesh(args.mesh)
   overrides.update(fixed)
   if args.config:
     config = load_train_config(args.config)

@@ -76,13 +76,12 @@ def annotation_field(objective: str) -> str:
 
 def sample_held_out(model_dir, prompts: list[str], out_dir, tokens: int, method: str = "pasta") -> str:
   """Decodes held-out prompts with the trained model (PASTA; APAR for apar_sft; pasta-v0 for scoped_sft)."""
-  from pasta_jax.decode import api
+  from pasta_jax.methods import generate
   model = load_model(model_dir)
-  apar = method == "apar"
-  results = api.generate(model, prompts, method=method, max_new_tokens=tokens, chat=True)
+  results = generate(model, prompts, method, max_new_tokens=tokens, chat=True)
   lines, well_formed = [], 0
   for prompt, result in zip(prompts, results):
-    threads = len(result.thread_texts) if apar else len(result.threads)
+    threads = len(result.threads) or len(result.thread_texts)  # a tree-form answer (APAR) has texts, no traces
     tagged = threads > 1
     ok = tagged and not math.isnan(result.theoretical_speedup)
     well_formed += ok

@@ -19,14 +19,15 @@ import math
 import re
 from collections.abc import Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.decode import api
 from pasta_jax.decode.loop import bucket
+from pasta_jax.decode.runtime import Runtime
 from pasta_jax.errors import PastaError
 from pasta_jax.judges.local import next_token_logits
 from pasta_jax.lang.schema import THREAD, TOKEN
+from pasta_jax.methods import Sequential, Sot, generate_ids
 
 SKELETON_PROMPT = (
     "Plan an answer to the question below. Reply only with a numbered outline: {low} to {high} points, "
@@ -156,10 +157,9 @@ class SkeletonOfThought:
       return dataclasses.replace(normal, skeleton=skel.text, steps=normal.steps + skel.steps,
                                  seconds=normal.seconds + skel.seconds)
     shared, suffixes = expansion_inputs(tok, question, skel.text, points, cfg.chat)
-    [expand] = api.generate_ids(
-        self.model, [shared], method="sot", scripts=[suffixes],
-        max_new_tokens=cfg.point_tokens + max(map(len, suffixes)), lanes=cfg.lanes or bucket(len(points), minimum=1),
-        max_threads=max(len(points), 1), dtype=jnp.dtype(cfg.dtype))
+    fan_out = Sot(lanes=cfg.lanes or bucket(len(points), minimum=1), max_threads=max(len(points), 1))
+    [expand] = generate_ids(self.model, [shared], fan_out, scripts=[suffixes],
+                            max_new_tokens=cfg.point_tokens + max(map(len, suffixes)), runtime=Runtime(cfg.dtype))
     lang = api.LangTokenizer(tok)
     expansions = [point_expansion(expand.records, u, len(suffixes[u]), lang, tok.tag_vocab())
                   for u in range(len(points))]
@@ -173,8 +173,8 @@ class SkeletonOfThought:
 
   def _decode(self, ids, budget: int, scripts=None):
     """Plain decoding (the skeleton, or the answer without one)."""
-    return api.generate_ids(self.model, ids, method="sequential", scripts=scripts, max_new_tokens=budget,
-                            dtype=jnp.dtype(self.config.dtype))
+    return generate_ids(self.model, ids, Sequential(), scripts=scripts, max_new_tokens=budget,
+                        runtime=Runtime(self.config.dtype))
 
   def _normal(self, question: str, note: str) -> SotResult:
     [answer] = self._decode([_chat_ids(self.model.tokenizer, question, self.config.chat)], self.config.answer_tokens)

@@ -16,14 +16,12 @@ from tqdm import tqdm
 
 from pasta_jax.errors import ConfigError
 
-KINDS = ("structural", "llm", "apar")
-
 
 def add_annotate_parser(subparsers) -> None:
   parser = subparsers.add_parser("annotate", help="annotate a dataset (structural, LLM or APAR format)")
   parser.add_argument("data", help="a shared dataset name or a JSONL path")
   parser.add_argument("--out", required=True, help="output JSONL")
-  parser.add_argument("--with", dest="kind", choices=KINDS, default="structural")
+  parser.add_argument("--with", dest="kind", choices=list(ANNOTATORS), default="structural")
   parser.add_argument("--verify", action="store_true", help="keep only annotations the local model verifies")
   parser.add_argument("--model", default=None, help="model for --verify (default: the embedded Gemma 3 270M)")
   parser.add_argument("--concurrency", type=int, default=4, help="parallel LLM requests")
@@ -35,23 +33,29 @@ def run_annotate(args) -> int:
   records = sources.read_records(args.data, args.limit)
   out = Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  if args.kind == "apar":
-    from pasta_jax.data.apar_format import apar_records
-    rows, kinds = apar_records(records)
-    print(f"APAR format: {dict(kinds)}")
-  else:
-    rows = _pasta_rows(records, args, out)
+  rows, field = ANNOTATORS[args.kind](records, args, out)
   if args.verify:
     rows = _verified(rows, args.model)
   with open(out, "w") as f:
     for row in rows:
       f.write(json.dumps(row, ensure_ascii=False) + "\n")
-  field = "apar" if args.kind == "apar" else "annotated"
   print(f"{sum(bool(r.get(field)) for r in rows)}/{len(rows)} records annotated -> {out}")
   return 0
 
 
-def _pasta_rows(records, args, out: Path) -> list[dict]:
+def _apar_rows(records, args, out: Path) -> tuple[list[dict], str]:
+  from pasta_jax.data.apar_format import apar_records
+  rows, kinds = apar_records(records)
+  print(f"APAR format: {dict(kinds)}")
+  return rows, "apar"
+
+
+def _pasta_rows(records, args, out: Path) -> tuple[list[dict], str]:
+  """(rows with `annotated` in promise form, its field): by the structural rules or the LLM annotator."""
+  return _promise_rows(records, args, out), "annotated"
+
+
+def _promise_rows(records, args, out: Path) -> list[dict]:
   from pasta_jax.commands.data_stats import load_tokenizer
   from pasta_jax.decode.api import LangTokenizer
   lang = LangTokenizer(load_tokenizer())
@@ -85,3 +89,7 @@ def _verified(rows: list[dict], model_path: str | None) -> list[dict]:
         row = {**row, "annotated": None, "reason": f"model-verified filter: {verdict.reason}"}
     out.append(row)
   return out
+
+
+# annotator -> (records, args, out) -> (rows, the field its annotations are in)
+ANNOTATORS = {"structural": _pasta_rows, "llm": _pasta_rows, "apar": _apar_rows}

@@ -10,12 +10,7 @@ module imports only argparse at the top, so building the CLI parser stays fast.
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 from pathlib import Path
-
-JUDGE_URL_ENV = "PASTA_JUDGE_BASE_URL"
-VERDICTS_FILE = "verdicts.jsonl"
 
 
 def build_eval_parser(subparsers) -> argparse.ArgumentParser:
@@ -47,7 +42,7 @@ def build_eval_parser(subparsers) -> argparse.ArgumentParser:
                       help="every method's greedy choices certified against the float32 head at a narrow head's "
                            "cost (int8 on a CPU; decode/certified_head.py): the same answers, faster steps of 2-3 rows")
   parser.add_argument("--judge", default="auto", metavar="auto|none|http|local[:MODEL]",
-                      help=f"pairwise judge for quality; auto = http if {JUDGE_URL_ENV} is set, else none")
+                      help="pairwise judge for quality; auto = http if PASTA_JUDGE_BASE_URL is set, else none")
   parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
   return parser
 
@@ -58,6 +53,7 @@ def run_eval(args) -> int:
   from pasta_jax.eval import methods as M
   from pasta_jax.eval.report import speed_table, write_outputs
   from pasta_jax.eval.runner import evaluate
+  from pasta_jax.judges.factory import make_judge
 
   check_numbers(args)
   baseline_spec = registry.parse_spec(args.baseline)
@@ -68,8 +64,8 @@ def run_eval(args) -> int:
                               certify_head=args.certify_head)
   identity = dict(prompts=sources.dataset_name(args.prompts), model=args.model, **settings.identity())
   out = Path(args.out)
-  judge, judge_note = make_judge(args.judge, out)
   load = lambda path: M.cached_model(path)
+  judge, judge_note = make_judge(args.judge, out, load)
   baseline = registry.build_method(baseline_spec, settings, load, args.model)
   methods = [registry.build_method(spec, settings, load, args.model) for spec in specs]
   results = evaluate(records, baseline, methods, out, identity=identity, judge=judge, judge_note=judge_note,
@@ -95,41 +91,3 @@ def check_numbers(args) -> None:
   if not args.repetition_penalty > 0:
     raise PastaError(f"--repetition-penalty must be positive, got {args.repetition_penalty}")
 
-
-def make_judge(spec: str, out_dir: Path):
-  """(judge or None, a note for the report). Judges are imported lazily: speed-only runs need none."""
-  from pasta_jax.errors import PastaError
-
-  kind, _, model_path = spec.partition(":")
-  if kind == "auto":
-    if not os.environ.get(JUDGE_URL_ENV):
-      return None, f"No judge configured: set {JUDGE_URL_ENV} (or pass --judge local:MODEL) to judge quality."
-    kind = "http"
-  if kind == "none":
-    return None, "--judge none."
-  if kind not in ("http", "local"):
-    raise PastaError(f"unknown judge {spec!r}; use auto, none, http or local[:MODEL]")
-  judges = import_judges(kind)
-  if kind == "http":
-    judge, note = judges.HttpJudge(judges.EndpointConfig.from_env()), ""
-  else:
-    from pasta_jax.eval.methods import cached_model
-    judge = judges.LocalJudge(cached_model(model_path or None))
-    note = "" if model_path else ("The judge is the embedded Gemma 3 270M base model: not a meaningful judge "
-                                  "(it does not follow judging instructions); treat win rates as a smoke test.")
-  return judges.CachedJudge(judge, out_dir / VERDICTS_FILE), note
-
-
-def import_judges(kind: str):
-  from pasta_jax.errors import PastaError
-
-  needed = ("CachedJudge", "EndpointConfig", "HttpJudge") if kind == "http" else ("CachedJudge", "LocalJudge")
-  try:
-    judges = importlib.import_module("pasta_jax.judges")
-  except ImportError as err:
-    raise PastaError(f"--judge {kind} needs pasta_jax.judges, which cannot be imported: {err}") from None
-  missing = [name for name in needed if not hasattr(judges, name)]
-  if missing:
-    raise PastaError(f"--judge {kind} needs pasta_jax.judges.{', '.join(missing)}, not in this checkout yet; "
-                     "use --judge none")
-  return judges

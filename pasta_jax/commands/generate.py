@@ -6,12 +6,13 @@ import dataclasses
 import sys
 import time
 
-import jax.numpy as jnp
-
-from pasta_jax.commands.pasta_view import speculation_line
+from pasta_jax.commands.method_flags import method_from_flags
+from pasta_jax.commands.pasta_view import Run, run_pasta, speculation_line
 from pasta_jax.decode import api
+from pasta_jax.decode.runtime import Runtime
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.errors import PastaError
+from pasta_jax.methods import Method, Pasta, Sequential, Setup, generate_ids, prepared, registry, stream_ids
 from pasta_jax.model.load import GENERATION_FILE, generation_defaults, load_model
 
 
@@ -25,14 +26,15 @@ def _sampling(args) -> SamplingConfig:
     raise PastaError(str(err)) from None
 
 
-def _model_defaults(sampling: SamplingConfig, args, model, method: str = "pasta") -> SamplingConfig:
+def _model_defaults(sampling: SamplingConfig, args, model, method: Method) -> SamplingConfig:
   """Settings not given on the command line come from the model's `generation.json`, said aloud: its repetition
-  penalty, and (for method pasta, the one that keeps it) its distinct_topics."""
+  penalty, and (for a method that keeps it) its distinct_topics."""
   defaults = generation_defaults(model)
   changes = {}
   if args.repetition_penalty is None and defaults.get("repetition_penalty", 1.0) != 1.0:
     changes["repetition_penalty"] = defaults["repetition_penalty"]
-  if getattr(args, "distinct_topics", None) is None and defaults.get("distinct_topics") and method == "pasta":
+  if (getattr(args, "distinct_topics", None) is None and defaults.get("distinct_topics")
+      and method.capabilities.distinct_topics):
     changes["distinct_topics"] = True
   if changes:
     said = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in changes.items())
@@ -42,20 +44,31 @@ def _model_defaults(sampling: SamplingConfig, args, model, method: str = "pasta"
   return dataclasses.replace(sampling, **changes)
 
 
-def _method(args, model) -> str:
-  """--method, else --pasta, else the method the model's `generation.json` names, said aloud (a PASTA model's
-  promised blocks are written only by the interpreter: decoded plainly, their text would be missing), else
-  sequential."""
-  if args.method or args.pasta:
-    method = args.method or "pasta"
-    if args.pasta and method != "pasta":
-      raise PastaError(f"--pasta and --method {method} disagree: give one")
-    return method
-  method = generation_defaults(model).get("method", "sequential")
-  if method != "sequential":
-    print(f"[method {method}: this model's {GENERATION_FILE} (it was trained to write {method}'s tags, which only "
-          f"the interpreter decodes in full); --method sequential streams it plainly]", file=sys.stderr)
-  return method
+def _method(args, model) -> Method:
+  """--method (with its option flags), else --pasta, else the method the model's `generation.json` names, said
+  aloud (a PASTA model's promised blocks are written only by the interpreter: decoded plainly, their text would be
+  missing), else sequential."""
+  given = _given_method(args)
+  if given is not None:
+    return given
+  name = generation_defaults(model).get("method")
+  if name is None:
+    return method_from_flags(Sequential.name, args)
+  if name not in registry.METHODS:
+    raise PastaError(f"{model.source}/{GENERATION_FILE}: unknown method {name!r}; use one of "
+                     f"{', '.join(registry.METHODS)}")
+  print(f"[method {name}: this model's {GENERATION_FILE} (it was trained to write {name}'s tags, which only the "
+        f"interpreter decodes in full); --method sequential decodes it plainly]", file=sys.stderr)
+  return method_from_flags(name, args)
+
+
+def _given_method(args) -> Method | None:
+  """The method the command line names (--method or --pasta) with its option flags, checked before any model
+  loads; None when it names none."""
+  if args.pasta and args.method and registry.METHODS[args.method] is not Pasta:
+    raise PastaError(f"--pasta and --method {args.method} disagree: give one")
+  name = args.method or (Pasta.name if args.pasta else None)
+  return None if name is None else method_from_flags(name, args)
 
 
 def _prompt_ids(model, text: str, chat: bool) -> list[int]:
@@ -71,10 +84,8 @@ def _mesh(args):
   maybe_initialize_distributed(force=args.multi_host)
   if not args.mesh:
     return None
-  from pasta_jax.commands.plan import _parse_mesh
-  from pasta_jax.training.config import MeshConfig
-  from pasta_jax.training.partitioning import make_mesh
-  return make_mesh(MeshConfig(**_parse_mesh(args.mesh)))
+  from pasta_jax.model.mesh import make_mesh, parse_mesh
+  return make_mesh(parse_mesh(args.mesh))
 
 
 def run_generate(args) -> int:
@@ -83,8 +94,8 @@ def run_generate(args) -> int:
   if not args.prompt.strip():
     raise PastaError("empty prompt: give some text to continue")
   sampling = _sampling(args)
-  dtype = jnp.dtype(args.dtype)
-  args.mesh_obj = _mesh(args)
+  _given_method(args)  # a bad method flag is said before the model loads
+  runtime = Runtime(dtype=args.dtype, mesh=_mesh(args), certify_head=args.certify_head)
   model = load_model(args.model)
   print(f"[model: {model.describe()}]", file=sys.stderr)
   method = _method(args, model)
@@ -92,30 +103,26 @@ def run_generate(args) -> int:
   if args.chat is None:
     args.chat = model.adapter is not None
   prompt_ids = _prompt_ids(model, args.prompt, args.chat)
-  if method == "superposed":
-    if args.certify_head:
-      raise PastaError("--certify-head certifies greedy argmax choices; --method superposed reads its drafts' "
-                       "probabilities from the logits")
-    return run_superposed(model, prompt_ids, args, dtype)
-  if args.drafts != 3:
-    raise PastaError("--drafts is for --method superposed")
-  if (args.heads or args.tree_size) and method not in api.TREE_METHODS:
-    raise PastaError("--heads and --tree-size are for --method medusa, propd or pasta+medusa")
-  extra = tree_options(model, prompt_ids, args, method) if method in api.TREE_METHODS else {}
-  if args.certify_head:
-    extra["certify_head"] = True
-    if dtype == jnp.float32:  # another dtype is refused by generate; here the measured plan may skip the
-      # certificate at the row counts where this machine's float32 head is no slower: say so
-      print(f"[{api.head_plan_line(model.config, dtype, certify_head=True)}]", file=sys.stderr)
-  if method in ("pasta", "pasta-v0", "pasta+medusa"):
-    from pasta_jax.commands.pasta_view import run_pasta
+  method.check_request(sampling=sampling, runtime=runtime, forced=False)  # before any preparation
+  if runtime.certify_head and runtime.dtype == "float32":  # another dtype is refused by generate; here the measured
+    # plan may skip the certificate at the row counts where this machine's float32 head is no slower: say so
+    print(f"[{api.head_plan_line(model.config, runtime.dtype, certify_head=True)}]", file=sys.stderr)
+  method = prepared(method, model, Setup([prompt_ids], args.max_new_tokens, runtime))
+  run = Run(model, prompt_ids, method, args.max_new_tokens, sampling, runtime)
+  if method.capabilities.drafts:
+    return show_drafts(run)
+  if method.capabilities.threads:
+    return run_pasta(run)
+  return stream_answer(run)
 
-    return run_pasta(model, prompt_ids, args, sampling, dtype, method, extra)
+
+def stream_answer(run: Run) -> int:
+  """Prints the answer as it settles, then its token rate (and what a tree did, or promises it left unkept)."""
   start = time.perf_counter()
   first_token_at = None
   shown, tokens = "", 0
-  for [result] in api.stream_ids(model, [prompt_ids], method=method, chunk_steps=8, mesh=args.mesh_obj,
-                                 max_new_tokens=args.max_new_tokens, sampling=sampling, dtype=dtype, **extra):
+  for [result] in stream_ids(run.model, [run.prompt_ids], run.method, chunk_steps=8,
+                             max_new_tokens=run.max_new_tokens, sampling=run.sampling, runtime=run.runtime):
     if first_token_at is None:
       first_token_at = time.perf_counter() - start
     tokens = len(result.records)
@@ -128,8 +135,8 @@ def run_generate(args) -> int:
   print(f"\n\n[{tokens} tokens; time to first token {first_token_at:.2f}s (includes compile on the first run); "
         f"{rate:.1f} tok/s after it]", file=sys.stderr)
   if result.speculation:
-    print(speculation_line(method, result.speculation), file=sys.stderr)
-  if note := unkept_promises_note(result.annotated, method):
+    print(speculation_line(run.method.name, result.speculation), file=sys.stderr)
+  if note := unkept_promises_note(result.annotated, run.method.name):
     print(note, file=sys.stderr)
   return 0
 
@@ -145,40 +152,12 @@ def unkept_promises_note(annotated: str, method: str) -> str:
           f"{method} answer; --pasta decodes them]")
 
 
-def tree_options(model, prompt_ids: list[int], args, method: str) -> dict:
-  """--method medusa / propd / pasta+medusa: the heads, the tree size, and for ProPD a latency model measured here."""
-  from pasta_jax.decode.latency import calibrate_latency
-  from pasta_jax.decode.speculation import default_tree_size, load_drafter
-  drafter = load_drafter(model, args.heads)
-  options = {"heads": drafter, "tree_size": args.tree_size or default_tree_size(method)}
-  if method == "propd":
-    print("[propd: timing each tree size on this device (calibration)...]", file=sys.stderr)
-    certify = {"certify_head": True} if args.certify_head else {}  # time the steps it will run
-    cal = calibrate_latency(model, [prompt_ids], drafter, tree_size=options["tree_size"], steps=8, repeats=1,
-                            run_tokens=args.max_new_tokens, **certify)
-    options["latency"], options["tree_size"] = cal["table"], cal["tree_size"]
-    if not cal["tree_pays"]:
-      print(f"[propd: no tree of {cal['timed_tree']} nodes can beat a plain step here (T(1) "
-            f"{1e3 * cal['table'][1]:.1f} ms, T(2) {1e3 * cal['table'][2]:.1f} ms; speculation.tree_pays): "
-            "decoding plainly]", file=sys.stderr)
-  return options
-
-
-def run_superposed(model, prompt_ids: list[int], args, dtype) -> int:
+def show_drafts(run: Run) -> int:
   """Prints the k drafts, most probable first, with their log probabilities."""
-  if args.temperature or args.top_k or args.top_p != 1.0:
-    raise PastaError("--method superposed searches its drafts deterministically (tau 0.06, as the paper): "
-                     "drop --temperature/--top-k/--top-p")
-  ngram = None if args.ngram == "none" else args.ngram
-  if ngram == "default":
-    from pasta_jax.data.ngram_corpus import ensure_default_index
-    ngram = str(ensure_default_index(model.tokenizer, model.describe()))
-  [result] = api.generate_ids(model, [prompt_ids], method="superposed", drafts=args.drafts, ngram=ngram,
-                              mesh=args.mesh_obj,
-                              max_new_tokens=args.max_new_tokens, dtype=dtype)
+  [result] = generate_ids(run.model, [run.prompt_ids], run.method, max_new_tokens=run.max_new_tokens,
+                          sampling=run.sampling, runtime=run.runtime)
   for i, (text, score) in enumerate(zip(result.drafts, result.draft_scores, strict=True), start=1):
     print(f"--- draft {i} (log p {score:.2f})\n{text}")
-  smoothing = "no n-gram smoothing" if ngram is None else f"n-gram index: {ngram}"
-  print(f"\n[{len(result.drafts)} drafts of up to {args.max_new_tokens} tokens in {result.steps} steps, "
-        f"{result.seconds:.2f}s; {smoothing}; {result.stop_reason}]", file=sys.stderr)
+  print(f"\n[{len(result.drafts)} drafts of up to {run.max_new_tokens} tokens in {result.steps} steps, "
+        f"{result.seconds:.2f}s; {run.method.described()}; {result.stop_reason}]", file=sys.stderr)
   return 0

@@ -7,13 +7,17 @@ for a free lane), then steps, stalls, theoretical speedup and realized tokens/s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
 
-from pasta_jax.decode.api import PastaResult, ThreadTrace, generate_ids
+from pasta_jax.decode.result import PastaResult, ThreadTrace
+from pasta_jax.decode.runtime import Runtime
+from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.state import STEP, THREAD, TOKEN
 from pasta_jax.lang.tags import TagVocab
+from pasta_jax.methods import Method, generate_ids
 
 CHART_WIDTH = 60
 FEED, WAIT, STALL, IDLE = "█", "▒", "░", " "
@@ -75,13 +79,25 @@ def summary(result: PastaResult, compile_seconds: float) -> str:
           f"(+{compile_seconds:.1f}s compile/setup)]")
 
 
-def run_pasta(model, prompt_ids, args, sampling, dtype, method: str = "pasta", options: dict | None = None) -> int:
-  """Prints the answer, its thread chart and a summary. options: the method's own (pasta+medusa: heads, trees)."""
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One `pasta generate` decode: the prepared method and the shared settings."""
+
+  model: object
+  prompt_ids: list[int]
+  method: Method
+  max_new_tokens: int
+  sampling: SamplingConfig
+  runtime: Runtime
+
+
+def run_pasta(run: Run) -> int:
+  """Prints the answer, its thread chart and a summary (and, for a method with trees, what the trees did)."""
   start = time.perf_counter()
-  result = generate_ids(model, [prompt_ids], method=method, max_new_tokens=args.max_new_tokens, lanes=args.lanes,
-                        sampling=sampling, dtype=dtype, mesh=getattr(args, "mesh_obj", None), **(options or {}))[0]
+  [result] = generate_ids(run.model, [run.prompt_ids], run.method, max_new_tokens=run.max_new_tokens,
+                          sampling=run.sampling, runtime=run.runtime)
   setup = time.perf_counter() - start - result.seconds
-  vocab = model.tokenizer.tag_vocab()
+  vocab = run.model.tokenizer.tag_vocab()
   print(result.text)
   print()
   print(f"threads (steps 1..{result.steps}; {FEED} feeds, {WAIT} waits at a sync, {STALL} stalls):")
@@ -89,7 +105,7 @@ def run_pasta(model, prompt_ids, args, sampling, dtype, method: str = "pasta", o
     print(line)
   print(summary(result, setup), file=sys.stderr)
   if result.speculation:
-    print(speculation_line(method, result.speculation), file=sys.stderr)
+    print(speculation_line(run.method.name, result.speculation), file=sys.stderr)
   return 0
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pasta_jax.errors import ConfigError
-
 FITS, DOES_NOT_FIT = 0, 1
 
 # flag -> TrainConfig field (the same overrides the training entry points take)
@@ -29,18 +27,12 @@ def add_plan_parser(sub) -> None:
     plan.add_argument(flag, type=kind)
 
 
-def _parse_mesh(text: str) -> dict[str, int]:
-  try:
-    data, fsdp, tensor = (int(x) for x in text.split(","))
-  except ValueError:
-    raise ConfigError(f"--mesh {text!r}: expected three integers data,fsdp,tensor") from None
-  return {"data": data, "fsdp": fsdp, "tensor": tensor}
-
-
 def overrides_from(args: argparse.Namespace) -> dict:
+  from pasta_jax.model.mesh import parse_mesh
+
   fields = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in OVERRIDES.items()}
   if args.mesh:
-    fields["mesh"] = _parse_mesh(args.mesh)
+    fields["mesh"] = parse_mesh(args.mesh)
   fields["remat"] = args.remat
   return {k: v for k, v in fields.items() if v is not None}
 
@@ -67,10 +59,11 @@ def report(table: str, plan) -> int:
 
 def run_decode_plan(args: argparse.Namespace) -> int:
   """A decode config (`"kind": "decode"`): per-chip weights, pool and activations of sharded decoding."""
+  from pasta_jax.model.mesh import parse_mesh
   from pasta_jax.training.decode_plan import decode_plan, format_decode_plan, load_decode_config
   config = load_decode_config(args.config)
   if args.mesh:
     import dataclasses
-    config = dataclasses.replace(config, mesh=_parse_mesh(args.mesh))
+    config = dataclasses.replace(config, mesh=parse_mesh(args.mesh).shape)
   plan = decode_plan(config)
   return report(format_decode_plan(plan), plan)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from pasta_jax.commands.method_flags import add_option_flags, apply_to_all
 from pasta_jax.errors import PastaError
+from pasta_jax.methods.registry import names
 
 
 def add_serve_parser(subparsers) -> None:
@@ -15,7 +17,6 @@ def add_serve_parser(subparsers) -> None:
   serve.add_argument("--port", type=int, default=8000)
   serve.add_argument("--batch", type=int, default=8, help="rows per method batch (requests decoded together)")
   serve.add_argument("--pool", type=int, default=1024, help="KV slots per row: prompt + answer, tags included")
-  serve.add_argument("--lanes", type=int, default=8, help="PASTA / APAR lanes per request")
   serve.add_argument("--chunk", type=int, default=8, help="decode steps per device call between host visits")
   serve.add_argument("--first-chunk", type=int, default=2,
                      help="steps of a batch's chunk right after an admission (newcomers' first text streams sooner)")
@@ -31,16 +32,10 @@ def add_serve_parser(subparsers) -> None:
   serve.add_argument("--grace", type=float, default=10.0,
                      help="seconds running requests may finish after SIGTERM before they are cut")
   serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-  serve.add_argument("--heads", default=None, help="Medusa heads folder for method medusa (default: the model's)")
-  serve.add_argument("--tree-size", type=int, default=None,
-                     help="Medusa's fixed tree size, ProPD's largest (default: 16 for medusa, 8 for propd: "
-                          "a served ProPD times every size of its tree online)")
   serve.add_argument("--certify-head", action="store_true",
                      help="greedy requests choose from a narrow head copy (int8 on a CPU) certified against the "
                           "float32 head: the same tokens, a cheaper step where the head plan says (float32 only)")
-  serve.add_argument("--drafts", type=int, default=3, help="Superposed Decoding's k (a request's n takes the best n)")
-  serve.add_argument("--ngram", default="default",
-                     help="Superposed Decoding's n-gram index folder ('default': `pasta ngram build`'s; 'none': off)")
+  add_option_flags(serve)  # each sets that option of every served method that has it
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -49,11 +44,11 @@ def run_serve(args: argparse.Namespace) -> int:
   from pasta_jax.serve.engine import Engine, ServeConfig
 
   try:
-    cfg = ServeConfig(batch=args.batch, pool_slots=args.pool, lanes=args.lanes, chunk_steps=args.chunk,
+    methods = tuple(apply_to_all(names(serve=True), args).values())
+    cfg = ServeConfig(batch=args.batch, pool_slots=args.pool, chunk_steps=args.chunk,
                       first_chunk_steps=args.first_chunk, chunk_seconds=args.chunk_seconds,
-                      max_queue=args.max_queue, max_tokens=args.max_tokens,
-                      dtype=args.dtype, heads=args.heads, tree_size=args.tree_size, drafts=args.drafts,
-                      ngram=None if args.ngram == "none" else args.ngram, certify_head=args.certify_head)
+                      max_queue=args.max_queue, max_tokens=args.max_tokens, dtype=args.dtype, methods=methods,
+                      certify_head=args.certify_head)
   except ValueError as err:
     raise PastaError(str(err)) from None
   model = load_model(args.model)
@@ -63,6 +58,9 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"pasta serve: a request that leaves them unset gets this model's {GENERATION_FILE}: {said}", flush=True)
   engine = Engine(model, cfg).start()
   methods = [] if args.warmup == "none" else [m.strip() for m in args.warmup.split(",") if m.strip()]
+  for method in methods:
+    if method not in names(serve=True):
+      raise PastaError(f"--warmup: unknown or unserved method {method!r}; use one of {', '.join(names(serve=True))}")
   if methods:
     print(f"pasta serve: compiling {', '.join(methods)} (batch {cfg.batch}, pool {cfg.pool_slots}) ...", flush=True)
     engine.warm_up(methods, prompt_tokens=args.warmup_prompt)

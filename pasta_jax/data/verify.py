@@ -49,7 +49,7 @@ def _argmax_fn(config):
 
   @jax.jit
   def run(params, tokens, positions, mask):
-    logits, _ = apply(params, tokens[None], positions[None], mask[None], None, None, None)
+    logits = apply(params, tokens[None], positions[None], mask[None]).logits
     return jnp.argmax(logits[0], axis=-1)
 
   return run

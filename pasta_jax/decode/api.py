@@ -1,14 +1,6 @@
-"""The public decode API: `generate(model, prompts, method=...)` -> one `Result` per prompt.
-
-One entry for every method the interpreter runs: "pasta" (PASTA-LANG tags fork threads), "apar"
-(APAR's fork/child tokens), "sot" (Skeleton-of-Thought's point fan-out: give the point prompts
-as `scripts`; the skeleton stage is `pasta_jax.baselines.sot`), "sequential" (plain decoding, one
-lane) and "superposed" (Superposed Decoding: k drafts from one decode). It tokenizes (Gemma chat
-turns by default), sizes a bucketed pool, runs the jitted loop (`loop.prefill_and_run`,
-`step.decode_step` with the method's rules) and turns the records into text, the tagged text, a trace
-and speed metrics (`result.py`). `forced_answers` replays given
-answers (promise form, or APAR's text form for "apar") instead of sampling; `stream` returns the
-results so far after each chunk of steps, the loop staying on device in between.
+"""The decode core's run plumbing: the model function, params in the decode layout, a prepared run, the compiled
+loop and its results. The public decode API (`generate`, `stream`) is `pasta_jax.methods`: a method value says
+which rules, lanes and result a run takes, and this module runs it.
 
 Compiles are rare by construction: one Gemma module per (config, dtype) keeps `model_fn` stable (a
 jit static argument), prompts and the pool are bucketed to powers of two, and forced scripts are
@@ -23,7 +15,7 @@ import collections
 import dataclasses
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,28 +25,9 @@ from pasta_jax.decode import certified_head, loop
 from pasta_jax.decode.apar_text import encode_apar_text
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import RunOutput, bucket, pool_size
-from pasta_jax.decode.reference.scoped import run_scoped_reference
-from pasta_jax.decode.result import (
-  PastaResult,
-  Result,
-  ThreadTrace,
-  content_ids,
-  drafts_result,
-  pasta_result,
-  scoped_result,
-  tree_result,
-)
-from pasta_jax.decode.rules import (
-    AparRules,
-    MedusaRules,
-    PastaRules,
-    PastaTreeRules,
-    Rules,
-    ScopedRules,
-    SequentialRules,
-    SotRules,
-    SuperposedRules,
-)
+from pasta_jax.decode.result import PastaResult, Result, ThreadTrace, content_ids, pasta_result
+from pasta_jax.decode.rules import PastaRules, Rules
+from pasta_jax.decode.runtime import Runtime
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.sharding import DecodeSharding
 from pasta_jax.decode.state import PositionMode
@@ -65,40 +38,16 @@ from pasta_jax.lang import scoped
 from pasta_jax.lang import tokens as tok
 from pasta_jax.lang.layout import answer_for_mode
 from pasta_jax.lang.tags import TagVocab, tag_vocab_for
-from pasta_jax.model import thread_attention
 from pasta_jax.model.head_plan import HeadPlan, describe
 from pasta_jax.model.head_timing import measured_plan
 from pasta_jax.model.kv_rows import defer_by_default
 
-__all__ = ["GREEDY", "METHODS", "LangTokenizer", "PastaResult", "Result", "ThreadTrace", "chat_text", "content_ids",
-           "generate", "generate_ids", "prompt_ids", "stream",
-           "stream_ids"]
+__all__ = ["GREEDY", "LangTokenizer", "PastaResult", "Prepared", "Result", "Runtime", "ThreadTrace", "chat_text",
+           "content_ids", "prepare", "prompt_ids", "run_prepared", "stream_prepared", "to_result"]
 
 GREEDY = SamplingConfig()  # frozen: safe as a default argument
-METHODS = ("pasta", "pasta-v0", "apar", "sot", "sequential", "superposed", "medusa", "propd", "pasta+medusa")
-TREE_METHODS = ("medusa", "propd", "pasta+medusa")
+DEFAULT_RUNTIME = Runtime()
 PASTA = PastaRules()
-
-
-def rules_for(method: str, *, max_depth: int = 3, fan_out: int = 1, ignore_eos: bool = False, drafts: int = 3,
-              ngram_weight: float = 0.0) -> Rules:
-  """The rule object of a method name (decode/rules/)."""
-  if method == "superposed":
-    return SuperposedRules(drafts=drafts, ngram_weight=ngram_weight)
-  if method == "pasta":
-    return PastaRules()
-  if method == "pasta-v0":
-    return ScopedRules(max_depth=max_depth)
-  if method == "apar":
-    return AparRules(max_depth=max_depth)
-  if method == "sot":
-    return SotRules(initial_threads=fan_out)
-  if method == "sequential":
-    return SequentialRules(ignore_eos=ignore_eos)
-  if method in TREE_METHODS:
-    raise PastaError(f"method {method!r} needs Medusa heads: use prepare_method / generate (heads=...)")
-  raise PastaError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
-
 
 # --- model plumbing ----------------------------------------------------------------------------------
 def model_fn(config, dtype, attention: str = "xla", head_dtype: str | None = None) -> callable:
@@ -217,16 +166,13 @@ def scripts_from_ids(ids: Sequence[int], vocab: TagVocab) -> list[list[int]]:
 def scoped_scripts(answer: str, tokenizer: LangTokenizer, vocab: TagVocab, lanes: int, max_threads: int,
                    max_depth: int, where: str = "") -> list[list[int]]:
   """Scoped text form -> per-thread scripts by thread id. Thread ids follow the spawn order, which depends on
-  timing, so a schedule-only run of the reference interpreter (no model: forced tokens need none) assigns them
-  with the same lanes and thread ids as the jitted run."""
+  the lanes free at each step (`lang.scoped.scripts_by_thread` schedules them as the interpreter does)."""
   try:
     items = scoped.parse(answer, max_depth)
   except TagError as err:
     raise TagError(f"{where}{err}") from None
   script = scoped.answer_script(scoped.encode(items, tokenizer.encode, vocab), vocab)
-  run = run_scoped_reference(None, None, [[0]], vocab, lanes=lanes, max_threads=max_threads, pool_slots=2**30,
-                             max_steps=2**30, sampling=GREEDY, scripts=[script], max_depth=max_depth)[0]
-  return run.scripts_by_thread
+  return scoped.scripts_by_thread(script, vocab, lanes, max_threads)
 
 
 def apar_scripts(answer: str, tokenizer: LangTokenizer, vocab: TagVocab, lanes: int, max_threads: int,
@@ -234,6 +180,7 @@ def apar_scripts(answer: str, tokenizer: LangTokenizer, vocab: TagVocab, lanes: 
   """APAR text form -> per-thread scripts (tree.thread_scripts: main first, children in spawn order)."""
   return tree.thread_scripts(tree.parse_tree(encode_apar_text(answer, tokenizer, vocab, where), vocab), vocab, lanes,
                              max_threads)
+
 
 
 # --- preparation and the run -------------------------------------------------------------------------
@@ -253,6 +200,9 @@ class Prepared:
   forced: bool
   vocab: TagVocab
   rule_inputs: object = None  # read-only device arrays of the rules (Superposed Decoding's n-gram index)
+  # (run, seconds, tokenizer, vocab, method name) -> Result: the method's own form of answer (`result.py`)
+  build_result: Callable[..., Result] = pasta_result
+  method: str = "pasta"  # the name its results carry
 
 
 def pad_scripts(scripts, batch: int, max_threads: int, length: int):
@@ -263,34 +213,26 @@ def pad_scripts(scripts, batch: int, max_threads: int, length: int):
   return np.pad(script, ((0, 0), (0, 0), (0, length - script.shape[-1]))), script_len
 
 
-def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params=None,
-            max_new_tokens: int = 256, lanes: int = 8, max_threads: int = 64, sampling: SamplingConfig = GREEDY,
-            position_mode: PositionMode = "pred", dtype=jnp.float32, scripts=None, record_logits: bool = False,
-            lane_buckets: bool = True, rule_inputs=None, mesh=None, attention: str = "xla",
-            head_dtype: str | None = None, certify_head: bool = False, pool_tokens: int | None = None,
-            defer_kv_writes: bool | None = None) -> Prepared:
+def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, max_new_tokens: int = 256, lanes: int = 8,
+            max_threads: int = 64, sampling: SamplingConfig = GREEDY, position_mode: PositionMode = "pred",
+            scripts=None, record_logits: bool = False, runtime: Runtime = DEFAULT_RUNTIME, rule_inputs=None,
+            build_result: Callable[..., Result] = pasta_result, lane_buckets: bool = True,
+            pool_tokens: int | None = None, defer_kv_writes: bool | None = None) -> Prepared:
   """Pads prompts (and scripts) and sizes the pool and step budget for `ids` (prompt token ids).
 
   max_new_tokens: in free decoding, the content-token budget of each answer (its text tokens, whatever
   the parallelism; tags and topics are not counted): a request is cut once it has written that many,
   and the pool holds them plus a margin for tags (loop.POOL_MARGIN). Forced scripts replay whole.
 
-  params: training-layout params (default `model.params`); they are converted (and cached) by `decode_params`.
-  mesh: a (data, fsdp, tensor) `jax.sharding.Mesh` to decode on (decode/sharding.py); None: one device.
-  attention: "xla" (default) or "pallas": attention read from the thread metadata by a kernel (on CPU it runs in
-  interpret mode: correct and slow, for tests).
-  head_dtype: the output head in a narrower float dtype, float32 accumulation (`check_head_dtype`); None: `dtype`.
-  certify_head: greedy choices certified against the float32 head at the narrow head's cost (head_dtype, default
-  `narrow_head_dtype`'s; decode/certified_head.py): the float32 model's tokens, faster on a CPU for 2-3 rows.
+  runtime: the model's dtype, mesh, attention and output head (`decode.runtime.Runtime`).
   pool_tokens: size the pool for this many new tokens, not max_new_tokens (when larger): a short run then steps
   in the pool of a longer one, as ProPD's step-time calibration needs (`decode.latency`).
   defer_kv_writes: `InterpreterConfig.defer_kv_writes`: whether the model's new K/V rows are written after the
   lane-count switch (True) or inside it (False); None: the backend's choice (deferred on a CPU only), resolved
   here so that the compiled programs' cache keys say which.
   """
-  head_dtype = check_head_dtype(narrow_head_dtype(head_dtype, certify_head), dtype, certify_head)
-  if attention not in thread_attention.CHOICES:
-    raise PastaError(f"attention must be one of {', '.join(thread_attention.CHOICES)}, got {attention!r}")
+  dtype, certify = jnp.dtype(runtime.dtype), runtime.certify_head
+  head_dtype = check_head_dtype(narrow_head_dtype(runtime.head_dtype, certify), dtype, certify)
   if max_new_tokens < 1:
     raise PastaError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
   if lanes < 1:
@@ -314,8 +256,9 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
     cfg = InterpreterConfig(vocab=vocab, lanes=lanes, max_threads=max_threads, pool_slots=slots, max_steps=steps,
                             max_content=content_budget,
                             sampling=sampling, position_mode=position_mode, rules=rules, record_logits=record_logits,
-                            lane_buckets=lane_buckets, sharding=None if mesh is None else DecodeSharding(mesh),
-                            certify_head=certify_head, final_softcap=model.config.final_logit_softcap,
+                            lane_buckets=lane_buckets,
+                            sharding=None if runtime.mesh is None else DecodeSharding(runtime.mesh),
+                            certify_head=certify, final_softcap=model.config.final_logit_softcap,
                             head_plan=head_plan(model.config, dtype, head_dtype),
                             defer_kv_writes=defer_by_default() if defer_kv_writes is None else defer_kv_writes)
   except ValueError as err:
@@ -323,11 +266,11 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, params
   loop.check_runnable(cfg, forced=scripts is not None)
   tokens, lengths = loop.pad_prompts(ids, slots)
   script, script_len = pad_scripts(scripts, len(ids), max_threads, slots)
-  converted = decode_params(model.params if params is None else params, dtype, cfg.sharding, head_dtype)
-  return Prepared(cfg, model_fn(model.config, jnp.dtype(dtype), attention, head_dtype), converted,
+  converted = decode_params(model.params, dtype, cfg.sharding, head_dtype)
+  return Prepared(cfg, model_fn(model.config, dtype, runtime.attention, head_dtype), converted,
                   model.config.vocab_size,
                   pool_spec(model.config, dtype), tokens, lengths, script, script_len, scripts is not None, vocab,
-                  rules.bind_inputs(rule_inputs, converted))
+                  rules.bind_inputs(rule_inputs, converted), build_result, rules.name)
 
 
 class CompileCache:
@@ -381,206 +324,16 @@ def run_prepared(prep: Prepared, runner=loop.prefill_and_run) -> tuple[list[RunO
 
 
 def to_result(run: RunOutput, seconds: float, tokenizer: LangTokenizer, prep: Prepared) -> Result:
-  rules = prep.cfg.rules
-  build = tree_result if isinstance(rules, AparRules) else drafts_result if isinstance(rules, SuperposedRules) \
-      else scoped_result if isinstance(rules, ScopedRules) else pasta_result
-  result = build(run, seconds, tokenizer, prep.vocab, prep.cfg.rules.name)
-  if isinstance(rules, (MedusaRules, PastaTreeRules)):
-    result = dataclasses.replace(result, speculation=run.rule_outputs)
-  return result
+  """A run's records as its method's `Result` (`Prepared.build_result`)."""
+  return prep.build_result(run, seconds, tokenizer, prep.vocab, prep.method)
 
 
-# --- the API -----------------------------------------------------------------------------------------
-def prepare_method(model, ids: Sequence[Sequence[int]], *, method: str = "pasta", forced_answers=None, scripts=None,
-                   lanes: int = 8, max_threads: int = 64, max_depth: int = 3, return_logits: bool = False,
-                   ignore_eos: bool = False, drafts: int | None = None, ngram="default", **kw) -> Prepared:
-  """`prepare` for a method name, with its forced answers (or raw per-thread `scripts`) turned into scripts.
-  drafts, ngram: Superposed Decoding's k (default 3) and n-gram index (`superposed_index`)."""
-  if model.tokenizer is None:
-    raise PastaError(f"this model has no tokenizer; {method} decoding needs one for its tags and end ids")
-  if drafts is not None and method != "superposed":
-    raise PastaError(f"drafts is for method='superposed', not {method!r}")
-  if kw.get("sampling", GREEDY).distinct_topics and method in ("pasta+medusa", "pasta-v0"):
-    raise PastaError(f"distinct_topics is PASTA's flat-promise rule; method={method!r} does not implement it "
-                     "(methods without promises ignore it)")
-  if method in TREE_METHODS:
-    return prepare_tree(model, ids, method, forced=forced_answers is not None or scripts is not None,
-                        return_logits=return_logits, ignore_eos=ignore_eos, lanes=lanes, max_threads=max_threads,
-                        **kw)
-  if method in ("sequential", "superposed"):
-    lanes = max_threads = 1
-  index = superposed_index(ngram) if method == "superposed" else None
-  if method == "superposed" and (forced_answers is not None or scripts is not None):
-    raise PastaError("method='superposed' searches its own drafts: it replays no forced answers")
-  if forced_answers is not None:
-    if scripts is not None:
-      raise PastaError("give forced_answers or scripts, not both")
-    if len(forced_answers) != len(ids):
-      raise PastaError(f"got {len(forced_answers)} forced answers for {len(ids)} prompts")
-    mode = kw.get("position_mode", "pred")
-    vocab, lang = tag_vocab_for(model.tokenizer, mode), LangTokenizer(model.tokenizer)
-    if method in ("apar", "sot"):
-      scripts = [apar_scripts(a, lang, vocab, lanes, max_threads, f"forced answer {i}: ")
-                 for i, a in enumerate(forced_answers)]
-    elif method == "pasta-v0":
-      scripts = [scoped_scripts(a, lang, vocab, lanes, max_threads, max_depth, f"forced answer {i}: ")
-                 for i, a in enumerate(forced_answers)]
-    else:
-      scripts = [forced_scripts(a, lang, vocab, f"forced answer {i}: ", mode) for i, a in enumerate(forced_answers)]
-  if method == "sequential" and scripts is not None and any(len(s) > 1 for s in scripts):
-    raise PastaError("method='sequential' replays tag-free answers; this one has blocks (use method='pasta')")
-  fan_out = len(scripts[0]) if method == "sot" and scripts else 1
-  if method == "sot" and (scripts is None or len({len(s) for s in scripts}) != 1):
-    raise PastaError("method='sot' expands points: give each prompt the same number of point prompts as `scripts` "
-                     "(pasta_jax.baselines.sot builds them from a skeleton)")
-  if kw.get("certify_head") and method == "superposed":
-    raise PastaError("certify_head certifies greedy argmax choices; method='superposed' reads its drafts' "
-                     "probabilities from the logits")
-  if ignore_eos and method != "sequential":
-    raise PastaError("ignore_eos is for method='sequential' (a tagged method ends its threads with end ids)")
-  rules = rules_for(method, max_depth=max_depth, fan_out=fan_out, ignore_eos=ignore_eos, drafts=drafts or 3,
-                    ngram_weight=0.0 if index is None else SuperposedRules.ngram_weight)
-  return prepare(model, ids, rules=rules, scripts=scripts, lanes=lanes, max_threads=max_threads,
-                 record_logits=return_logits, rule_inputs=None if index is None else index.device_arrays(), **kw)
-
-
-def prepare_tree(model, ids, method: str, *, forced: bool, return_logits: bool, ignore_eos: bool, lanes: int,
-                 max_threads: int, heads=None, tree_size: int | None = None, choices=None, acceptance: str = "greedy",
-                 latency=None, prune=None, **kw) -> Prepared:
-  """Medusa (fixed tree) or ProPD (dynamic tree size, early pruning) on the model's Medusa heads; "pasta+medusa":
-  PASTA with a tree on each of its `lanes` thread lanes."""
-  from pasta_jax.decode.speculation import (
-      default_tree_size,
-      early_prune,
-      load_drafter,
-      pasta_tree_rules,
-      rules_and_inputs,
-  )
-  if forced:
-    raise PastaError(f"method={method!r} speculates on the model's own tokens: it replays no forced answers")
-  if kw.get("certify_head") and acceptance != "greedy":
-    raise PastaError("certify_head certifies greedy choices; typical acceptance reads probabilities from the logits")
-  drafter = load_drafter(model, heads)
-  size = tree_size or default_tree_size(method)
-  if method == "pasta+medusa":
-    if acceptance != "greedy" or latency is not None or prune not in (None, False) or ignore_eos:
-      raise PastaError("method='pasta+medusa' accepts greedily, on a fixed tree: acceptance, latency, prune and "
-                       "ignore_eos are for medusa / propd")
-    rules, inputs = pasta_tree_rules(drafter, tree_size=size, thread_lanes=lanes, threads=max_threads,
-                                     choices=choices, softcap=model.config.final_logit_softcap)
-    return prepare(model, ids, rules=rules, lanes=rules.thread_lanes * rules.tree.size,
-                   max_threads=max_threads + rules.node_lanes, record_logits=return_logits, rule_inputs=inputs, **kw)
-  if method == "propd" and size == 1:  # the root alone every step: plain decoding (`speculation.tree_pays`)
-    return prepare(model, ids, rules=SequentialRules(ignore_eos=ignore_eos), lanes=1, max_threads=1,
-                   record_logits=return_logits, **kw)
-  pruning = early_prune(method, prune, drafter)
-  rules, inputs = rules_and_inputs(drafter, tree_size=size, dynamic=method == "propd", acceptance=acceptance,
-                                   latency=latency, choices=choices, prune=pruning)
-  rules = dataclasses.replace(rules, ignore_eos=ignore_eos, softcap=model.config.final_logit_softcap)
-  return prepare(model, ids, rules=rules, lanes=rules.tree.size, max_threads=rules.tree.size,
-                 record_logits=return_logits, rule_inputs=inputs, **kw)
-
-
-def superposed_index(ngram):
-  """Superposed Decoding's n-gram index: None (smoothing off), an `NgramIndex`, a folder, or "default"
-  (`ngram.default_index_dir()`, which `pasta ngram build` and `pasta generate --method superposed` fill)."""
-  from pasta_jax.decode.ngram import NgramIndex, default_index_dir
-  if ngram is None or isinstance(ngram, NgramIndex):
-    return ngram
-  return _load_index(str(default_index_dir() if ngram == "default" else ngram))
-
-
-@functools.lru_cache(maxsize=2)
-def _load_index(folder: str):
-  from pasta_jax.decode.ngram import NgramIndex
-  try:
-    return NgramIndex.load(folder)
-  except (FileNotFoundError, ValueError) as err:
-    raise PastaError(str(err)) from None
-
-
-def generate_ids(model, ids: Sequence[Sequence[int]], *, method: str = "pasta", **kw) -> list[Result]:
-  """`generate` on prompt token ids (BOS and chat turns already in). Also takes `params` (training-layout
-  params overriding model.params) and `scripts` (per request, per thread token ids to force)."""
-  prep = prepare_method(model, ids, method=method, **kw)
-  runs, seconds = run_prepared(prep)
-  lang = LangTokenizer(model.tokenizer)
-  return [to_result(r, seconds, lang, prep) for r in runs]
-
-
-def generate(model, prompts: Sequence[str], *, method: str = "pasta", max_new_tokens: int = 256, lanes: int = 8,
-             max_threads: int = 64, sampling: SamplingConfig = GREEDY, chat: bool = True,
-             position_mode: PositionMode = "pred", dtype=jnp.float32, forced_answers: Sequence[str] | None = None,
-             max_depth: int = 3, return_logits: bool = False, params=None, drafts: int | None = None,
-             ngram="default", mesh=None, attention: str = "xla", heads=None, tree_size: int | None = None,
-             acceptance: str = "greedy", latency=None, prune=None, head_dtype: str | None = None,
-             certify_head: bool = False) -> list[Result]:
-  """Decodes each prompt (a batch; requests never interact) with `method` through the one interpreter.
-
-  method: "pasta", "apar", "sequential" ("sot" needs point prompts: `generate_ids(..., scripts=...)`, or
-  `pasta_jax.baselines.sot.SkeletonOfThought` for the whole two-stage method).
-  method "pasta-v0": the earlier paper's scoped form (`<scope>`, `<promise/>`; lang/scoped.py).
-  forced_answers: one per prompt, replayed instead of sampled (promise form; APAR's text form for "apar"; the
-  scoped form for "pasta-v0");
-  a malformed one raises TagError naming the place. Their length overrides max_new_tokens.
-  return_logits: keep the logits behind every recorded token (`Result.logits`, [N, V]).
-  max_depth: APAR's fork depth limit (main = 0); for "pasta-v0", the limit of scope and of fork nesting.
-  drafts, ngram: method "superposed" (Superposed Decoding): k drafts (default 3; `Result.drafts`, best
-  first) and the n-gram index that smooths them ("default": the training pools' index, which
-  `pasta ngram build` writes; a folder; an `NgramIndex`; None: no smoothing). max_new_tokens is the drafts' length.
-  attention: "xla" (default) or "pallas" (the attention kernel over the thread metadata).
-  heads, tree_size, acceptance, latency: methods "medusa" (token-tree speculation; greedy acceptance is lossless)
-  and "propd" (its dynamic tree size): the Medusa heads (a folder, a `speculation.Drafter`, or None for the
-  model's shipped ones), the tree's nodes (16 / 64), "greedy" or "typical", and ProPD's step-time model
-  ((alpha, beta) seconds, or a {size: seconds} table; `decode.latency.calibrate_latency` measures both).
-  prune: early pruning of the tree (`decode.rules.pruning.EarlyPrune`; None: for "propd", top 50 at the layer
-  of the heads' trained early head when they have one, else none; none for "medusa"; False: off).
-  `Result.speculation` has the accepted length per step, per-head hit rates and the tree sizes chosen.
-  head_dtype: the output head in a narrower float dtype such as "bfloat16" (float32 accumulation; `check_head_dtype`):
-  faster on a CPU for several rows a step, and greedy tokens may change where the top two logits nearly tie.
-  certify_head: the narrow head's speed and the float32 head's greedy tokens (decode/certified_head.py; head_dtype
-  "bfloat16" or "int8", default `narrow_head_dtype`'s): greedy decoding only, without return_logits.
-  method "pasta+medusa" (PASTA x trees): PASTA on `lanes` thread lanes, every live thread with its own `tree_size`-node
-  tree (default 4) from `heads`, greedy; the answer is PASTA's (`Result.speculation`: tokens per thread per tree step).
-  """
-  if model.tokenizer is None:
-    raise PastaError(f"this model has no tokenizer; {method} decoding needs one for its tags and end ids")
-  ids = prompt_ids(model.tokenizer, prompts, chat)
-  return generate_ids(model, ids, method=method, forced_answers=forced_answers, max_new_tokens=max_new_tokens,
-                      lanes=lanes, max_threads=max_threads, sampling=sampling, position_mode=position_mode,
-                      dtype=dtype, max_depth=max_depth, return_logits=return_logits, params=params,
-                      drafts=drafts, ngram=ngram, mesh=mesh, attention=attention, head_dtype=head_dtype,
-                      certify_head=certify_head, **tree_options(method, heads, tree_size, acceptance, latency, prune))
-
-
-def tree_options(method: str, heads, tree_size, acceptance: str, latency, prune=None) -> dict:
-  """The Medusa / ProPD options of `generate`, refused for the other methods."""
-  options = {"heads": heads, "tree_size": tree_size, "latency": latency, "prune": prune}
-  if method in TREE_METHODS:
-    return {**options, "acceptance": acceptance}
-  if any(v is not None for v in options.values()) or acceptance != "greedy":
-    raise PastaError(f"heads, tree_size, acceptance, latency and prune are for methods medusa and propd, "
-                     f"not {method!r}")
-  return {}
-
-
-def stream(model, prompts: Sequence[str], *, method: str = "pasta", chunk_steps: int = 16, chat: bool = True,
-           **kw) -> Iterator[list[Result]]:
-  """`generate`, yielding every request's result so far after prefill and after each chunk of
-  `chunk_steps` steps (the loop state stays on device between chunks). The last yield is final."""
-  if model.tokenizer is None:
-    raise PastaError(f"this model has no tokenizer; {method} decoding needs one for its tags and end ids")
-  return stream_ids(model, prompt_ids(model.tokenizer, prompts, chat), method=method, chunk_steps=chunk_steps, **kw)
-
-
-def stream_ids(model, ids: Sequence[Sequence[int]], *, method: str = "pasta", chunk_steps: int = 16,
-               **kw) -> Iterator[list[Result]]:
-  """`stream` on prompt token ids."""
+def stream_prepared(prep: Prepared, lang: LangTokenizer, chunk_steps: int) -> Iterator[list[Result]]:
+  """Every request's result so far after prefill and after each chunk of `chunk_steps` steps (the loop state
+  stays on device between chunks). The last yield is final."""
   if chunk_steps < 1:
     raise PastaError(f"chunk_steps must be at least 1, got {chunk_steps}")
-  prep = prepare_method(model, ids, method=method, **kw)
   cfg = loop.static_config(prep.cfg)
-  lang = LangTokenizer(model.tokenizer)
   run = dict(cfg=cfg, forced=prep.forced, vocab_size=prep.vocab_size)
   begin = time.perf_counter()
   state = loop.start(prep.model_fn, *dynamic_args(prep), pool_spec=prep.pool_spec, **run)

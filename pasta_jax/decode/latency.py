@@ -9,6 +9,7 @@ sizes by least squares, reported, and the table with `latency_model="line"` (`sp
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -19,6 +20,7 @@ from pasta_jax.decode.speculation import (
     Drafter,
     check_latency_model,
     compiled_size,
+    early_prune,
     rules_and_inputs,
     step_times,
     tree_pays,
@@ -27,7 +29,7 @@ from pasta_jax.decode.speculation import (
 
 def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_TREE, steps: int = 16,
                       repeats: int = 2, run_tokens: int | None = None, latency_model: str = "buckets",
-                      **prepare_kw) -> dict:
+                      prune=None, **prepare_kw) -> dict:
   """Times the ProPD loop with its size pinned to each candidate size (latency 1 there, 1e9 elsewhere: the
   same compiled program) on `ids` (the batch size matters); returns sizes, per-step seconds, the fit of the
   tree sizes, the table ProPD takes (`latency=...["table"]`) and the tree size to compile ProPD with
@@ -47,13 +49,14 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
   program the table was timed in."""
   check_latency_model(latency_model)  # before minutes of timing, not after
   prepare_kw = {**prepare_kw, "pool_tokens": max(run_tokens or 0, 2 * steps)}
-  sizes, per_step = _time_sizes(model, ids, drafter, tree_size, steps, repeats, prepare_kw)
+  pruning = early_prune(True, prune, drafter)  # ProPD's (`Propd.prune`): timed as it will run
+  sizes, per_step = _time_sizes(model, ids, drafter, tree_size, steps, repeats, pruning, prepare_kw)
   table, (alpha, beta) = step_times(sizes, per_step, latency_model)
   compiled = compiled_size(drafter.tree(tree_size), table, drafter.hit_rates)  # the tree rules_and_inputs builds
   first_pass = None
   if compiled < tree_size:
     first_pass = {"tree_size": tree_size, "sizes": sizes, "seconds": per_step, "table": table}
-    sizes, per_step = _time_sizes(model, ids, drafter, compiled, steps, repeats, prepare_kw)
+    sizes, per_step = _time_sizes(model, ids, drafter, compiled, steps, repeats, pruning, prepare_kw)
     table, (alpha, beta) = step_times(sizes, per_step, latency_model)
   pays = tree_pays(drafter.tree(compiled), table, drafter.hit_rates)
   return {"sizes": sizes, "seconds": per_step, "alpha": alpha, "beta": beta, "table": table,
@@ -62,14 +65,14 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
           "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def _time_sizes(model, ids, drafter, tree_size, steps, repeats, prepare_kw) -> tuple[list[int], list[float]]:
+def _time_sizes(model, ids, drafter, tree_size, steps, repeats, pruning, prepare_kw) -> tuple[list[int], list[float]]:
   """(sizes, seconds per step at each) of the ProPD program compiled for a `tree_size`-node tree.
 
   The repeats run in rounds, each timing every size's short and long run once, and each run keeps its fastest
   round: a slow spell of a shared machine then costs every size one round, not all of one size's repeats (timed
   size by size, one bench run measured T(4) = 1.9 T(1) in one program and 1.1 T(1) in the other, minutes apart)."""
   rules, _ = rules_and_inputs(drafter, tree_size=tree_size, dynamic=True, latency=(1.0, 1.0))
-  preps = {(size, tokens): _pinned(model, ids, drafter, tree_size, size, rules.sizes, tokens, prepare_kw)
+  preps = {(size, tokens): _pinned(model, ids, drafter, tree_size, size, rules.sizes, tokens, pruning, prepare_kw)
            for size in rules.sizes for tokens in (steps, 2 * steps)}
   for tokens in (steps, 2 * steps):  # compile both programs (every pinned size runs the same two)
     api.run_prepared(preps[rules.sizes[0], tokens])
@@ -86,9 +89,11 @@ def _time_sizes(model, ids, drafter, tree_size, steps, repeats, prepare_kw) -> t
   return list(rules.sizes), per_step
 
 
-def _pinned(model, ids, drafter, tree_size, size, sizes, tokens, prepare_kw):
+def _pinned(model, ids, drafter, tree_size, size, sizes, tokens, pruning, prepare_kw):
   """The ProPD loop writing up to `tokens` tokens with its tree size pinned to `size` (latency 1 there, 1e9
   elsewhere: every size runs the same compiled program)."""
   pinned = {s: 1.0 if s == size else 1e9 for s in sizes}
-  return api.prepare_method(model, ids, method="propd", heads=drafter, tree_size=tree_size, latency=pinned,
-                            max_new_tokens=tokens, **prepare_kw)
+  rules, inputs = rules_and_inputs(drafter, tree_size=tree_size, dynamic=True, latency=pinned, prune=pruning)
+  rules = dataclasses.replace(rules, softcap=model.config.final_logit_softcap)
+  return api.prepare(model, ids, rules=rules, lanes=rules.tree.size, max_threads=rules.tree.size,
+                     rule_inputs=inputs, max_new_tokens=tokens, **prepare_kw)

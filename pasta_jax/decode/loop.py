@@ -18,7 +18,7 @@ import numpy as np
 
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.state import FREE, RUNNING, InterpState
-from pasta_jax.decode.step import ModelFn, choose_from_model, cut_at_budget, decode_step, is_content
+from pasta_jax.decode.step import ModelFn, choice_input, choose_from_model, cut_at_budget, decode_step, is_content
 from pasta_jax.errors import PastaError
 from pasta_jax.lang import schema
 from pasta_jax.model.gemma import KVPool
@@ -59,8 +59,9 @@ def prefill(model_fn: ModelFn, params, prompt_tokens, lengths, pool_slots: int, 
   prefill_slots = jnp.where(idx[None, :] < lengths[:, None], positions, pool_slots)
   # Only the last prompt row's logits are computed: [B, P, V] of them would cost P output heads.
   head = {"skip_head": True} if skip_head else {}
-  return model_fn(params, prompt_tokens, positions, mask, pool, prefill_slots, slot_idx,
-                  logit_rows=(lengths - 1)[:, None], **head)
+  out = model_fn(params, prompt_tokens, positions, mask, pool, prefill_slots, slot_idx,
+                 logit_rows=(lengths - 1)[:, None], **head)
+  return choice_input(out, skip_head), out.kv
 
 
 def init_state(pool: KVPool, prompt_tokens: jax.Array, lengths: jax.Array, first: jax.Array, script, script_len,

@@ -120,13 +120,13 @@ def model_on_rows(model_fn: ModelFn, params, state: NaiveState, plan: threads.Fe
   batch, lanes = plan.feed.shape
   rows, num_slots = batch * lanes, state.row_valid.shape[-1]
   mask = (state.row_valid & plan.feed[..., None]).reshape(rows, 1, num_slots)
-  logits, pool = model_fn(params, table.token.reshape(rows, 1), table.position.reshape(rows, 1), mask,
-                          state.pool, slots.reshape(rows, 1), state.row_pos.reshape(rows, num_slots))
-  logits = logits.reshape(batch, lanes, -1)  # [B, T, V]
+  out = model_fn(params, table.token.reshape(rows, 1), table.position.reshape(rows, 1), mask,
+                 state.pool, slots.reshape(rows, 1), state.row_pos.reshape(rows, num_slots))
+  logits = out.logits.reshape(batch, lanes, -1)  # [B, T, V]
   rows_lane = jnp.broadcast_to(jnp.arange(lanes, dtype=jnp.int32), (batch, lanes))
   sampled = jnp.where(plan.feed, choose_tokens(logits, rows_lane, plan.feed, table, cfg, forced)[1], -1)
   lane_logits = jnp.where(plan.feed[..., None], logits, 0.0) if cfg.record_logits else None
-  return sampled, lane_logits, pool
+  return sampled, lane_logits, out.kv
 
 
 def lanes_view(x: jax.Array, batch: int) -> jax.Array:
@@ -237,7 +237,7 @@ def init_naive(main_pool: KVPool, valid, table: InterpState, cfg: InterpreterCon
 
 
 @functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "forced", "vocab_size", "pool_spec"))
-def naive_prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, seed, *,
+def naive_prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, seed, rule_inputs=None, *,
                           cfg: InterpreterConfig, forced: bool, vocab_size: int, pool_spec: tuple):
   """Prefill main's rows, sample main's first token (step 0), then the whole loop on device.
   Returns the final thread table (an InterpState) for `loop.unpack`."""

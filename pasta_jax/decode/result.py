@@ -33,7 +33,7 @@ class ThreadTrace:
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-  """One request's answer and trace, for every method (`api.generate(method=...)`).
+  """One request's answer and trace, for every method (`pasta_jax.methods.generate`).
 
   PASTA and sequential answers are in promise form; APAR and SoT answers in APAR's text form, with
   `thread_texts` (each thread's own text) and `parents` (the thread tree)."""

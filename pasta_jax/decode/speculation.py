@@ -38,11 +38,6 @@ RATE_ROOM = 1.5
 PROPD_PRUNE = EarlyPrune()  # ProPD's early pruning as the paper runs it: top 50 (layer: the trained head's)
 
 
-def default_tree_size(method: str) -> int:
-  """ProPD's largest tree (it picks a prefix each step), Medusa's fixed tree, or each PASTA thread's tree."""
-  return {"propd": DEFAULT_TREE, "pasta+medusa": THREAD_TREE}.get(method, FIXED_TREE)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Drafter:
   heads: dict
@@ -80,13 +75,13 @@ def load_drafter(model, heads=None) -> Drafter:
   return Drafter(params, config, rates, str(folder), early_head, early_layer)
 
 
-def early_prune(method: str, prune, drafter: Drafter) -> EarlyPrune | None:
+def early_prune(dynamic: bool, prune, drafter: Drafter) -> EarlyPrune | None:
   """The early pruning a tree method runs. None -> the method's default: ProPD prunes at its trained early head's
   layer (top 50, as the paper) when the heads have one, else not (the untrained logit lens is useless on a shallow
   layer); Medusa does not prune (the paper adds it in ProPD). False -> none. An `EarlyPrune` -> as given, at the
   trained head's layer if there is one."""
   if prune is None:
-    if method != "propd" or drafter.early_head is None:
+    if not dynamic or drafter.early_head is None:
       return None
     return dataclasses.replace(PROPD_PRUNE, layer=drafter.early_layer)
   if prune is False:

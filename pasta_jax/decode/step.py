@@ -23,11 +23,13 @@ from pasta_jax.decode.sampling import first_max_index, penalize_repeats
 from pasta_jax.decode.state import CLOSING, InterpState
 from pasta_jax.model.gemma import KVPool
 from pasta_jax.model.kv_rows import FreshKV, defer_by_default, write_fresh
+from pasta_jax.model.output import ModelOutput
 from pasta_jax.visibility import HIDDEN, ThreadMask, visible
 
-# (params, tokens, positions, mask, pool, slots, kv_positions[, token_weights=, logit_rows=, defer_writes=])
-#   -> (logits, pool or, with defer_writes, the new K/V rows: model/kv_rows.FreshKV)
-ModelFn = Callable
+# (params, tokens, positions, mask, pool, slots, kv_positions, *, token_weights=, logit_rows=, defer_writes=,
+#  and the rules' model_extras) -> model/output.ModelOutput: logits (or head_input), kv: the pool written or, with
+#  defer_writes, the new K/V rows (model/kv_rows.FreshKV)
+ModelFn = Callable[..., ModelOutput]
 
 
 def seen_tokens(state: InterpState, rows_lane: jax.Array, vocab_size: int, vocab) -> jax.Array:
@@ -42,16 +44,18 @@ def seen_tokens(state: InterpState, rows_lane: jax.Array, vocab_size: int, vocab
   return seen.at[:, :, language_ids(vocab)].set(False, mode="drop")
 
 
-def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: InterpreterConfig, forced: bool, aux=None):
+def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: InterpreterConfig, forced: bool,
+                  model_out: ModelOutput | None = None):
   """The token of each query row: the rules' choice (`rules.select_tokens`), or the forced script's.
-  logits: [B, Q, V]; aux: what else the rules asked the model for (`rules.model_extras`; None at prefill).
+  logits: [B, Q, V]; model_out: the step's model output, its K/V left out, with what else the rules asked the
+  model for (`rules.model_extras`); None at prefill.
   A repetition penalty (`cfg.sampling`) first lowers the logits of what each row already sees.
   Returns (state, tokens [B, Q], [B, Q] rows that had a fork refused by a limit)."""
   if cfg.sampling.penalizes and (not forced or cfg.rules.sample_after_script):  # wherever the rules sample
     seen = seen_tokens(state, rows_lane, logits.shape[-1], cfg.vocab)
     logits = penalize_repeats(logits, seen, cfg.sampling.repetition_penalty)
   if not forced:
-    return cfg.rules.select_tokens(state, rows_lane, row_ok, logits, cfg, aux=aux)
+    return cfg.rules.select_tokens(state, rows_lane, row_ok, logits, cfg, model_out=model_out)
   b = jnp.arange(logits.shape[0])[:, None]
   thread = state.thread[b, rows_lane]
   ptr = state.script_ptr[b, thread]
@@ -59,7 +63,7 @@ def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: Interprete
   scripted = jnp.take_along_axis(state.script[b, thread], jnp.minimum(ptr, state.script.shape[-1] - 1)[..., None],
                                  axis=-1)[..., 0]
   if cfg.rules.sample_after_script:
-    state, sampled, refused = cfg.rules.select_tokens(state, rows_lane, row_ok, logits, cfg, aux=aux)
+    state, sampled, refused = cfg.rules.select_tokens(state, rows_lane, row_ok, logits, cfg, model_out=model_out)
     return state, jnp.where(scripted_now, scripted, sampled), refused & ~scripted_now
   forced_token = jnp.where(scripted_now, scripted, cfg.rules.script_end(rows_lane, cfg))
   # The model still runs: without a use of the logits XLA would drop the output head, and forced
@@ -68,31 +72,38 @@ def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: Interprete
   return state, jnp.where(model_choice < 0, model_choice, forced_token), jnp.zeros_like(forced_token, bool)
 
 
-def choose_from_model(params, head_input, rows_lane, row_ok, state: InterpState, cfg: InterpreterConfig,
-                      forced: bool, aux=None):
-  """`choose_tokens` on the model's first output: its logits [B, Q, V]; or, with `cfg.certify_head`, its
+def choice_input(out: ModelOutput, skip_head: bool) -> jax.Array:
+  """What choosing starts from: the logits [B, Q, V]; or, for a model called with skip_head (a certified head),
+  the final-normed hidden states [B, Q, D], whose head `choose_from_model` multiplies."""
+  return out.head_input if skip_head else out.logits
+
+
+def choose_from_model(params, from_model, rows_lane, row_ok, state: InterpState, cfg: InterpreterConfig,
+                      forced: bool, model_out: ModelOutput | None = None):
+  """`choose_tokens` on the model's `choice_input`: its logits [B, Q, V]; or, with `cfg.certify_head`, its
   final-normed hidden states [B, Q, D], whose head the step multiplies itself (decode/certified_head.py): the
   narrow head's mixed logits, and where a row's choice is not certified, every row again from the float32
   head (the same choice the float32 model makes). Returns (state, tokens [B, Q], refused [B, Q], logits)."""
   if not cfg.certify_head:
-    return (*choose_tokens(head_input, rows_lane, row_ok, state, cfg, forced, aux), head_input)
+    return (*choose_tokens(from_model, rows_lane, row_ok, state, cfg, forced, model_out), from_model)
   # Choosing never reads the KV pool; left in the state, the fallback's cond would copy it (tens of MB) each step.
   pool, state = state.pool, dataclasses.replace(state, pool=None)
-  state, tokens, refused, logits = _choose_certified(params, head_input, rows_lane, row_ok, state, cfg, forced, aux)
+  state, tokens, refused, logits = _choose_certified(params, from_model, rows_lane, row_ok, state, cfg, forced,
+                                                     model_out)
   return dataclasses.replace(state, pool=pool), tokens, refused, logits
 
 
-def _choose_certified(params, head_input, rows_lane, row_ok, state: InterpState, cfg: InterpreterConfig,
-                      forced: bool, aux):
+def _choose_certified(params, hidden, rows_lane, row_ok, state: InterpState, cfg: InterpreterConfig,
+                      forced: bool, model_out):
   """choose_from_model's certified head. Its logits out are None: they are bounds, and no one records them."""
   def again():
-    exact = certified_head.exact_logits(params, head_input, cfg.final_softcap, plan=cfg.head_plan)
-    return choose_tokens(exact, rows_lane, row_ok, state, cfg, forced, aux)
+    exact = certified_head.exact_logits(params, hidden, cfg.final_softcap, plan=cfg.head_plan)
+    return choose_tokens(exact, rows_lane, row_ok, state, cfg, forced, model_out)
 
   if forced and cfg.rules.sample_after_script:  # scripted rows would fail the certificate: plain float32
     return (*again(), None)
-  logits, ids = certified_head.head_logits(params, head_input, cfg.final_softcap, plan=cfg.head_plan)
-  chosen = choose_tokens(logits, rows_lane, row_ok, state, cfg, forced, aux)
+  logits, ids = certified_head.head_logits(params, hidden, cfg.final_softcap, plan=cfg.head_plan)
+  chosen = choose_tokens(logits, rows_lane, row_ok, state, cfg, forced, model_out)
   if forced or ids is None:  # the scripts choose (the head only has to run); or the float32 head chose
     return (*chosen, None)
   held = certified_head.certified_requests(chosen[1], ids, row_ok)  # [B]
@@ -119,18 +130,19 @@ def run_rows(model_fn: ModelFn, params, state: InterpState, feed, slots, cfg: In
   extras = cfg.rules.model_extras(state, cfg, num_q)  # e.g. Medusa: return_hidden, for its heads
   if cfg.certify_head:
     extras = {**extras, "skip_head": True}  # the step multiplies the head (choose_from_model)
-  head_input, kv_out, *aux = model_fn(params, tokens, state.position[b, rows_lane], mask, state.pool,
-                                      jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos,
-                                      defer_writes=defer, **mixed, **extras)
-  aux = None if not aux else aux[0] if len(aux) == 1 else tuple(aux)  # what model_extras asked for
-  state, chosen, refused, logits = choose_from_model(params, head_input, rows_lane, row_ok, state, cfg, forced, aux)
+  out = model_fn(params, tokens, state.position[b, rows_lane], mask, state.pool,
+                 jnp.where(row_ok, slots[b, rows_lane], cfg.pool_slots), state.slot_pos,
+                 defer_writes=defer, **mixed, **extras)
+  model_out = dataclasses.replace(out, kv=None)  # choosing never reads the K/V (nor should a cond carry them)
+  state, chosen, refused, logits = choose_from_model(params, choice_input(out, cfg.certify_head), rows_lane, row_ok,
+                                                     state, cfg, forced, model_out)
   scatter_lane = jnp.where(row_ok, rows_lane, cfg.lanes)  # padding rows are dropped
   sampled = jnp.full((batch, cfg.lanes), -1, jnp.int32).at[b, scatter_lane].set(chosen, mode="drop")
   refused = jnp.zeros((batch, cfg.lanes), bool).at[b, scatter_lane].set(refused, mode="drop")
   lane_logits = None
   if cfg.record_logits:
     lane_logits = jnp.zeros((batch, cfg.lanes, logits.shape[-1])).at[b, scatter_lane].set(logits, mode="drop")
-  kv_out = lane_rows(kv_out, scatter_lane, cfg) if defer else kv_out
+  kv_out = lane_rows(out.kv, scatter_lane, cfg) if defer else out.kv
   return sampled, refused, lane_logits, kv_out, (state.rule_state, state.head_fallbacks)
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from pasta_jax.model.gemma import KVPool, write_slots
 from pasta_jax.model.kv_rows import FreshKV
+from pasta_jax.model.output import ModelOutput
 from pasta_jax.visibility import ThreadMask
 
 
@@ -39,12 +40,13 @@ def toy_params(cfg: ToyConfig, tag_bias: dict[int, float], seed: int = 0) -> dic
   }
 
 
-def toy_apply(params, tokens, positions, mask, pool: KVPool | None = None, slots=None,
-              kv_positions=None, token_weights=None, logit_rows=None, return_hidden=False, defer_writes=False):
-  """Same contract as `Gemma.apply(params, ...)`: returns (logits [B, Q, V], pool), and with return_hidden the
-  rows' hidden states [B, Q, hd] (input row + attended context: what Medusa heads read). With token_weights
-  [B, Q, K], tokens are [B, Q, K] and each input row is their weighted mix. With defer_writes the new rows
-  (`kv_rows.FreshKV`) take the pool's place: it attends over its own written copy, which it drops."""
+def toy_apply(params, tokens, positions, mask, pool: KVPool | None = None, slots=None, kv_positions=None, *,
+              token_weights=None, logit_rows=None, defer_writes=False, return_hidden=False) -> ModelOutput:
+  """Same contract as `Gemma.apply(params, ...)` for the arguments it takes: a `ModelOutput` with logits
+  [B, R, V] and kv (the pool written, None without one), and with return_hidden head_input [B, R, hd], the rows'
+  hidden states (input row + attended context: what Medusa heads read). With token_weights [B, Q, K], tokens
+  are [B, Q, K] and each input row is their weighted mix. With defer_writes kv holds the new rows
+  (`kv_rows.FreshKV`): it attends over its own written copy of the pool, which it drops."""
   del kv_positions
   if isinstance(mask, ThreadMask):
     mask = mask.dense()
@@ -61,6 +63,8 @@ def toy_apply(params, tokens, positions, mask, pool: KVPool | None = None, slots
   weights = mask.astype(jnp.float32)
   context = jnp.einsum("bqs,bsd->bqd", weights, keys) / jnp.maximum(weights.sum(-1, keepdims=True), 1.0)
   logits = mix(params["table"][tokens]) + context @ params["readout"] + params["bias"]
+  hidden = rows + context if return_hidden else None
   if logit_rows is not None:
-    logits = jnp.take_along_axis(logits, logit_rows[..., None], axis=1)
-  return (logits, pool, rows + context) if return_hidden else (logits, pool)
+    take = lambda a: None if a is None else jnp.take_along_axis(a, logit_rows[..., None], axis=1)
+    logits, hidden = take(logits), take(hidden)
+  return ModelOutput(logits=logits, head_input=hidden, kv=pool)

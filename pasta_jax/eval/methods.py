@@ -1,33 +1,18 @@
 """Decoding methods that `pasta eval` compares, as a small registry.
 
 A method turns one prompt record into a `MethodOutput`. Every method here decodes through the one
-PASTA interpreter (`decode.api.generate`), greedy, batch 1, as the paper times both sides ("baseline
-model time divided by test model time, both using the PASTA-LANG interpreter"): the baseline is then
-measured on the same machinery, so realized speedup measures parallel decoding, not the interpreter's
-overhead over plain decoding (about 7% on CPU, `bench.interpreter`).
+PASTA interpreter (`pasta_jax.methods.generate`), greedy, batch 1, as the paper times both sides ("baseline
+model time divided by test model time, both using the PASTA-LANG interpreter").
 
-  sequential         the baseline: the model decodes freely; an untagged answer runs on one lane
-  pasta              the model decodes freely and its tags fork threads (a Pasta-SFT/BoN model)
-  pasta-forced       replays the structural annotation of the record's reference answer, truncated
-                     to --max-new-tokens; measured against its twin below, so realized speedup
-                     compares like with like (same text, same tokens, with and without tags)
-  sequential-forced  that twin: the same truncated answer without tags, replayed sequentially
-  superposed         Superposed Decoding (paper 002): 3 drafts from one decode, n-gram smoothed; the
-                     answer is the most probable draft
-  pasta-v0           the earlier paper's scoped mode: the model decodes freely, its `<scope>` and
-                     `<promise/>` tags fork threads (a model trained with `train.sft --objective scoped_sft`)
-  medusa             Medusa (paper 004's drafter): greedy token-tree speculation with the model's shipped Medusa
-                     heads, a 16-node tree; lossless, so the answer is the sequential one, faster or not
-  propd              ProPD: the same with its dynamic tree size (up to 64 nodes), latency calibrated at start
-  pasta+medusa       PASTA x trees: the model's forks run as threads and every live thread speculates with a
-                     4-node Medusa tree in the same step; lossless, so the answer is the pasta one
-  pasta-v0-forced    replays the earlier paper's structural annotation (lists are scopes, item elaborations
-                     async blocks) of the reference answer, truncated to --max-new-tokens, against its
-                     tag-free twin replayed through the same scoped interpreter (`sequential-forced-v0`)
+Every decoding method of the registry (`pasta_jax.methods.registry`) that decodes freely is an eval method of
+the same name (`sequential` is the baseline). Each that annotates reference answers (`Capabilities.annotates`)
+also gives `<name>-forced`: it replays the annotation of the record's reference answer, truncated to
+--max-new-tokens, against its tag-free twin (`Method.tag_free_twin`, replayed as `<twin>-forced`), so realized
+speedup compares like with like (same text, same tokens, with and without tags).
 
 A method's `reference` is what it is measured against: None means the run's baseline. Methods are
-named `name[:model_path]` (no path: the run's default model). The baselines (apar, apar-forced, sot,
-sot-router) live in pasta_jax/baselines/methods.py; `commands/eval_registry.py` lists every method by name.
+named `name[:model_path]` (no path: the run's default model). Skeleton-of-Thought's two stages (sot, sot-router,
+sot-forced) live in pasta_jax/baselines/methods.py; `commands/eval_registry.py` lists every method by name.
 """
 
 from __future__ import annotations
@@ -37,16 +22,13 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-import jax.numpy as jnp
-
 from pasta_jax.data.encode import record_prompt
-from pasta_jax.data.structural import annotate
-from pasta_jax.data.structural_scoped import annotate_scoped
 from pasta_jax.decode import api
+from pasta_jax.decode.runtime import Runtime
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.errors import PastaError, TagError
-from pasta_jax.lang import scoped
-from pasta_jax.lang.text import strip_tags
+from pasta_jax.methods import Method as DecodingMethod
+from pasta_jax.methods import Setup, generate, prepared, registry
 
 
 class MethodError(PastaError):
@@ -65,6 +47,15 @@ class DecodeSettings:
   distinct_topics: bool = False  # PASTA's main may not reuse a promise topic (decode.sampling)
   head_dtype: str | None = None  # the output head in a narrower dtype (api.check_head_dtype), for every method
   certify_head: bool = False  # greedy choices certified against the float32 head (decode/certified_head.py)
+
+  @property
+  def runtime(self) -> Runtime:
+    return Runtime(dtype=self.dtype, head_dtype=self.head_dtype, certify_head=self.certify_head)
+
+  def shared_options(self, method: DecodingMethod) -> DecodingMethod:
+    """`method` with the run's lanes, where it has lanes."""
+    has_lanes = any(f.name == "lanes" for f in method.options())
+    return dataclasses.replace(method, lanes=self.lanes) if has_lanes else method
 
   def identity(self) -> dict:
     """What makes two runs comparable; a setting added later is left out at its default, so older runs resume."""
@@ -116,12 +107,13 @@ class MethodSpec:
 
 # --- the interpreter methods -------------------------------------------------------------------------
 class InterpreterMethod:
-  """Greedy, batch-1 decoding through the interpreter: free, or replaying `forced(record)`."""
+  """Greedy, batch-1 decoding of a decoding method through the interpreter: free, or replaying `forced(record)`."""
 
-  def __init__(self, name: str, model, settings: DecodeSettings, forced: ForcedAnswer | None = None,
-               reference: Method | None = None, method: str = "pasta", **method_options):
+  def __init__(self, name: str, model, settings: DecodeSettings, method: DecodingMethod,
+               forced: ForcedAnswer | None = None, reference: Method | None = None):
     self.name, self.model, self.settings, self.forced, self.reference = name, model, settings, forced, reference
-    self.method, self.method_options = method, method_options
+    setup = Setup(max_new_tokens=settings.max_new_tokens, runtime=settings.runtime)
+    self.method = prepared(settings.shared_options(method), model, setup)  # once per model (heads, step times)
 
   def check(self, records: Sequence[Mapping[str, str]]) -> None:
     if self.forced is not None:
@@ -131,13 +123,15 @@ class InterpreterMethod:
     s = self.settings
     answer, note, budget = self.forced(record) if self.forced is not None else (None, "", s.max_new_tokens)
     sampling = SamplingConfig(repetition_penalty=s.repetition_penalty, distinct_topics=s.distinct_topics)
-    [result] = api.generate(self.model, [record_prompt(record)], method=self.method, max_new_tokens=budget,
-                            lanes=s.lanes, chat=s.chat, dtype=jnp.dtype(s.dtype), sampling=sampling,
-                            head_dtype=s.head_dtype, certify_head=s.certify_head,
-                            forced_answers=None if answer is None else [answer],
-                            **self.method_options)
+    try:
+      [result] = generate(self.model, [record_prompt(record)], self.method, max_new_tokens=budget, chat=s.chat,
+                          sampling=sampling, forced_answers=None if answer is None else [answer], runtime=s.runtime)
+    except TagError as err:
+      raise MethodError(f"prompt {record['id']}: its {self.method.name} answer cannot be replayed: {err}") from None
     if result.drafts:
       note = f"best of {len(result.drafts)} drafts"
+    if result.fork_refusals:  # what the limits suppressed is reported with the answer
+      note = "; ".join(filter(None, [note, f"{result.fork_refusals} forks refused (depth limit or no free lane)"]))
     return output_of(result, note)
 
 
@@ -146,18 +140,17 @@ def output_of(result: api.PastaResult, note: str = "") -> MethodOutput:
   return MethodOutput(text=result.text, annotated=result.annotated, steps=result.steps, seconds=result.seconds,
                       theoretical_speedup=result.theoretical_speedup, parallelism=result.theoretical_parallelism,
                       content_tokens=result.content_tokens, critical_path=result.critical_path,
-                      finished=result.finished, threads=len(result.threads), note=note,
+                      finished=result.finished, threads=len(result.threads) or len(result.thread_texts), note=note,
                       head_fallbacks=result.head_fallbacks)
 
 
 class ForcedAnswer:
-  """The answer a forced method replays: the record's reference answer cut to the token budget, with
-  the structural annotation (`tagged=True`) or without tags (its sequential twin)."""
+  """The answer a forced method replays: the record's reference answer cut to the token budget, annotated in the
+  method's form (`tagged=True`) or without tags (its twin's)."""
 
-  def __init__(self, model, budget: int, tagged: bool, scoped_form: bool = False):
-    self.tokenizer = api.LangTokenizer(model.tokenizer)
-    self.vocab = model.tokenizer.tag_vocab()
-    self.budget, self.tagged, self.scoped_form = budget, tagged, scoped_form
+  def __init__(self, model, budget: int, tagged: bool, form: DecodingMethod):
+    self.model, self.tokenizer = model, api.LangTokenizer(model.tokenizer)
+    self.budget, self.tagged, self.form = budget, tagged, form
 
   def check(self, records: Sequence[Mapping[str, str]], method: str) -> None:
     missing = [r["id"] for r in records if not reference_answer(r)]
@@ -171,31 +164,25 @@ class ForcedAnswer:
     twins: equal pools and step budgets, so their per-step costs compare."""
     tagged, plain, note = self.answers(record)
     try:
-      scripts = self.scripts(tagged)
+      scripts = self.form.scripts([tagged], self.model)[0]
     except TagError as err:
       raise MethodError(f"prompt {record['id']}: its annotated answer cannot be replayed: {err}") from None
     budget = max(self.budget, sum(len(t) for t in scripts) + 2 * len(scripts))  # as decode.api.prepare sizes it
     return (tagged, note, budget) if self.tagged else (plain, "", budget)
 
-  def scripts(self, answer: str) -> list[list[int]]:
-    if self.scoped_form:
-      return api.scoped_scripts(answer, self.tokenizer, self.vocab, lanes=64, max_threads=64, max_depth=3)
-    return api.forced_scripts(answer, self.tokenizer, self.vocab)
-
   def answers(self, record: Mapping[str, str]) -> tuple[str, str, str]:
-    """(tagged answer, its tag-free twin, note). Given annotations are replayed whole; otherwise the
-    reference answer is cut to the token budget and annotated structurally (the scoped form: the earlier
-    paper's rule, `data.structural_scoped`)."""
-    field, strip = ("scoped", scoped.compose_text) if self.scoped_form else ("annotated", strip_tags)
-    if record.get(field):
-      return record[field], strip(record[field]), ""
+    """(tagged answer, its tag-free twin, note). Given annotations (the record's field of the method's form) are
+    replayed whole; otherwise the reference answer is cut to the token budget and annotated by the method's
+    annotator (the papers' structural rules)."""
+    field = self.form.annotation_field
+    if field and record.get(field):
+      return record[field], self.form.tag_free(record[field]), ""
     plain = self.truncated(reference_answer(record))
-    annotator = annotate_scoped if self.scoped_form else annotate
-    annotated = annotator(plain, lambda text: len(self.tokenizer.encode(text)))
+    annotated, why = self.form.annotate_reference(plain, lambda text: len(self.tokenizer.encode(text)))
     if annotated is None:
-      return plain, plain, "no list structure: replayed without tags"
+      return plain, plain, f"{why}: replayed without tags"
     try:
-      self.scripts(annotated)
+      self.form.scripts([annotated], self.model)
     except TagError as err:
       return plain, plain, f"annotation rejected ({err}): replayed without tags"
     return annotated, plain, ""
@@ -211,79 +198,38 @@ def reference_answer(record: Mapping[str, str]) -> str:
 
 # --- the registry ------------------------------------------------------------------------------------
 MethodFactory = Callable[[MethodSpec, object, DecodeSettings], Method]  # (spec, loaded model, settings)
+FORCED = "-forced"  # the suffix of a method that replays annotated reference answers
 
 
-def _sequential(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
-  return InterpreterMethod(spec.label, model, settings)
+def free_method(name: str) -> MethodFactory:
+  """The decoding method `name` decoding freely."""
+  return lambda spec, model, settings: InterpreterMethod(spec.label, model, settings, registry.resolve(name))
 
 
-def _pasta(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
-  return InterpreterMethod(spec.label, model, settings)  # the same loop: the model's own tags fork
+def forced_method(name: str) -> MethodFactory:
+  """The decoding method `name` replaying its annotation of each reference answer, measured against the tag-free
+  twin of that answer replayed by its `tag_free_twin` (`sequential-forced`, or `<name>-tag-free` when the twin
+  is the method itself); a method with no twin (sequential) is itself the baseline."""
+  def build(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
+    method = registry.resolve(name)
+    twin_method = method.tag_free_twin()
+    tagged = ForcedAnswer(model, settings.max_new_tokens, tagged=True, form=method)
+    if twin_method is None:
+      return InterpreterMethod(spec.label, model, settings, method, tagged)
+    label = f"{name}-tag-free" if type(twin_method) is type(method) else twin_method.name + FORCED
+    twin = InterpreterMethod(MethodSpec(label, spec.model_path).label, model, settings, twin_method,
+                             ForcedAnswer(model, settings.max_new_tokens, tagged=False, form=method))
+    return InterpreterMethod(spec.label, model, settings, method, tagged, reference=twin)
+  return build
 
 
-def _superposed(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
-  from pasta_jax.data.ngram_corpus import ensure_default_index
-  index = ensure_default_index(model.tokenizer, model.describe())  # built once, from the training pools
-  return InterpreterMethod(spec.label, model, settings, method="superposed", drafts=3, ngram=str(index))
-
-
-def _sequential_forced(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
-  return InterpreterMethod(spec.label, model, settings, ForcedAnswer(model, settings.max_new_tokens, tagged=False))
-
-
-def _pasta_v0(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
-  return InterpreterMethod(spec.label, model, settings, method="pasta-v0")
-
-
-def _pasta_v0_forced(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
-  twin = InterpreterMethod(MethodSpec("sequential-forced-v0", spec.model_path).label, model, settings,
-                           ForcedAnswer(model, settings.max_new_tokens, tagged=False, scoped_form=True),
-                           method="pasta-v0")
-  return InterpreterMethod(spec.label, model, settings,
-                           ForcedAnswer(model, settings.max_new_tokens, tagged=True, scoped_form=True),
-                           reference=twin, method="pasta-v0")
-
-
-def _pasta_forced(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
-  twin = _sequential_forced(MethodSpec("sequential-forced", spec.model_path), model, settings)
-  return InterpreterMethod(spec.label, model, settings, ForcedAnswer(model, settings.max_new_tokens, tagged=True),
-                           reference=twin)
-
-
-def _medusa(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
-  from pasta_jax.decode.speculation import load_drafter
-  return InterpreterMethod(spec.label, model, settings, method="medusa", heads=load_drafter(model))
-
-
-def _pasta_medusa(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
-  from pasta_jax.decode.speculation import load_drafter
-  return InterpreterMethod(spec.label, model, settings, method="pasta+medusa", heads=load_drafter(model))
-
-
-def _propd(spec: MethodSpec, model, settings: DecodeSettings) -> Method:
-  """ProPD with its latency model calibrated once, here, at batch 1 (the eval's batch size)."""
-  from pasta_jax.decode.latency import calibrate_latency
-  from pasta_jax.decode.speculation import DEFAULT_TREE, load_drafter
-  drafter = load_drafter(model)
-  ids = api.prompt_ids(model.tokenizer, ["Give three tips for staying healthy."], settings.chat)
-  cal = calibrate_latency(model, ids, drafter, tree_size=DEFAULT_TREE, steps=16, run_tokens=settings.max_new_tokens,
-                          dtype=jnp.dtype(settings.dtype))
-  return InterpreterMethod(spec.label, model, settings, method="propd", heads=drafter, tree_size=cal["tree_size"],
-                           latency=cal["table"])
-
-
-CORE_METHODS: dict[str, MethodFactory] = {
-  "sequential": _sequential,
-  "pasta": _pasta,
-  "pasta-forced": _pasta_forced,
-  "superposed": _superposed,
-  "sequential-forced": _sequential_forced,
-  "pasta-v0": _pasta_v0,
-  "pasta-v0-forced": _pasta_v0_forced,
-  "medusa": _medusa,
-  "propd": _propd,
-  "pasta+medusa": _pasta_medusa,
-}  # the paper's baselines add theirs in baselines/methods.py; commands/eval_registry.py holds them all
+def core_methods() -> dict[str, MethodFactory]:
+  """The eval methods of the registry's decoding methods, as it stands (a method registered later is in too); the
+  paper's SoT stages add theirs in baselines/methods.py."""
+  out = {name: free_method(name) for name in registry.names(needs_scripts=False)}
+  for name in registry.names(annotates=True):
+    out[name + FORCED] = forced_method(name)
+  return out
 
 
 @functools.lru_cache(maxsize=4)

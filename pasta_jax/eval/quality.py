@@ -55,7 +55,7 @@ def _continuation_fn(config):
   def logprobs(params, tokens):  # [B, L] -> [B, L-1] log p(token t | tokens < t)
     batch, length = tokens.shape
     logits = model.apply(params, tokens, jnp.broadcast_to(jnp.arange(length), (batch, length)),
-                         causal_mask(batch, length))[0]
+                         causal_mask(batch, length)).logits
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 

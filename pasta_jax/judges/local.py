@@ -59,7 +59,7 @@ def _last_logits_fn(config, dtype):
   def run(params, tokens, length):
     width = tokens.shape[1]
     positions = jnp.arange(width, dtype=jnp.int32)[None]
-    logits, _ = apply(params, tokens, positions, causal_mask(1, width, length[None]), None, None, None)
+    logits = apply(params, tokens, positions, causal_mask(1, width, length[None])).logits
     return logits[0, length - 1]
 
   return run

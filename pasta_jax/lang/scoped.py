@@ -281,6 +281,122 @@ def descendants(roots: Iterable[int], children: dict[int, list[int]]) -> set[int
   return out
 
 
+def scripts_by_thread(script: ThreadScript, vocab: TagVocab, lanes: int, max_threads: int) -> list[list[int]]:
+  """Main's script tree -> each thread's own tokens, by thread id, as a forced replay numbers the threads.
+
+  Thread ids are given at run time in spawn order, which depends on the schedule (a `<promise/>` waits for a
+  free lane and a thread id, a `</scope>` for the forks of its scope), so this replays the scoped
+  interpreter's scheduling rule on the tree (decode/reference/scoped.py, whose forced tokens need no model).
+  A promise that never gets a thread id spawns no thread, and its script is left out."""
+  return [list(s.tokens) for s in _SpawnOrder(script, vocab, lanes, max_threads).run()]
+
+
+@dataclasses.dataclass
+class _ReplayedThread:
+  """One thread of a forced replay: its script, how far it has read it, and the threads it spawned."""
+
+  script: ThreadScript
+  read: int = 0
+  children: list[int] = dataclasses.field(default_factory=list)
+  scopes: list[list[int]] = dataclasses.field(default_factory=list)  # per open scope: the threads spawned in it
+
+  def next_token(self, end: int) -> int:
+    """Its script's next token; past its end, `end` (forced threads that ran out finish)."""
+    self.read += 1
+    return self.script.tokens[self.read - 1] if self.read <= len(self.script.tokens) else end
+
+  def next_child(self) -> ThreadScript:
+    """The script of the thread its next promise spawns (an empty one past its children)."""
+    k = len(self.children)
+    return self.script.children[k] if k < len(self.script.children) else ThreadScript((), ())
+
+
+@dataclasses.dataclass
+class _BusyLane:
+  thread: int
+  token: int  # what it feeds next
+  closing: bool = False  # a fork's `</async>`: the lane is free once it has fed
+
+
+class _SpawnOrder:
+  """The scoped interpreter's schedule on a forced script tree, kept to what decides the thread ids: who
+  feeds in a step, who spawns into which lane. Lane 0 is main's."""
+
+  def __init__(self, script: ThreadScript, vocab: TagVocab, lanes: int, max_threads: int):
+    self.vocab, self.max_threads = vocab, max_threads
+    self.threads = [_ReplayedThread(script)]
+    self.lanes: list[_BusyLane | None] = [None] * lanes
+    self.lanes[0] = _BusyLane(0, self.threads[0].next_token(vocab.eos_ids[0]))
+
+  def run(self) -> list[ThreadScript]:
+    while self.step():
+      pass
+    return [thread.script for thread in self.threads]
+
+  def step(self) -> bool:
+    """One step; False once main is done (nothing spawns after that) or nothing can move."""
+    feeders, wanting, main_done = self._who_feeds()
+    free = [i for i, lane in enumerate(self.lanes) if i > 0 and lane is None]
+    room = min(len(wanting), len(free), self.max_threads - len(self.threads))
+    spawns = list(zip(wanting[:room], free[:room], strict=True))
+    if main_done or not (feeders or spawns):
+      return False
+    for spawner, lane in spawns:
+      self._spawn(spawner, lane)
+    for index in sorted(feeders + [i for pair in spawns for i in pair]):
+      self._feed(index)
+    return True
+
+  def _who_feeds(self) -> tuple[list[int], list[int], bool]:
+    """(lanes that feed without spawning, lanes waiting to spawn, main done); changes nothing."""
+    vocab, feeders, wanting = self.vocab, [], []
+    for i, lane in enumerate(self.lanes):
+      if lane is None:
+        continue
+      scopes = self.threads[lane.thread].scopes
+      if lane.closing:
+        feeders.append(i)
+      elif lane.token == vocab.bare_promise:
+        wanting.append(i)
+      elif lane.token == vocab.scope_close and scopes:
+        if not self._any_running(scopes[-1]):
+          feeders.append(i)
+      elif i == 0 and lane.token in vocab.eos_ids:
+        if not any(fork is not None and not fork.closing for fork in self.lanes[1:]):
+          return feeders, wanting, True  # the final sync: every fork has stopped
+      else:
+        feeders.append(i)
+    return feeders, wanting, False
+
+  def _any_running(self, roots: list[int]) -> bool:
+    """Whether a thread of `roots`, or one they spawned, still runs (a closing fork no longer counts)."""
+    subtree = descendants(roots, {u: t.children for u, t in enumerate(self.threads)})
+    return any(lane is not None and not lane.closing and lane.thread in subtree for lane in self.lanes)
+
+  def _spawn(self, spawner: int, lane: int) -> None:
+    parent, child = self.threads[self.lanes[spawner].thread], len(self.threads)
+    self.threads.append(_ReplayedThread(parent.next_child()))
+    parent.children.append(child)
+    for scope in parent.scopes:
+      scope.append(child)
+    self.lanes[lane] = _BusyLane(child, self.vocab.async_open)
+
+  def _feed(self, index: int) -> None:
+    """The lane feeds its token, then reads its next one; a fork's end id reads as `</async>`."""
+    lane, vocab = self.lanes[index], self.vocab
+    if lane.closing:
+      self.lanes[index] = None
+      return
+    thread = self.threads[lane.thread]
+    if lane.token == vocab.scope_open:
+      thread.scopes.append([])
+    elif lane.token == vocab.scope_close and thread.scopes:
+      thread.scopes.pop()
+    lane.token = thread.next_token(vocab.eos_ids[0] if lane.thread == 0 else vocab.async_close)
+    if index > 0 and (lane.token == vocab.async_close or lane.token in vocab.eos_ids):
+      lane.token, lane.closing = vocab.async_close, True
+
+
 def depth(items: Iterable[Item]) -> tuple[int, int]:
   """(deepest scope nesting, deepest fork nesting) of the items."""
   scopes = forks = 0

@@ -38,6 +38,7 @@ from pasta_jax.model.config import GemmaConfig
 from pasta_jax.model.head_plan import FIXED as FIXED_HEAD_PLAN
 from pasta_jax.model.head_plan import HeadPlan
 from pasta_jax.model.lora import A_SUFFIX, B_SUFFIX, ROWS, AdapterConfig
+from pasta_jax.model.output import ModelOutput
 from pasta_jax.visibility import ThreadMask, visible
 
 Array = jax.Array
@@ -69,7 +70,7 @@ class RowSelect:
   """Query rows that go on past an early layer (ProPD's early pruning): after `layer` layers, `choose(x, tokens)`
   (x [B, Q, D] the residual stream, tokens [B, Q]) returns (rows [B, M] int32, ok [B, M] bool), and only those M
   rows (a static count) run the deeper layers and the output head; a row with ok False writes no K/V there.
-  The model then returns logits and hidden states scattered back to [B, Q] (zeros at rows cut) and `kept` [B, Q]."""
+  The model's logits and head_input then come back scattered to [B, Q] (zeros at rows cut), with `kept` [B, Q]."""
 
   layer: int
   keep: int  # M
@@ -91,6 +92,14 @@ def scatter_rows(values, rows, ok, num_q: int):
   """values [B, M, X] of the kept rows -> [B, Q, X], zeros elsewhere."""
   out = jnp.zeros((values.shape[0], num_q) + values.shape[2:], values.dtype)
   return out.at[jnp.arange(values.shape[0])[:, None], jnp.where(ok, rows, num_q)].set(values, mode="drop")
+
+
+def scatter_kept(out: ModelOutput, rows, ok, num_q: int) -> ModelOutput:
+  """A pruned call's outputs of its M kept rows back at their Q rows (zeros at the rows cut), and `kept` [B, Q].
+  The K/V are already laid out per row (`kv_rows.stack_layers`), or written at their slots."""
+  back = lambda values: None if values is None else scatter_rows(values, rows, ok, num_q)
+  kept = scatter_rows(ok[..., None], rows, ok, num_q)[..., 0]
+  return dataclasses.replace(out, logits=back(out.logits), head_input=back(out.head_input), kept=kept)
 
 
 class RMSNorm(nn.Module):
@@ -364,8 +373,9 @@ class Gemma(nn.Module):
   once per call, "pallas" (or "pallas-tpu" / "pallas-gpu") computes it tile by tile in a kernel;
   pool: KVPool or None; slots: [B, Q] pool slots the new K/V go to (>= S drops the row);
   kv_positions: [B, S] positions of pool slots (for sliding-window layers).
-  Returns (logits [B, Q, V] float32, updated pool or None); with defer_writes the pool is only read and its place
-  holds the new rows (`kv_rows.FreshKV`), which the caller writes (`kv_rows.write_fresh`).
+  Returns a `ModelOutput` (model/output.py): logits [B, Q, V] float32 and the pool written (or None), and what
+  else the call's flags asked for; with defer_writes the pool is only read and `kv` holds the new rows
+  (`kv_rows.FreshKV`), which the caller writes (`kv_rows.write_fresh`).
   """
 
   config: GemmaConfig
@@ -383,22 +393,31 @@ class Gemma(nn.Module):
   head_plan: HeadPlan = FIXED_HEAD_PLAN  # decode layout: the output head's form per row count (model/head_plan.py)
 
   @nn.compact
-  def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None,
-               kv_positions=None, return_hidden: bool = False, token_weights=None, logit_rows=None,
-               hidden_only: bool = False, row_select: RowSelect | None = None, hidden_after: int | None = None,
-               skip_head: bool = False, defer_writes: bool = False):
-    """tokens: [B, Q] ids; or [B, Q, K] ids with token_weights [B, Q, K], when each input row is the
-    weighted sum of K tokens' embeddings (a superposed input, as Superposed Decoding feeds).
-    logit_rows: [B, R] query rows whose logits (and hidden states) are returned, [B, R, V]; None: all Q.
-    A prefill needs only the last prompt row's: the output head is most of a small model's work.
-    hidden_only: return the final-normed hidden states [B, Q, D] alone (Medusa-1 training reads only these).
-    row_select: ProPD's early pruning (`RowSelect`): the outputs gain `kept` [B, Q] bool last.
-    hidden_after: return the residual stream [B, Q, D] after that many layers alone (an early head's input).
-    skip_head: the final-normed hidden states [B, R, D] take the logits' place in the outputs: the caller
-    multiplies the head itself (`decode.certified_head`).
-    defer_writes: with a pool, the pool is read only and the new rows come back instead (`kv_rows`): a decode
-    step inside a `lax.switch` then writes them after it, in place, instead of XLA copying the pool."""
+  def __call__(self, tokens, positions, mask, pool: KVPool | None = None, slots=None, kv_positions=None, *,
+               token_weights=None, logit_rows=None, defer_writes: bool = False, return_hidden: bool = False,
+               skip_head: bool = False, hidden_after: int | None = None,
+               row_select: RowSelect | None = None) -> ModelOutput:
+    """Always returns one `ModelOutput` (model/output.py); the fields the call did not ask for are None.
+
+    Inputs (besides the class's):
+    token_weights: with tokens [B, Q, K] ids, [B, Q, K]: each input row is the weighted sum of K tokens'
+      embeddings (a superposed input, as Superposed Decoding feeds).
+    logit_rows: [B, R] the query rows whose logits (and head_input) are returned, [B, R, ...]; None: all Q.
+      A prefill needs only the last prompt row's: the output head is most of a small model's work.
+    defer_writes: with a pool, the pool is read only and `kv` holds the new rows (`kv_rows.FreshKV`): a decode
+      step inside a `lax.switch` then writes them after it, in place, instead of XLA copying the pool.
+
+    Outputs asked for (model/output.py has the table):
+    by default logits [B, R, V] float32, and kv: the pool written (or the new rows), None without a pool.
+    return_hidden: head_input [B, R, D] too, the final-normed hidden states (what Medusa heads read).
+    skip_head: head_input in the logits' place, no logits: the caller multiplies the head itself
+      (`decode.certified_head`) or needs only the hidden states (Medusa-1 training).
+    hidden_after: early_hidden [B, Q, D] alone, the residual stream after that many layers (an early head's
+      input); the deeper layers and the head do not run.
+    row_select: ProPD's early pruning (`RowSelect`): kept [B, Q] bool too; logits and head_input are scattered
+      back to [B, Q, ...], zeros at the rows cut."""
     cfg = self.config
+    self._check_request(tokens, pool, logit_rows, return_hidden, skip_head, hidden_after, row_select)
     embedding = self.param("embedder", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.embed_dim))
     row_delta, x = self._embed(embedding, tokens, token_weights)
     x = x * jnp.asarray(cfg.embed_dim**0.5, self.dtype)
@@ -421,10 +440,6 @@ class Gemma(nn.Module):
     mask = kv_rows.extend_mask(mask, slots) if dense_defer else mask
     block = nn.remat(Block) if self.remat else Block
     num_q, kept_rows, fresh, selected = x.shape[1], None, [], None
-    if row_select is not None and (logit_rows is not None or pool is None or tokens.ndim != 2):
-      raise ValueError("row_select prunes decode rows over a pool: not with logit_rows, a full sequence or mixes")
-    if row_select is not None and not 0 < row_select.layer < cfg.num_layers:
-      raise ValueError(f"row_select.layer must be in [1, {cfg.num_layers}), got {row_select.layer}")
     for i, kind in enumerate(cfg.layer_kinds):
       if row_select is not None and i == row_select.layer:
         x, positions, mask, slots, *kept_rows = select_rows(row_select, x, tokens, positions, base_mask, slots,
@@ -432,7 +447,7 @@ class Gemma(nn.Module):
         selected = (i, *kept_rows)
         mask = kv_rows.extend_mask(mask, slots) if dense_defer else mask
       if i == hidden_after:
-        return x
+        return ModelOutput(early_hidden=x)
       layer = block(cfg, kind, i, self.decode_layout, self.adapter, self.attention, defer, name=f"layer_{i}")
       layer_kv = jnp.concatenate([kv_positions, positions], axis=1) if dense_defer else kv_positions
       if defer:
@@ -442,27 +457,37 @@ class Gemma(nn.Module):
         x, pk, pv = layer(x, positions, mask, layer_kv, pk, pv, slots)
       x = self._constrain(x)
     x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
-    if hidden_only:
-      return x
     if logit_rows is not None:
       x = jnp.take_along_axis(x, logit_rows[..., None], axis=1)  # [B, R, D]
-    if skip_head and row_delta is not None:
+    kv = None if pool is None else KVPool(pk, pv)
+    if defer:
+      kv = kv_rows.stack_layers(fresh, num_q, num_slots, selected)
+    out = ModelOutput(logits=None if skip_head else self._logits(x, embedding, row_delta),
+                      head_input=x if return_hidden or skip_head else None, kv=kv)
+    return out if row_select is None else scatter_kept(out, *kept_rows, num_q)
+
+  def _check_request(self, tokens, pool, logit_rows, return_hidden, skip_head, hidden_after, row_select):
+    """Refuses outputs that cannot be given together, before any work."""
+    layers = self.config.num_layers
+    if row_select is not None and (logit_rows is not None or pool is None or tokens.ndim != 2):
+      raise ValueError("row_select prunes decode rows over a pool: not with logit_rows, a full sequence or mixes")
+    if row_select is not None and not 0 < row_select.layer < layers:
+      raise ValueError(f"row_select.layer must be in [1, {layers}), got {row_select.layer}")
+    if hidden_after is not None and not 0 <= hidden_after < layers:
+      raise ValueError(f"hidden_after must be in [0, {layers}), got {hidden_after}")
+    if hidden_after is not None and (return_hidden or skip_head or row_select is not None):
+      raise ValueError("hidden_after stops the call early: it returns early_hidden alone, without the final "
+                       "hidden states or pruning")
+    if skip_head and self.adapter is not None and self.adapter.row_ids:
       raise ValueError("skip_head needs the adapter's embedding rows folded in (lora.fold)")
-    logits = x if skip_head else output_head(x, self._unembed(embedding), self.decode_layout, self.head_plan)
+
+  def _logits(self, x, embedding, row_delta):
+    """Final-normed x [B, R, D] -> float32 logits [B, R, V] from the tied head, softcapped."""
+    logits = output_head(x, self._unembed(embedding), self.decode_layout, self.head_plan)
     if row_delta is not None:  # the tied head's rows move with the embedding
       extra = jnp.einsum("bqd,nd->bqn", x, row_delta, preferred_element_type=jnp.float32)
       logits = logits.at[..., jnp.asarray(self.adapter.row_ids)].add(extra)
-    if not skip_head:
-      logits = self._constrain(softcap(logits, cfg.final_logit_softcap), last="tensor")
-    new_pool = None if pool is None else KVPool(pk, pv)
-    if defer:
-      new_pool = kv_rows.stack_layers(fresh, num_q, num_slots, selected)
-    outputs = (logits, new_pool) + ((x,) if return_hidden else ())
-    if row_select is None:
-      return outputs
-    rows, ok = kept_rows
-    kept = scatter_rows(ok[..., None], rows, ok, num_q)[..., 0]
-    return tuple(o if o is new_pool else scatter_rows(o, rows, ok, num_q) for o in outputs) + (kept,)
+    return self._constrain(softcap(logits, self.config.final_logit_softcap), last="tensor")
 
   def _unembed(self, embedding):
     """The tied head: the embedding [V, D] (already [out, in], so in both layouts), or its narrow copy [D, V]."""

@@ -1,5 +1,5 @@
-"""Logical axes of every parameter, and the rules that map them onto a (data, fsdp, tensor) mesh: the
-sharding rules live next to the weights, for the trainer and for decoding alike.
+"""Logical axes of every parameter, and the rules that map them onto a (data, fsdp, tensor) mesh
+(`model/mesh.py`): the sharding rules live next to the weights, for the trainer and for decoding alike.
 
 Parameters are named by logical axes (`embed`, `heads`, `mlp`, ...); `RULES` maps each to a mesh
 axis (fsdp shards the embedding dimension of every weight, tensor shards heads / MLP / vocab).
@@ -19,8 +19,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pasta_jax.errors import ConfigError
 from pasta_jax.model.gemma import DECODE_SUFFIX, PROJECTIONS
 from pasta_jax.model.lora import A_SUFFIX, B_SUFFIX, IN_AXES, ROWS
-
-AXES = ("data", "fsdp", "tensor")
 
 # logical axis -> mesh axis (or axes, or None = replicated)
 RULES: dict[str, str | tuple[str, ...] | None] = {

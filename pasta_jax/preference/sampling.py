@@ -16,6 +16,7 @@ from pasta_jax.decode import api
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.errors import TagError
 from pasta_jax.lang import metrics
+from pasta_jax.methods import Pasta, generate_ids
 from pasta_jax.preference.config import PreferenceConfig
 
 
@@ -52,7 +53,7 @@ def to_sample(result: api.PastaResult, vocab) -> Sample:
 
 def _decode(model, prompts: Sequence[str], cfg: PreferenceConfig, sampling: SamplingConfig) -> list[Sample]:
   ids = api.prompt_ids(model.tokenizer, list(prompts), cfg.chat)
-  results = api.generate_ids(model, ids, max_new_tokens=cfg.max_new_tokens, lanes=cfg.lanes, sampling=sampling)
+  results = generate_ids(model, ids, Pasta(lanes=cfg.lanes), max_new_tokens=cfg.max_new_tokens, sampling=sampling)
   vocab = model.tokenizer.tag_vocab()
   return [to_sample(r, vocab) for r in results]
 

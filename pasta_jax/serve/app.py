@@ -23,6 +23,7 @@ from fastapi import responses
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.tokenizing import chat_text
 from pasta_jax.errors import PastaError
+from pasta_jax.methods import Pasta, registry
 from pasta_jax.model.load import generation_defaults
 from pasta_jax.serve import protocol
 from pasta_jax.serve.engine import Engine, QueueFull, Request, ShuttingDown, Update
@@ -66,7 +67,10 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0) -> fastap
 
   app = fastapi.FastAPI(title="pasta_jax", docs_url=None, redoc_url=None, lifespan=lifespan)
   defaults = generation_defaults(engine.model)
-  default_method = defaults.get("method", "pasta")  # the format the model was trained to write
+  default_method = defaults.get("method", Pasta.name)  # the format the model was trained to write
+  if default_method not in registry.names(serve=True):
+    raise PastaError(f"{engine.model.source}: its generation.json names method {default_method!r}, which this server "
+                     f"does not serve ({', '.join(registry.names(serve=True))})")
   created = int(time.time())
 
   @app.exception_handler(ApiError)
@@ -118,14 +122,15 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0) -> fastap
     updates: asyncio.Queue[Update] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or engine.cfg.default_max_tokens
-    if body.n > engine.cfg.drafts:
-      raise ApiError(400, f"n: superposed decoding here writes {engine.cfg.drafts} drafts; ask for at most that many",
-                     param="n")
+    method = engine.method_named(body.method)
+    if body.n > method.max_choices:
+      raise ApiError(400, f"n: method {method.name!r} here writes {method.max_choices} drafts; ask for at most that "
+                     "many", param="n")
     def sink(update: Update) -> None:  # called from the engine thread
       with contextlib.suppress(RuntimeError):  # the event loop already closed (the server is gone)
         loop.call_soon_threadsafe(updates.put_nowait, update)
 
-    request = Request(ids=ids, method=body.method, max_tokens=max_tokens, sampling=request_sampling(body, defaults),
+    request = Request(ids=ids, method=method, max_tokens=max_tokens, sampling=request_sampling(body, defaults),
                       sink=sink, question=question, chat=chat)
     try:
       engine.submit(request)
@@ -187,12 +192,12 @@ async def _json(http: fastapi.Request):
 
 def request_sampling(body, defaults: dict) -> SamplingConfig:
   """The request's sampling. What it leaves unset comes from the model's `generation.json` (`defaults`), as vLLM
-  applies a model's generation config: its repetition penalty, and for method pasta (the one that keeps it) its
-  distinct topics."""
+  applies a model's generation config: its repetition penalty, and for a method that keeps them its distinct
+  topics."""
   penalty = body.repetition_penalty
   if penalty is None:
     penalty = defaults.get("repetition_penalty", 1.0)
-  topics = bool(defaults.get("distinct_topics")) and body.method == "pasta"
+  topics = bool(defaults.get("distinct_topics")) and registry.METHODS[body.method].capabilities.distinct_topics
   return SamplingConfig(temperature=body.temperature, top_p=body.top_p, repetition_penalty=penalty,
                         distinct_topics=topics)
 
@@ -218,7 +223,7 @@ class _Shape:
             "total_tokens": self.prompt_tokens + done}
 
   def extras(self, update: Update) -> dict:
-    out = {"method": self.request.method, "note": update.note}
+    out = {"method": self.request.method.name, "note": update.note}
     result = update.result
     if result is not None:
       out.update(steps=result.steps, stop_reason=result.stop_reason,

@@ -21,16 +21,15 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
-
-import jax.numpy as jnp
 
 from pasta_jax.baselines.sot import SotConfig, skeleton_prompt_ids
-from pasta_jax.decode import api, batching, speculation
+from pasta_jax.decode import api, batching
 from pasta_jax.decode.result import Result
+from pasta_jax.decode.runtime import Runtime
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.tokenizing import LangTokenizer
 from pasta_jax.errors import PastaError
+from pasta_jax.methods import Method, Setup, Sot, prepare_run, prepared, registry
 from pasta_jax.serve import programs, sot, streaming
 from pasta_jax.serve.metrics import ServeMetrics
 from pasta_jax.serve.propd import OnlineLatency
@@ -42,7 +41,6 @@ class ServeConfig:
 
   batch: int = 8  # rows per method batch
   pool_slots: int = 1024  # KV slots per row (prompt + answer, tags included)
-  lanes: int = 8  # PASTA / APAR lanes per row
   chunk_steps: int = 8  # steps per device call between host visits
   # after an admission, the batch's next chunk: newcomers' first text streams after this many steps, not K
   # (the last token is held back one chunk, `streaming`), at the cost of one more host visit
@@ -54,11 +52,9 @@ class ServeConfig:
   default_max_tokens: int | None = None  # for a request without max_tokens (None: min(256, max_tokens))
   max_batches: int = 4  # compiled (method, sampling) batches held at once
   dtype: str = "float32"
-  heads: Any = None  # Medusa: a heads folder or `speculation.Drafter` (None: the heads shipped with the model)
-  # Medusa's fixed tree, ProPD's largest (None: `speculation.default_tree_size`; for ProPD, SERVED_PROPD_TREE)
-  tree_size: int | None = None
-  drafts: int = 3  # Superposed Decoding's k (a request's `n` takes its best n)
-  ngram: Any = "default"  # Superposed Decoding's n-gram index: "default", a folder, an `NgramIndex`, None (off)
+  # the served methods' options (a method not here is served with its defaults): e.g. `Pasta(lanes=4)`,
+  # `Medusa(heads=folder)`, `Superposed(drafts=3)` (a request's `n` takes its best n drafts)
+  methods: tuple[Method, ...] = ()
   propd_samples: int = 2  # ProPD: timed chunks per tree size and rows bucket before T(s) is fitted (`serve/propd.py`)
   sot: SotConfig = SotConfig()  # SoT's stages (its point and answer budgets are each request's max_tokens)
   sot_script_tokens: int = 128  # the longest point prompt a SoT row takes (longer: answered plainly)
@@ -71,15 +67,15 @@ class ServeConfig:
       object.__setattr__(self, "default_max_tokens", min(256, self.max_tokens))
     if self.chunk_seconds < 0:
       raise ValueError(f"chunk_seconds must be at least 0, got {self.chunk_seconds}")
-    for name in ("batch", "pool_slots", "lanes", "chunk_steps", "first_chunk_steps", "max_queue", "max_tokens",
-                 "default_max_tokens", "max_batches", "drafts"):
+    for name in ("batch", "pool_slots", "chunk_steps", "first_chunk_steps", "max_queue", "max_tokens",
+                 "default_max_tokens", "max_batches"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-    if self.tree_size is not None and self.tree_size < 2:  # the root alone (api.prepare_tree: plain decoding)
-      raise ValueError(f"tree_size must be at least 2 (one node is plain decoding: method sequential), "
-                       f"got {self.tree_size}")
     if self.default_max_tokens > self.max_tokens:
       raise ValueError(f"default_max_tokens {self.default_max_tokens} > max_tokens {self.max_tokens}")
+    named = [m.name for m in self.methods]
+    if len(set(named)) < len(named) or not all(isinstance(m, Method) and m.capabilities.serve for m in self.methods):
+      raise ValueError(f"methods: one served method value per name, got {self.methods!r}")
     if self.certify_head and self.dtype != "float32":
       raise ValueError(f"certify_head certifies a float32 model's head, not a {self.dtype} one")
 
@@ -111,7 +107,7 @@ class Request:
   """One completion: prompt ids, method and budgets, and where its updates go."""
 
   ids: list[int]
-  method: str
+  method: Method  # (a name, when submitted: the engine's served method of that name)
   max_tokens: int
   sink: Callable[[Update], None]
   sampling: SamplingConfig = SamplingConfig()
@@ -139,7 +135,7 @@ class Request:
   @property
   def label(self) -> str:
     """The method the metrics count it under: the client's."""
-    return self.stage_of.method if self.stage_of is not None else self.method
+    return (self.stage_of or self).method.name
 
 
 @dataclasses.dataclass
@@ -168,11 +164,16 @@ class Engine:
     self.stopping = False
     self.drain_deadline: float | None = None
     self.error: BaseException | None = None
-    self.compile_ahead: set[str] = set()  # methods whose batches compile every shape when created (`warm_up`)
+    self.served = {m.name: m for m in cfg.methods}
+    self.compile_ahead: set[Method] = set()  # methods whose batches compile every shape when created (`warm_up`)
     self.prompt_buckets: tuple[int, ...] = ()  # the prompt buckets their admissions compile for
     self.programs = programs.ProgramGuard(on_drop=self._dropped_programs)  # CPU: compiled code fills memory maps
 
   # --- the client side ---------------------------------------------------------------------------------
+  def method_named(self, name: str) -> Method:
+    """The served method of that name: with the server's options for it, else its defaults."""
+    return self.served.get(name) or registry.resolve(name)
+
   def check(self, ids: list[int], max_tokens: int) -> None:
     """Raises PastaError for a request this server cannot run (before it is queued)."""
     if not 1 <= max_tokens <= self.cfg.max_tokens:
@@ -183,11 +184,14 @@ class Engine:
                        f"{self.cfg.pool_slots} slots per request leaves no room to answer")
 
   def submit(self, request: Request) -> None:
-    """Queues a checked request; raises QueueFull or ShuttingDown."""
+    """Queues a checked request (a method given by name gets the served options of that name); raises QueueFull or
+    ShuttingDown."""
+    if isinstance(request.method, str):
+      request.method = self.method_named(request.method)
     self.check(request.ids, request.max_tokens)
-    if request.method == "sot":  # its skeleton prompt must fit too
+    if request.method.capabilities.needs_scripts:  # SoT: its skeleton prompt must fit too
       if not request.question:
-        raise PastaError("method 'sot' builds its stages from the question: give Request.question")
+        raise PastaError(f"method {request.method.name!r} builds its stages from the question: give Request.question")
       self.check(skeleton_prompt_ids(self.model.tokenizer, request.question, self._sot_config(request)), 1)
     with self.lock:
       if self.error is not None:
@@ -226,8 +230,10 @@ class Engine:
   def warm_up(self, methods=("pasta",), prompt_tokens: int = 64) -> None:
     """Compiles each method's batch ahead of the first request (blocking): its chunk program for every rows
     prefix, and its admission for every group size and prompt bucket up to `prompt_tokens`'s."""
+    methods = [self.method_named(m) if isinstance(m, str) else m for m in methods]
     for method in methods:
-      self.compile_ahead.update((sot.PLAN, sot.EXPAND) if method == "sot" else (method,))
+      staged = method.capabilities.needs_scripts
+      self.compile_ahead.update((sot.PLAN, self.expand_method) if staged else (method,))
     self.prompt_buckets = tuple(1 << i for i in range(4, batching.bucket(prompt_tokens).bit_length()))
     for method in methods:
       done = threading.Event()
@@ -235,7 +241,7 @@ class Engine:
       self.submit(Request(ids=ids, method=method, max_tokens=2, sink=lambda u, d=done: u.done and d.set(),
                           question="Name three colors."))
       if not done.wait(timeout=1800):
-        raise PastaError(f"warm-up of {method!r} did not finish")
+        raise PastaError(f"warm-up of {method.name!r} did not finish")
 
   @property
   def running(self) -> int:
@@ -289,7 +295,8 @@ class Engine:
       for request in self.waiting:
         if request.dropped:
           self.metrics.finished.labels(request.label, "cancelled").inc()
-      waiting = [self._skeleton_stage(r) if r.method == "sot" and r.stage_of is None else r for r in waiting]
+      waiting = [self._skeleton_stage(r) if r.method.capabilities.needs_scripts and r.stage_of is None else r
+                 for r in waiting]
       self.waiting = collections.deque(waiting)
     groups: dict[tuple, list[Request]] = collections.defaultdict(list)
     for request in waiting:
@@ -347,32 +354,29 @@ class Engine:
       del self.batches[idle]
     method, sampling = key
     bos = self.model.tokenizer.encode(" ", add_bos=True)[:1]
-    extra = {"heads": self.cfg.heads, "tree_size": self.cfg.tree_size} if method in api.TREE_METHODS else {}
-    if method == "propd":  # a placeholder step-time table; the chunks' own times replace it (`_run_chunk`)
-      extra.update(latency=(1.0, 1.0), tree_size=self.cfg.tree_size or speculation.SERVED_PROPD_TREE)
-    if method == "superposed":
-      extra = {"drafts": self.cfg.drafts, "ngram": self.cfg.ngram}
-    script_len, max_tokens = 0, self.cfg.max_tokens
-    if method == sot.EXPAND:  # a fan-out of sot_fan_out threads, each with its point prompt
-      extra = {"scripts": [[bos] * self.sot_fan_out], "max_threads": self.sot_fan_out}
-      script_len, max_tokens = self.cfg.sot_script_tokens, max_tokens + self.cfg.sot_script_tokens
-    if self.certifies(method, sampling):  # after every method's own options: none of them may drop it
-      extra["certify_head"] = True
-    prep = api.prepare_method(self.model, [bos], method=method, max_new_tokens=max_tokens, lanes=self.cfg.lanes,
-                              sampling=sampling, dtype=jnp.dtype(self.cfg.dtype), **extra)
-    pool = self.cfg.pool_slots * (sot.EXPAND_POOL_FACTOR if method == sot.EXPAND else 1)
+    staged = method.capabilities.needs_scripts  # SoT's expansions: a fan-out of threads, each with its point prompt
+    scripts = [[bos] * self.sot_fan_out] if staged else None
+    script_len = self.cfg.sot_script_tokens if staged else 0
+    max_tokens = self.cfg.max_tokens + script_len
+    runtime = Runtime(dtype=self.cfg.dtype, certify_head=self.certifies(method, sampling))
+    ready = prepared(method, self.model, Setup(max_new_tokens=max_tokens, runtime=runtime), serving=True)
+    prep = prepare_run(self.model, [bos], ready, max_new_tokens=max_tokens, sampling=sampling, scripts=scripts,
+                       runtime=runtime)
+    pool = self.cfg.pool_slots * (sot.EXPAND_POOL_FACTOR if staged else 1)
     cfg = batching.batch_config(dataclasses.replace(prep.cfg, pool_slots=pool), max_tokens)
     rows = batching.RowBatch(prep.model_fn, prep.params, cfg, batch=self.cfg.batch, vocab_size=prep.vocab_size,
                              pool_spec=prep.pool_spec, rule_inputs=prep.rule_inputs, script_len=script_len)
     if method in self.compile_ahead:
       rows.compile_shapes(self.prompt_buckets)
-    latency = OnlineLatency(cfg.rules.sizes, self.cfg.propd_samples) if method == "propd" else None
+    sizes = getattr(cfg.rules, "sizes", ())  # the tree sizes a dynamic tree picks from (none: it runs plainly)
+    learns = method.capabilities.learns_latency and len(sizes) > 1
+    latency = OnlineLatency(sizes, self.cfg.propd_samples) if learns else None
     self.batches[key] = MethodBatch(rows, dataclasses.replace(prep, cfg=cfg), latency=latency)
     return self.batches[key]
 
-  def certifies(self, method: str, sampling) -> bool:
+  def certifies(self, method: Method, sampling) -> bool:
     """Whether the batch of (method, sampling) chooses through the certified head (`ServeConfig.certify_head`)."""
-    return self.cfg.certify_head and sampling.greedy and method != "superposed"
+    return self.cfg.certify_head and sampling.greedy and method.capabilities.certify_head
 
   def _run_chunk(self, key: tuple) -> None:
     entry = self.batches[key]
@@ -455,7 +459,8 @@ class Engine:
       text = request.render(run.records, result is not None)
       result = None if result is None else dataclasses.replace(result, text=text)
     else:
-      text = streaming.settled_text(run.records, self.lang, vocab, request.method) if result is None else result.text
+      streams = request.method.capabilities.stream
+      text = streaming.settled_text(run.records, self.lang, vocab, streams) if result is None else result.text
     delta = streaming.delta(request.sent, text)
     if delta is None:  # the final text does not extend what was streamed (a detokenizer seam)
       self.metrics.stream_seams.inc()
@@ -477,13 +482,18 @@ class Engine:
   # --- Skeleton-of-Thought's stages (`serve/sot.py`) ---------------------------------------------------------
   @property
   def sot_fan_out(self) -> int:
-    return min(self.cfg.lanes, self.cfg.sot.max_points)
+    return min(self.method_named(Sot.name).lanes, self.cfg.sot.max_points)
+
+  @property
+  def expand_method(self) -> Sot:
+    """The method of SoT's expansion batch: the served `Sot`, its threads the fan-out."""
+    return dataclasses.replace(self.method_named(Sot.name), max_threads=self.sot_fan_out)
 
   def _sot_config(self, request: Request) -> SotConfig:
     return dataclasses.replace(self.cfg.sot, chat=request.chat, point_tokens=request.max_tokens,
                                answer_tokens=request.max_tokens)
 
-  def _stage(self, parent: Request, method: str, ids: list[int], max_tokens: int, sink, **kw) -> Request:
+  def _stage(self, parent: Request, method: Method, ids: list[int], max_tokens: int, sink, **kw) -> Request:
     return Request(ids=ids, method=method, max_tokens=max_tokens, sink=sink, sampling=parent.sampling,
                    created=parent.created, id=parent.id, stage_of=parent, **kw)
 
@@ -497,7 +507,8 @@ class Engine:
   def _expansion_too_big(self, ids: list[int], scripts, config: SotConfig) -> str:
     """Why an expansion cannot be served as SoT alone runs it (its rows hold less than the pool SoT gives it:
     the expansions would end sooner), or ""."""
-    need, room = sot.expansion_slots(ids, scripts, config, self.cfg.lanes), self.cfg.pool_slots * sot.EXPAND_POOL_FACTOR
+    need = sot.expansion_slots(ids, scripts, config, self.expand_method.lanes)
+    room = self.cfg.pool_slots * sot.EXPAND_POOL_FACTOR
     return f"the expansion needs {need} pool slots, the server's SoT rows hold {room}" if need > room else ""
 
   def _after_skeleton(self, parent: Request, config: SotConfig, update: Update) -> None:
@@ -522,7 +533,7 @@ class Engine:
       stage = self._stage(parent, sot.PLAN, plain, config.answer_tokens, _noting(parent.sink, expansion))
     else:
       render = lambda records, final: expansion.text(records, self.lang, self.model.tokenizer.tag_vocab(), final)
-      stage = self._stage(parent, sot.EXPAND, ids, sot.expansion_budget(config, scripts), parent.sink,
+      stage = self._stage(parent, self.expand_method, ids, sot.expansion_budget(config, scripts), parent.sink,
                           scripts=scripts, render=render)
     with self.lock:  # a running request's next stage: ahead of the queue, and not counted against it
       self.waiting.appendleft(stage)

@@ -14,9 +14,8 @@ from typing import Any, Literal
 
 import pydantic
 
+from pasta_jax.methods import registry
 from pasta_jax.model.tokenizer import END_OF_TURN, START_OF_TURN
-
-SERVED_METHODS = ("sequential", "pasta", "apar", "pasta-v0", "medusa", "propd", "sot", "superposed", "pasta+medusa")
 
 
 class ApiError(Exception):
@@ -57,7 +56,8 @@ class _Body(pydantic.BaseModel):
 
   def unsupported(self) -> str | None:
     """The first OpenAI field given a value this server cannot honour, or None."""
-    given = {"n": self.n != 1 and self.method != "superposed", "stop": bool(self.stop), "seed": self.seed is not None,
+    given = {"n": self.n != 1 and not registry.METHODS[self.method].capabilities.drafts, "stop": bool(self.stop),
+             "seed": self.seed is not None,
              "presence_penalty": self.presence_penalty != 0,
              "frequency_penalty": self.frequency_penalty != 0, "logprobs": self.logprobs not in (None, False)}
     return next((name for name, bad in given.items() if bad), None)
@@ -95,12 +95,13 @@ def parse_body(kind: type[_Body], payload: Any, default_method: str = "pasta") -
     raise ApiError(400, f"{where}: {what}", param=where) from None
   if body.method is None:
     body = body.model_copy(update={"method": default_method})
+  served = registry.names(serve=True)
+  if body.method not in served:
+    raise ApiError(400, f"method: unknown or unserved method {body.method!r}; use one of {', '.join(served)}",
+                   param="method")
   bad = body.unsupported()
   if bad:
     raise ApiError(400, f"{bad}: not supported by this server (leave it out or at its default)", param=bad)
-  if body.method not in SERVED_METHODS:
-    raise ApiError(400, f"method: unknown or unserved method {body.method!r}; use one of {', '.join(SERVED_METHODS)}",
-                   param="method")
   if isinstance(body, CompletionBody) and body.echo:
     raise ApiError(400, "echo: not supported by this server", param="echo")
   return body
@@ -127,11 +128,11 @@ def chat_prompt_text(messages: list[ChatMessage], format_single) -> str:
 
 
 def sot_question(body) -> str | None:
-  """SoT's question: the one user message of a chat (SoT answers one question, not a conversation)."""
-  if body.method != "sot":
+  """A staged method's question (SoT's: it plans from one question, not a conversation): the one user message."""
+  if not registry.METHODS[body.method].capabilities.needs_scripts:
     return None
   turns = [m for m in body.messages if m.role != "system"]
   if len(turns) != 1 or any(m.role == "system" for m in body.messages):
-    raise ApiError(400, "messages: method 'sot' answers one user message (no system message, no history)",
-                   param="messages")
+    raise ApiError(400, f"messages: method {body.method!r} answers one user message (no system message, no "
+                   "history)", param="messages")
   return turns[0].content

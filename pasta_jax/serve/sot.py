@@ -21,11 +21,12 @@ from pasta_jax.baselines import sot
 from pasta_jax.decode import loop
 from pasta_jax.decode.batching import bucket
 from pasta_jax.lang.schema import THREAD, TOKEN
+from pasta_jax.methods import Sequential
 
 EXPAND_POOL_FACTOR = 2  # the expansion batch's rows hold this many times the server's --pool (SoT's fan-out)
 
-PLAN = "sequential"  # the batch that decodes skeletons and the answers without one
-EXPAND = "sot"  # the batch that expands points
+PLAN = Sequential()  # the batch that decodes skeletons and the answers without one (the expansions: the server's
+# `Sot` with its fan-out, `Engine.expand_method`)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,8 +21,6 @@ from pasta_jax.errors import TagError
 from pasta_jax.lang import tokens as tok
 from pasta_jax.lang.tags import TagVocab
 
-STREAMED_METHODS = ("pasta", "sequential", "medusa", "pasta+medusa")  # the rest hand out their text when they end
-
 
 def settled_ids(records: np.ndarray, vocab: TagVocab) -> list[int]:
   """Annotated ids of the settled prefix of a PASTA (or sequential) run, as a well-formed answer: an open
@@ -52,9 +50,10 @@ def settled_ids(records: np.ndarray, vocab: TagVocab) -> list[int]:
   return out[:-1] if out and out[-1] not in vocab.tag_ids else out
 
 
-def settled_text(records: np.ndarray, tokenizer, vocab: TagVocab, method: str) -> str:
-  """The clean text of the settled prefix ("" for methods that settle only at the end)."""
-  if method not in STREAMED_METHODS:
+def settled_text(records: np.ndarray, tokenizer, vocab: TagVocab, streams: bool) -> str:
+  """The clean text of the settled prefix ("" for a method that settles only at the end: `streams` False, its
+  `Capabilities.stream`)."""
+  if not streams:
     return ""
   ids = settled_ids(records, vocab)
   try:

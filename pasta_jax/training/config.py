@@ -13,25 +13,9 @@ import os
 from typing import Any, Literal
 
 from pasta_jax.errors import ConfigError
+from pasta_jax.model.mesh import MeshConfig
 
 Objective = Literal["sft", "baseline_sft", "apar_sft", "scoped_sft", "bonbon"]
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-  """Device mesh shape. data x fsdp x tensor must equal the number of devices used."""
-
-  data: int = 1
-  fsdp: int = 1
-  tensor: int = 1
-
-  @property
-  def size(self) -> int:
-    return self.data * self.fsdp * self.tensor
-
-  @property
-  def shape(self) -> dict[str, int]:
-    return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 
 from pasta_jax.lang.layout import Layout
+from pasta_jax.model.output import ModelOutput
 
-ApplyFn = Callable[..., tuple[jax.Array, object]]
+ApplyFn = Callable[..., ModelOutput]
 
 
 def token_logprobs(apply_fn: ApplyFn, params, batch: Layout) -> jax.Array:
   """[B, L] float32 log p(target | visible context) of every position (0 where loss_mask is False)."""
-  logits, _ = apply_fn(params, batch.tokens, batch.positions, batch.thread_mask())  # [B, L, V] f32
+  logits = apply_fn(params, batch.tokens, batch.positions, batch.thread_mask()).logits  # [B, L, V] f32
   logz = jax.nn.logsumexp(logits, axis=-1)
   picked = jnp.take_along_axis(logits, batch.targets[..., None], axis=-1)[..., 0]
   return jnp.where(batch.loss_mask, picked - logz, 0.0)
@@ -45,8 +46,8 @@ def sft_kl_loss_sum(apply_fn: ApplyFn, base_apply_fn: ApplyFn, params, batch: La
   adapter-free model), under stop_gradient: only the adapter moves.
   """
   mask = batch.thread_mask()
-  logits, _ = apply_fn(params, batch.tokens, batch.positions, mask)  # [B, L, V]
-  base_logits, _ = base_apply_fn(params, batch.tokens, batch.positions, mask)
+  logits = apply_fn(params, batch.tokens, batch.positions, mask).logits  # [B, L, V]
+  base_logits = base_apply_fn(params, batch.tokens, batch.positions, mask).logits
   logp = jax.nn.log_softmax(logits, axis=-1)
   base_logp = jax.lax.stop_gradient(jax.nn.log_softmax(base_logits, axis=-1))
   picked = jnp.take_along_axis(logp, batch.targets[..., None], axis=-1)[..., 0]

@@ -54,8 +54,8 @@ from jax.sharding import PartitionSpec
 
 from pasta_jax.errors import ConfigError
 from pasta_jax.model.config import PRESETS, GemmaConfig
+from pasta_jax.model.partitioning import param_specs
 from pasta_jax.training.config import TrainConfig
-from pasta_jax.training.partitioning import param_specs
 
 GIB = 1024**3
 USABLE_FRACTION = 0.90  # of a chip's memory; see the module docstring

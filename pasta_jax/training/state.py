@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pasta_jax.training.partitioning import param_specs
+from pasta_jax.model.partitioning import param_specs
 
 
 @jax.tree_util.register_dataclass

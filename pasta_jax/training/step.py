@@ -17,7 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pasta_jax.model import lora
-from pasta_jax.training.partitioning import RULES
+from pasta_jax.model.partitioning import RULES
 from pasta_jax.training.state import TrainState
 
 LossFn = Callable[[dict, object], tuple[jax.Array, jax.Array, dict]]

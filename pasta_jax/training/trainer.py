@@ -29,6 +29,8 @@ from pasta_jax.lang.tags import tag_vocab_for
 from pasta_jax.model import lora
 from pasta_jax.model.gemma import Gemma
 from pasta_jax.model.load import LoadedModel, base_reference
+from pasta_jax.model.mesh import make_mesh
+from pasta_jax.model.partitioning import param_shardings
 from pasta_jax.paths import run_path
 from pasta_jax.training import step as step_lib
 from pasta_jax.training.checkpoints import TrainCheckpoints
@@ -36,7 +38,6 @@ from pasta_jax.training.config import TrainConfig
 from pasta_jax.training.losses import sft_kl_loss_sum, sft_loss_sum
 from pasta_jax.training.metrics_log import MetricsLog, train_flops_per_token
 from pasta_jax.training.optimizer import learning_rate_schedule, make_optimizer
-from pasta_jax.training.partitioning import make_mesh, param_shardings
 from pasta_jax.training.state import create_sharded_state, init_state
 
 

@@ -10,7 +10,7 @@ slots, and each token's logits come from one model call on exactly the tokens it
   tokens closing forks write in that same step: within a step all feeding lanes write first, then
   every feeder attends.
 - Each written token remembers its visible set. A query's logits come from
-  `model_fn(params, tokens[1, n], positions[1, n], mask[1, n, n], None, None, None)` over the
+  `model_fn(params, tokens[1, n], positions[1, n], mask[1, n, n], None, None, None).logits` over the
   query's visible tokens in write order, with `mask[i, j]` = token j is in token i's own set.
 
 Choices where the contract leaves room (each is repeated where it is implemented):
@@ -215,7 +215,6 @@ class Settings:
   sampling: SamplingConfig
   position_mode: str
   bucket: bool
-  mode: str = "pasta"
   max_depth: int = 3
   initial_threads: int = 1
   sample_after_script: bool = False
@@ -428,7 +427,7 @@ def model_row(model_fn, params, entries: list[tuple[int, int, int]], visible: li
   # Pad rows see only themselves (no empty softmax row) and no real row sees them.
   mask = np.eye(width, dtype=bool)[None]
   mask[0, :n, :n] = [[j in visible[i] for j in keys] for i in keys]
-  logits, _ = model_fn(params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask), None, None, None)
+  logits = model_fn(params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask), None, None, None).logits
   # The query's own row: the last row except for a sync, which sees slots written after it in the same step.
   return np.asarray(logits[0, keys.index(slot)], np.float32)
 

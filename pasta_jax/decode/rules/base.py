@@ -38,6 +38,7 @@ from pasta_jax.decode.constraints import constrain
 from pasta_jax.decode.sampling import SamplingConfig, lane_key, sample_rows
 from pasta_jax.decode.state import InterpState
 from pasta_jax.lang.tags import TagVocab
+from pasta_jax.model.output import ModelOutput
 
 
 class InterpreterConfig(Protocol):
@@ -125,18 +126,20 @@ class Rules(abc.ABC):
     return state.token[jax.numpy.arange(state.token.shape[0])[:, None], rows_lane], None
 
   def model_extras(self, state: InterpState, cfg: InterpreterConfig, num_q: int) -> dict:
-    """Extra keyword arguments of the model call on `num_q` query rows (Medusa: return_hidden); the model's
-    extra output reaches `select_tokens` as `aux`. Default: none."""
+    """Extra keyword arguments of the model call on `num_q` query rows (Medusa: return_hidden); the fields they
+    fill in the model's output reach `select_tokens` in `model_out`. Default: none."""
     del state, cfg, num_q
     return {}
 
   def select_tokens(self, state: InterpState, rows_lane: jax.Array, row_ok: jax.Array, logits: jax.Array,
-                    cfg: InterpreterConfig, aux: Any = None) -> tuple[InterpState, jax.Array, jax.Array]:
+                    cfg: InterpreterConfig, model_out: ModelOutput | None = None
+                    ) -> tuple[InterpState, jax.Array, jax.Array]:
     """logits [B, Q, V] of the rows in `rows_lane` ([B, Q]; `row_ok` [B, Q] marks the rows that fed) ->
     (state, [B, Q] tokens, [B, Q] bool refused forks). The default samples under `allowed` with each
     lane's own key; a method with its own search overrides it and may update `state.rule_state`.
-    aux: the model's extra output asked for by `model_extras` (None after prefill)."""
-    del row_ok, aux
+    model_out: the step's model output, its K/V left out (None after prefill): what `model_extras` asked for is
+    in its fields (head_input, kept)."""
+    del row_ok, model_out
     batch, num_q, _ = logits.shape
     allowed, refused = self.allowed(state, rows_lane, logits, cfg)
     if allowed is not None:

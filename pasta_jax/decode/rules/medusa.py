@@ -49,6 +49,7 @@ from pasta_jax.decode.state import DONE, FREE, RUNNING, InterpState
 from pasta_jax.decode.tree import TokenTree
 from pasta_jax.model import medusa
 from pasta_jax.model.gemma import RowSelect
+from pasta_jax.model.output import ModelOutput
 from pasta_jax.visibility import HIDDEN, UNBOUNDED
 
 ACCEPTANCE = ("greedy", "typical")
@@ -229,12 +230,14 @@ class MedusaRules(SequentialRules):
     return state, StepFeed(feed, slots, *none, (at_end, out_of_room, slots))
 
   # --- the model's output: accept a path ------------------------------------------------------------
-  def select_tokens(self, state: InterpState, rows_lane, row_ok, logits, cfg: InterpreterConfig, aux=None):
+  def select_tokens(self, state: InterpState, rows_lane, row_ok, logits, cfg: InterpreterConfig,
+                    model_out: ModelOutput | None = None):
     state, chosen, refused = super().select_tokens(state, rows_lane, row_ok, logits, cfg)  # each node's next token
     d: TreeState = state.rule_state
-    if aux is None:  # after prefill: main's first token is the first root
+    if model_out is None:  # after prefill: main's first token is the first root
       return dataclasses.replace(state, rule_state=dataclasses.replace(d, root_token=chosen[:, 0])), chosen, refused
-    hidden, kept = aux if isinstance(aux, tuple) else (aux, row_ok)  # kept: the rows early pruning let through
+    hidden = model_out.head_input  # [B, Q, D]
+    kept = row_ok if model_out.kept is None else model_out.kept  # the rows early pruning let through
     b = jnp.arange(logits.shape[0])[:, None]
     num_q = logits.shape[1]  # feeders are lanes 0..size-1, so row q is lane q
     depth, parent = jnp.asarray(self.tree.depth[:num_q]), jnp.asarray(np.maximum(self.tree.parent[:num_q], 0))

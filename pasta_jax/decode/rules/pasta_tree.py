@@ -43,6 +43,7 @@ from pasta_jax.decode.rules.pasta import PastaRules, apply_samples, apply_spawn,
 from pasta_jax.decode.state import FREE, RUNNING, InterpState
 from pasta_jax.decode.tree import TokenTree
 from pasta_jax.model import medusa
+from pasta_jax.model.output import ModelOutput
 from pasta_jax.visibility import UNBOUNDED
 
 LANE_FIELDS = ("status", "thread", "token", "position", "horizon", "depth")  # the thread table's [B, T, ...] arrays
@@ -221,9 +222,10 @@ class PastaTreeRules(PastaRules):
     is_main = jnp.asarray(self.base_lane)[rows_lane] == 0
     return tables.for_rows(is_main, state.in_promise[:, None]), jnp.zeros(rows_lane.shape, bool)
 
-  def select_tokens(self, state: InterpState, rows_lane, row_ok, logits, cfg: InterpreterConfig, aux=None):
+  def select_tokens(self, state: InterpState, rows_lane, row_ok, logits, cfg: InterpreterConfig,
+                    model_out: ModelOutput | None = None):
     state, chosen, refused = Rules.select_tokens(self, state, rows_lane, row_ok, logits, cfg)
-    if aux is None:  # after prefill: main's first token
+    if model_out is None:  # after prefill: main's first token
       return state, chosen, refused
     d: ThreadTrees = state.rule_state
     batch, num_q = chosen.shape
@@ -243,7 +245,7 @@ class PastaTreeRules(PastaRules):
     bonus = jnp.take_along_axis(node_choice, last[..., None], axis=-1)[..., 0]
     fed = node_fed[:, :, 0]
     last_lane = grid[jnp.arange(self.thread_lanes)[None, :], last]  # [B, P]
-    candidates = self.thread_candidates(d, aux, lane_row[b, last_lane], bonus, fed, num_q)
+    candidates = self.thread_candidates(d, model_out.head_input, lane_row[b, last_lane], bonus, fed, num_q)
     grew = jnp.any(node_fed[:, :, 1:], axis=-1)
     new = dataclasses.replace(
         d, path=path, bonus=bonus, accepted=depth[last] * fed,

@@ -124,7 +124,7 @@ class SuperposedRules(SequentialRules):
       step = jnp.where((d.length > 0)[:, None, None], smoothed, step)  # the first step: p_theta alone
     return tokens, d.score[:, :, None] + step
 
-  def select_tokens(self, state: InterpState, rows_lane, row_ok, logits, cfg: InterpreterConfig, aux=None):
+  def select_tokens(self, state: InterpState, rows_lane, row_ok, logits, cfg: InterpreterConfig, model_out=None):
     d: Drafts = state.rule_state
     k, c = self.drafts, self.num_candidates
     tokens, options = self.option_scores(d, logits[:, 0])
