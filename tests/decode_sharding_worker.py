@@ -20,9 +20,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from pasta_jax.decode import api, loop  # noqa: E402
-from pasta_jax.decode.runtime import Runtime
+from pasta_jax.decode.runtime import Runtime  # noqa: E402
 from pasta_jax.decode.sampling import SamplingConfig  # noqa: E402
-from pasta_jax.methods import Apar, Pasta, Sequential, generate, prepare_run
+from pasta_jax.methods import Apar, Pasta, Sequential, generate, prepare_run  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 
 PASTA = ('Two tips:\n<promise topic="sleep" tokens="20"/><async>- Sleep eight hours.\n</async>'
@@ -41,13 +41,13 @@ BRIEF = ("sequential-greedy", "pasta-forced")  # the families after the first: o
 
 def runs(model, mesh_or_none, cases=None):
   prompts = ["q", "tips?"]
-  kw = dict(mesh=mesh_or_none, max_new_tokens=12, lanes=4, return_logits=True)
+  kw = dict(runtime=Runtime(mesh=mesh_or_none), max_new_tokens=12, return_logits=True)
   table = {
       "sequential-greedy": lambda: generate(model, prompts, Sequential(), **kw),
       "sequential-sampled": lambda: generate(model, prompts, Sequential(), sampling=SAMPLED, **kw),
-      "pasta-free-sampled": lambda: generate(model, prompts, Pasta(), sampling=SAMPLED, **kw),
-      "pasta-forced": lambda: generate(model, prompts, Pasta(), forced_answers=[PASTA] * 2, **kw),
-      "apar-forced": lambda: generate(model, prompts, Apar(), forced_answers=[APAR] * 2, **kw),
+      "pasta-free-sampled": lambda: generate(model, prompts, Pasta(lanes=4), sampling=SAMPLED, **kw),
+      "pasta-forced": lambda: generate(model, prompts, Pasta(lanes=4), forced_answers=[PASTA] * 2, **kw),
+      "apar-forced": lambda: generate(model, prompts, Apar(lanes=4), forced_answers=[APAR] * 2, **kw),
   }
   return {name: [(r.records.tolist(), r.finished, r.truncated, [dataclass_tuple(t) for t in r.threads], r.logits)
                  for r in run()] for name, run in table.items() if cases is None or name in cases}

@@ -20,7 +20,7 @@ from pasta_jax.decode.rules.pruning import EarlyPrune
 from pasta_jax.decode.speculation import PROPD_PRUNE, early_prune, rules_and_inputs
 from pasta_jax.decode.tree import TokenTree
 from pasta_jax.errors import PastaError
-from pasta_jax.methods import Medusa, Propd, Sequential, generate, generate_ids
+from pasta_jax.methods import Medusa, Propd, Sequential, generate_ids
 from pasta_jax.model.gemma import RowSelect
 from pasta_jax.visibility import ThreadMask
 from tests.test_medusa import MODEL, PROMPTS, assert_same_greedy, drafter, plain_greedy, tokens_of, tree_step
@@ -159,8 +159,8 @@ def test_propd_prunes_by_default_only_with_a_trained_early_head_and_options_are_
   assert runs[0].speculation["prune_rate"] > 0
   with pytest.raises(PastaError, match="prune must be"):
     generate_ids(MODEL, PROMPTS[:1], Propd(heads=plain, latency=(1.0, 1.0), prune="yes"))
-  with pytest.raises(PastaError, match="prune are for methods medusa and propd"):
-    generate(MODEL, ["hi"], Sequential(prune=PRUNE))
+  with pytest.raises(TypeError, match="prune"):  # an option of the tree methods only
+    Sequential(prune=PRUNE)
 
 
 def logit_lens_numpy():

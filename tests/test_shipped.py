@@ -7,6 +7,7 @@ import json
 import pytest
 
 from pasta_jax.errors import WeightsError
+from pasta_jax.methods import Medusa, Pasta, PastaTrees
 from pasta_jax.model import load as load_lib
 from pasta_jax.model.lora import CONFIG_FILE, WEIGHTS_FILE
 from tests.marks import HEAVY
@@ -73,7 +74,7 @@ def test_the_tuned_default_loads_folded_and_forks_on_a_list_prompt():
   assert model.adapter is not None and "adapter" in model.describe()
   assert pasta_jax.load_model("base").adapter is None
   # 4 lanes, not 8: three lane buckets of the 18-layer model to trace and compile, not four
-  [result] = pasta_jax.generate(model, ["Give three tips for staying healthy."], max_new_tokens=128, lanes=4)
+  [result] = pasta_jax.generate(model, ["Give three tips for staying healthy."], Pasta(lanes=4), max_new_tokens=128)
   assert len(result.threads) > 1, result.annotated  # it writes its own tags and they fork
 
 
@@ -91,8 +92,8 @@ def test_the_tuned_default_decodes_with_its_medusa_heads_as_plain_greedy():
   import pasta_jax
   model = pasta_jax.load_model()
   prompts = ["Give three tips for staying healthy.", "What is the capital of France?"]
-  plain = pasta_jax.generate(model, prompts, method="sequential", max_new_tokens=24)
-  tree = pasta_jax.generate(model, prompts, method="medusa", tree_size=4, max_new_tokens=24)
+  plain = pasta_jax.generate(model, prompts, "sequential", max_new_tokens=24)
+  tree = pasta_jax.generate(model, prompts, Medusa(tree_size=4), max_new_tokens=24)
   for p, t in zip(plain, tree):
     assert t.records[:, 3].tolist() == p.records[:, 3].tolist()
     assert t.speculation["accept_length"] > 1.0  # the shipped heads guess some tokens right
@@ -105,8 +106,8 @@ def test_the_tuned_default_with_a_tree_on_every_thread_writes_its_pasta_answer()
   model = pasta_jax.load_model()
   prompt = ["Give three tips for staying healthy."]
   # a budget the answer finishes within: where the budget cuts it, threads that ran ahead in trees stop elsewhere
-  [pasta] = pasta_jax.generate(model, prompt, method="pasta", lanes=2, max_new_tokens=96)
-  [trees] = pasta_jax.generate(model, prompt, method="pasta+medusa", tree_size=4, lanes=2, max_new_tokens=96)
+  [pasta] = pasta_jax.generate(model, prompt, Pasta(lanes=2), max_new_tokens=96)
+  [trees] = pasta_jax.generate(model, prompt, PastaTrees(tree_size=4, lanes=2), max_new_tokens=96)
   assert pasta.finished and len(pasta.threads) > 1  # it forks
   assert trees.annotated == pasta.annotated  # and the trees change nothing
   assert trees.steps < pasta.steps
