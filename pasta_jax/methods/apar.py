@@ -7,25 +7,19 @@ import dataclasses
 from pasta_jax.decode import api
 from pasta_jax.decode.result import tree_result
 from pasta_jax.decode.rules import AparRules
-from pasta_jax.methods.base import Capabilities, Layout, Method, option_help
-from pasta_jax.methods.pasta import LANES, MAX_THREADS, check_lanes
+from pasta_jax.methods.base import Capabilities, Layout, Threaded, option_help
 from pasta_jax.methods.sequential import Sequential
 
 MAX_DEPTH = option_help("the fork depth limit (main = 0)", cli=False)
 
 
 @dataclasses.dataclass(frozen=True)
-class Apar(Method):
+class Apar(Threaded):
   name = "apar"
   summary = "APAR: fork tokens spawn children that decode beside their parent (an APAR-trained model)"
   capabilities = Capabilities(replay=True, shard=True, annotates=True)
 
-  lanes: int = dataclasses.field(default=8, metadata=LANES)
-  max_threads: int = dataclasses.field(default=64, metadata=MAX_THREADS)
   max_depth: int = dataclasses.field(default=3, metadata=MAX_DEPTH)
-
-  def check_options(self) -> None:
-    check_lanes(self.lanes, self.max_threads)
 
   def layout(self, model, scripts) -> Layout:
     return Layout(AparRules(max_depth=self.max_depth), self.lanes, self.max_threads)

@@ -16,6 +16,7 @@ The registry (`registry.py`) lists the methods; a new one is a new file here plu
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -75,13 +76,14 @@ def option_help(text: str, **extra) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class Method:
+class Method(abc.ABC):
   """A decoding method's options (subclasses add fields) and its hooks. Subclasses are frozen dataclasses."""
 
   name: ClassVar[str] = "method"
   summary: ClassVar[str] = ""  # one line: what it does (the CLI's --method help, the README's table)
   capabilities: ClassVar[Capabilities] = Capabilities()
-  position_mode: ClassVar[str] = "pred"  # the tag vocabulary's position mode (PASTA overrides it as an option)
+  # the tag vocabulary's position mode; unannotated so that PASTA can declare it as an option (a field)
+  position_mode = "pred"
 
   def __post_init__(self):
     try:
@@ -89,13 +91,13 @@ class Method:
     except ValueError as err:
       raise PastaError(f"method {self.name!r}: {err}") from None
 
-  def check_options(self) -> None:
+  def check_options(self) -> None:  # noqa: B027 (a hook: a method without options checks nothing)
     """Raises ValueError for a bad option (said with the method's name)."""
 
   # --- what the core runs ------------------------------------------------------------------------------
+  @abc.abstractmethod
   def layout(self, model, scripts) -> Layout:
     """The rule object, lanes and read-only inputs of a run (`scripts`: the forced scripts, or None)."""
-    raise NotImplementedError
 
   def scripts(self, answers: Sequence[str], model) -> list:
     """Forced answers (this method's text form) -> per-request, per-thread token scripts."""
@@ -166,3 +168,21 @@ class Method:
     changed = [f"{f.name}={getattr(self, f.name)!r}" for f in self.options()
                if f.default is not dataclasses.MISSING and getattr(self, f.name) != f.default]
     return f"{self.name}({', '.join(changed)})" if changed else self.name
+
+
+LANES = option_help("parallel lanes per request (lane 0 is main)")
+MAX_THREADS = option_help("threads per request (main and every fork it spawns)", cli=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Threaded(Method, abc.ABC):
+  """A method whose requests run several threads on a few lanes (PASTA, APAR, SoT, the scoped mode, trees)."""
+
+  lanes: int = dataclasses.field(default=8, metadata=LANES)
+  max_threads: int = dataclasses.field(default=64, metadata=MAX_THREADS)
+
+  def check_options(self) -> None:
+    if self.lanes < 1:
+      raise ValueError(f"lanes must be at least 1, got {self.lanes}")
+    if self.max_threads < 1:
+      raise ValueError(f"max_threads must be at least 1, got {self.max_threads}")

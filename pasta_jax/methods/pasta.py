@@ -9,29 +9,24 @@ from pasta_jax.decode.rules import PastaRules
 from pasta_jax.lang import schema
 from pasta_jax.lang.tags import tag_vocab_for
 from pasta_jax.lang.text import strip_tags
-from pasta_jax.methods.base import Capabilities, Layout, Method, option_help
+from pasta_jax.methods.base import Capabilities, Layout, Threaded, option_help
 from pasta_jax.methods.sequential import Sequential
-
-LANES = option_help("parallel lanes per request (lane 0 is main)")
-MAX_THREADS = option_help("threads per request (main and every fork it spawns)", cli=False)
 
 
 @dataclasses.dataclass(frozen=True)
-class Pasta(Method):
+class Pasta(Threaded):
   name = "pasta"
   summary = "PASTA: the model's promises fork threads that decode in parallel (streams; thread chart)"
   capabilities = Capabilities(stream=True, replay=True, shard=True, promises=True, distinct_topics=True,
                               threads=True, annotates=True)
   annotation_field = "annotated"
 
-  lanes: int = dataclasses.field(default=8, metadata=LANES)
-  max_threads: int = dataclasses.field(default=64, metadata=MAX_THREADS)
   position_mode: str = dataclasses.field(
       default="pred", metadata=option_help("block positions: " + ", ".join(schema.POSITION_MODES),
                                            cli=False))
 
   def check_options(self) -> None:
-    check_lanes(self.lanes, self.max_threads)
+    super().check_options()
     schema.length_step(self.position_mode)  # raises for an unknown mode
 
   def layout(self, model, scripts) -> Layout:
@@ -52,10 +47,3 @@ class Pasta(Method):
     lang, vocab = api.LangTokenizer(model.tokenizer), tag_vocab_for(model.tokenizer, self.position_mode)
     return [api.forced_scripts(a, lang, vocab, f"forced answer {i}: ", self.position_mode)
             for i, a in enumerate(answers)]
-
-
-def check_lanes(lanes: int, max_threads: int) -> None:
-  if lanes < 1:
-    raise ValueError(f"lanes must be at least 1, got {lanes}")
-  if max_threads < 1:
-    raise ValueError(f"max_threads must be at least 1, got {max_threads}")

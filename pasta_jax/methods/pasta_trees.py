@@ -7,25 +7,19 @@ import dataclasses
 from typing import Any
 
 from pasta_jax.decode import speculation
-from pasta_jax.methods.base import Capabilities, Layout, Method, Setup, option_help
+from pasta_jax.methods.base import Capabilities, Layout, Setup, Threaded, option_help
 from pasta_jax.methods.medusa import CHOICES, HEADS, speculation_result
-from pasta_jax.methods.pasta import LANES, MAX_THREADS, check_lanes
 
 
 @dataclasses.dataclass(frozen=True)
-class PastaTrees(Method):
+class PastaTrees(Threaded):
   name = "pasta+medusa"
   summary = "PASTA x trees: PASTA's threads, every live one speculating with its own Medusa tree (thread chart)"
   capabilities = Capabilities(stream=True, promises=True, threads=True)
 
-  lanes: int = dataclasses.field(default=8, metadata=LANES)
-  max_threads: int = dataclasses.field(default=64, metadata=MAX_THREADS)
   tree_size: int = dataclasses.field(default=speculation.THREAD_TREE, metadata=option_help("each thread's tree"))
   heads: Any = dataclasses.field(default=None, metadata=HEADS)
   choices: Any = dataclasses.field(default=None, metadata=CHOICES)
-
-  def check_options(self) -> None:
-    check_lanes(self.lanes, self.max_threads)
 
   def setup(self, model, setup: Setup) -> PastaTrees:
     return dataclasses.replace(self, heads=speculation.load_drafter(model, self.heads))

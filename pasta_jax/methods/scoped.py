@@ -10,23 +10,17 @@ from pasta_jax.decode.result import scoped_result
 from pasta_jax.decode.rules import ScopedRules
 from pasta_jax.lang import scoped
 from pasta_jax.methods.apar import MAX_DEPTH
-from pasta_jax.methods.base import Capabilities, Layout, Method
-from pasta_jax.methods.pasta import LANES, MAX_THREADS, check_lanes
+from pasta_jax.methods.base import Capabilities, Layout, Threaded
 
 
 @dataclasses.dataclass(frozen=True)
-class Scoped(Method):
+class Scoped(Threaded):
   name = "pasta-v0"
   summary = "the earlier PASTA's scoped tags: <scope> and <promise/> fork nested threads (thread chart)"
   capabilities = Capabilities(replay=True, promises=True, threads=True, annotates=True)
   annotation_field = "scoped"
 
-  lanes: int = dataclasses.field(default=8, metadata=LANES)
-  max_threads: int = dataclasses.field(default=64, metadata=MAX_THREADS)
   max_depth: int = dataclasses.field(default=3, metadata=MAX_DEPTH)  # of scopes and of fork nesting
-
-  def check_options(self) -> None:
-    check_lanes(self.lanes, self.max_threads)
 
   def layout(self, model, scripts) -> Layout:
     return Layout(ScopedRules(max_depth=self.max_depth), self.lanes, self.max_threads)

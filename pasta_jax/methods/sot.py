@@ -10,21 +10,15 @@ from pasta_jax.decode.result import tree_result
 from pasta_jax.decode.rules import SotRules
 from pasta_jax.errors import PastaError
 from pasta_jax.methods.apar import apar_form_scripts
-from pasta_jax.methods.base import Capabilities, Layout, Method
-from pasta_jax.methods.pasta import LANES, MAX_THREADS, check_lanes
+from pasta_jax.methods.base import Capabilities, Layout, Threaded
 
 
 @dataclasses.dataclass(frozen=True)
-class Sot(Method):
+class Sot(Threaded):
   name = "sot"
   summary = "Skeleton-of-Thought: an outline, then every point expanded in its own lane (served in two stages)"
   capabilities = Capabilities(replay=True, needs_scripts=True)
 
-  lanes: int = dataclasses.field(default=8, metadata=LANES)
-  max_threads: int = dataclasses.field(default=64, metadata=MAX_THREADS)
-
-  def check_options(self) -> None:
-    check_lanes(self.lanes, self.max_threads)
 
   def layout(self, model, scripts) -> Layout:
     if not scripts or len({len(s) for s in scripts}) != 1:
