@@ -4,8 +4,10 @@ LLM annotator.
 Judging and annotating runs send thousands of requests to endpoints that throttle, hiccup and
 sometimes answer garbage, so the client retries what a retry can fix: timeouts, connection errors,
 HTTP 408/409/429 and 5xx (exponential backoff with jitter, honouring `Retry-After`), and malformed
-replies (a few times). Other 4xx are our mistake and fail at once. The API key is sent in a header
-and never appears in reprs, logs or error messages (a server echoing it back is redacted too).
+replies (a few times), among them logprobs that are no numbers (NaN, +inf, missing). Other 4xx are our
+mistake and fail at once. The API key is sent in a header and never appears in reprs, logs or error
+messages (a server echoing it back is redacted too). It stays home, too: redirects are never followed,
+and plain http:// carries it only to a loopback host unless `allow_insecure_key` says otherwise.
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ from __future__ import annotations
 import dataclasses
 import email.utils
 import http.client
+import ipaddress
 import json
 import logging
+import math
 import os
 import random
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 
@@ -54,10 +59,17 @@ class EndpointConfig:
   backoff_s: float = 1.0
   max_backoff_s: float = 60.0
   requests_per_minute: float | None = None
+  allow_insecure_key: bool = False  # send the key over plain http:// to a host that is not loopback
 
   def __post_init__(self):
     if not self.base_url.startswith(("http://", "https://")):
       raise EndpointError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+    if self.api_key and self.base_url.startswith("http://") and not self.allow_insecure_key:
+      host = urllib.parse.urlsplit(self.base_url).hostname or ""
+      if not is_loopback(host):
+        raise EndpointError(f"refusing to send the API key in clear text to {self.base_url}: use https://, a "
+                            "loopback host, or allow it explicitly (--allow-http-key; EndpointConfig."
+                            "allow_insecure_key=True)")
     if not self.model:
       raise EndpointError("model must be named (the endpoint's model id)")
     checks = {"timeout_s": self.timeout_s > 0, "max_retries": self.max_retries >= 0,
@@ -94,6 +106,52 @@ class Completion:
   token_logprobs: tuple[tuple[str, dict[str, float]], ...] | None = None
 
 
+def is_loopback(host: str) -> bool:
+  """localhost, 127.0.0.0/8 or ::1: a host whose traffic never leaves the machine."""
+  if host.lower() == "localhost":
+    return True
+  try:
+    return ipaddress.ip_address(host.strip("[]")).is_loopback
+  except ValueError:
+    return False  # a name other than localhost may resolve anywhere
+
+
+def origin(url: str) -> str:
+  """scheme://host[:port] of a URL, for messages that must name a host but never a path or credentials."""
+  parts = urllib.parse.urlsplit(url)
+  host = parts.hostname or "?"
+  if ":" in host:
+    host = f"[{host}]"
+  try:
+    port = parts.port
+  except ValueError:
+    port = None
+  return f"{parts.scheme}://{host}" + (f":{port}" if port else "")
+
+
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+  """Redirects end the request with an error naming both hosts, whatever the target.
+
+  Following only same-origin redirects would also keep the key home, but refusing all of them is
+  the safer rule and loses nothing: urllib turns a redirected POST into a body-less GET (and does
+  not follow 307/308 for POST at all), so no redirect of a chat-completions request ever worked.
+  A redirect means base_url is not the endpoint's own address; the user should name that one.
+  """
+
+  def redirect_request(self, req, fp, code, msg, headers, newurl):
+    try:
+      fp.close()
+    except OSError:
+      pass
+    target = urllib.parse.urljoin(req.full_url, newurl)
+    raise EndpointError(f"{origin(req.full_url)} redirected (HTTP {code}) to {origin(target)}: redirects are not "
+                        f"followed, so the API key stays with the configured host; set base_url to the endpoint's "
+                        f"own address", status=code)
+
+
+_OPENER = urllib.request.build_opener(_RefuseRedirects)  # urllib's default handlers, but no redirects
+
+
 class _Retry(Exception):
   def __init__(self, reason: str, wait: float | None = None, malformed: bool = False):
     super().__init__(reason)
@@ -106,7 +164,7 @@ class ChatClient:
   Thread-safe: the annotator shares one client between its workers, so the rate limit is global.
   """
 
-  def __init__(self, config: EndpointConfig, *, urlopen: Callable = urllib.request.urlopen,
+  def __init__(self, config: EndpointConfig, *, urlopen: Callable = _OPENER.open,
                sleep: Callable[[float], None] = time.sleep, rng: random.Random | None = None,
                clock: Callable[[], float] = time.monotonic):
     self.config, self._urlopen, self._sleep, self._clock = config, urlopen, sleep, clock
@@ -162,7 +220,9 @@ class ChatClient:
 
   def _once(self, payload: bytes) -> Completion:
     request = urllib.request.Request(f"{self.config.base_url}/chat/completions", data=payload,
-                                     headers={"Content-Type": "application/json", **self._auth()}, method="POST")
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    for name, value in self._auth().items():  # unredirected: urllib copies no such header onto a redirect
+      request.add_unredirected_header(name, value)
     try:
       with self._urlopen(request, timeout=self.config.timeout_s) as response:
         raw = response.read()
@@ -204,15 +264,30 @@ def _parse(raw: bytes) -> Completion:
 
 
 def _token_logprobs(choice: dict) -> tuple[tuple[str, dict[str, float]], ...] | None:
-  """Per generated token (token, {alternative: logprob}); None when the endpoint gave none."""
+  """Per generated token (token, {alternative: logprob}); None when the endpoint gave none.
+
+  An alternative whose logprob is NaN, +inf, null or missing makes the reply malformed (retried):
+  a judge would turn it into a NaN verdict. -inf is a probability of zero, and kept.
+  """
   try:
     content = choice["logprobs"]["content"]
     out = tuple((str(item.get("token", "")),
-                 {alt["token"]: float(alt["logprob"]) for alt in item.get("top_logprobs") or []})
+                 {alt["token"]: _logprob(alt) for alt in item.get("top_logprobs") or []})
                 for item in content)
   except (KeyError, IndexError, TypeError, ValueError, AttributeError):
     return None  # the endpoint gave no (or unreadable) logprobs: callers fall back to the text
   return out if out and out[0][1] else None
+
+
+def _logprob(alt: dict) -> float:
+  value = alt.get("logprob")
+  try:
+    number = None if isinstance(value, bool) or not isinstance(value, int | float) else float(value)
+  except OverflowError:  # an integer past float range: no logprob either
+    number = None
+  if number is None or math.isnan(number) or number == math.inf:
+    raise _Retry(f"malformed reply (logprob {repr(value)[:20]} for token {str(alt.get('token'))[:20]!r})")
+  return number
 
 
 def _read_body(err: urllib.error.HTTPError) -> bytes:

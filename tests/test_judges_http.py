@@ -258,14 +258,14 @@ def test_key_never_in_repr_logs_or_errors(caplog):
 
 
 def test_config_from_env(monkeypatch):
-  monkeypatch.setenv("PASTA_JUDGE_BASE_URL", "http://x/v1/")
+  monkeypatch.setenv("PASTA_JUDGE_BASE_URL", "https://x/v1/")
   monkeypatch.delenv("PASTA_JUDGE_MODEL", raising=False)
   with pytest.raises(EndpointError, match="set PASTA_JUDGE_MODEL"):
     EndpointConfig.from_env()
   monkeypatch.setenv("PASTA_JUDGE_MODEL", "gpt-x")
   monkeypatch.setenv("PASTA_JUDGE_API_KEY", KEY)
   config = EndpointConfig.from_env(timeout_s=5)
-  assert (config.base_url, config.model, config.api_key, config.timeout_s) == ("http://x/v1", "gpt-x", KEY, 5)
+  assert (config.base_url, config.model, config.api_key, config.timeout_s) == ("https://x/v1", "gpt-x", KEY, 5)
   monkeypatch.delenv("PASTA_ANNOTATOR_BASE_URL", raising=False)
   monkeypatch.delenv("PASTA_ANNOTATOR_MODEL", raising=False)
   with pytest.raises(EndpointError, match="PASTA_ANNOTATOR_BASE_URL and PASTA_ANNOTATOR_MODEL"):

@@ -25,6 +25,9 @@ def add_annotate_parser(subparsers) -> None:
   parser.add_argument("--verify", action="store_true", help="keep only annotations the local model verifies")
   parser.add_argument("--model", default=None, help="model for --verify (default: the embedded Gemma 3 270M)")
   parser.add_argument("--concurrency", type=int, default=4, help="parallel LLM requests")
+  parser.add_argument("--allow-http-key", action="store_true",
+                      help="--with llm: send PASTA_ANNOTATOR_API_KEY over plain http:// to a host that is not "
+                           "loopback (refused by default: anyone on the path could read the key)")
   parser.add_argument("--limit", type=int, default=None)
 
 
@@ -57,16 +60,18 @@ def _pasta_rows(records, args, out: Path) -> tuple[list[dict], str]:
 
 def _promise_rows(records, args, out: Path) -> list[dict]:
   from pasta_jax.commands.data_stats import load_tokenizer
+  from pasta_jax.data import llm_annotator
   from pasta_jax.decode.api import LangTokenizer
+  client = None
+  if args.kind == "llm":  # a misconfigured endpoint is named before the tokenizer loads
+    client = llm_annotator.client_from_env(allow_insecure_key=args.allow_http_key)
   lang = LangTokenizer(load_tokenizer())
   count = lambda text: len(lang.encode(text))  # noqa: E731
   if args.kind == "structural":
     from pasta_jax.data.structural import annotate
     return [{**r, "annotated": annotate(r["output"], count)} for r in tqdm(records, desc="annotating")]
-  from pasta_jax.data import llm_annotator
   progress_file = out.with_suffix(".progress.jsonl")  # resumable: one row per record id
-  counts = llm_annotator.annotate_file(records, llm_annotator.client_from_env(), progress_file, count,
-                                       concurrency=args.concurrency)
+  counts = llm_annotator.annotate_file(records, client, progress_file, count, concurrency=args.concurrency)
   print(f"LLM annotator: {counts}")
   from pasta_jax.runfiles import read_rows
   done = {row["id"]: row for row in read_rows(progress_file)}

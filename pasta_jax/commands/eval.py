@@ -43,6 +43,9 @@ def build_eval_parser(subparsers) -> argparse.ArgumentParser:
                            "cost (int8 on a CPU; decode/certified_head.py): the same answers, faster steps of 2-3 rows")
   parser.add_argument("--judge", default="auto", metavar="auto|none|http|local[:MODEL]",
                       help="pairwise judge for quality; auto = http if PASTA_JUDGE_BASE_URL is set, else none")
+  parser.add_argument("--allow-http-key", action="store_true",
+                      help="let the http judge send PASTA_JUDGE_API_KEY over plain http:// to a host that is not "
+                           "loopback (refused by default: anyone on the path could read the key)")
   parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
   return parser
 
@@ -65,7 +68,7 @@ def run_eval(args) -> int:
   identity = dict(prompts=sources.dataset_name(args.prompts), model=args.model, **settings.identity())
   out = Path(args.out)
   load = lambda path: M.cached_model(path)
-  judge, judge_note = make_judge(args.judge, out, load)
+  judge, judge_note = make_judge(args.judge, out, load, allow_http_key=args.allow_http_key)
   baseline = registry.build_method(baseline_spec, settings, load, args.model)
   methods = [registry.build_method(spec, settings, load, args.model) for spec in specs]
   results = evaluate(records, baseline, methods, out, identity=identity, judge=judge, judge_note=judge_note,

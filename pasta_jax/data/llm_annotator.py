@@ -39,7 +39,8 @@ ENV_PREFIX = "PASTA_ANNOTATOR"
 PROMPT_VERSION = "annotator-v1"
 MIN_BLOCK_WORDS, MAX_TOPIC_WORDS = 5, 3
 MAX_REPLY_TOKENS = 8192  # many endpoints refuse larger max_tokens; longer answers are rare in SFT pools
-FATAL_STATUS = (401, 403, 404)  # a wrong key, model or URL: every request would fail the same way
+# a wrong key, model or URL, or a redirect (never followed): every request would fail the same way
+FATAL_STATUS = (301, 302, 303, 307, 308, 401, 403, 404)
 MAX_FAILURES_IN_A_ROW = 8  # an endpoint that is down: stop, rather than spend hours retrying each answer
 WORD = re.compile(r"[^\W_]+(?:['’-][^\W_]+)*")  # words, not list markers or punctuation
 ANSWER_HEADER = "Answer to mark up:\n"

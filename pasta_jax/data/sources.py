@@ -16,12 +16,13 @@ Ids become strings and must be unique in a file.
 
 from __future__ import annotations
 
-import json
 import os
+import reprlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from pasta_jax import jsonl
 from pasta_jax.errors import PastaError
 
 FIELDS = ("id", "instruction", "input", "output")
@@ -85,25 +86,12 @@ def read_records(name_or_path: str | os.PathLike, max_records: int | None = None
 
 
 def iter_json_lines(path: Path) -> Iterator[tuple[int, dict]]:
-  """(1-based line number, object) for every non-blank line."""
-  try:
-    handle = open(path, encoding="utf-8")
-  except OSError as e:
-    raise DataError(f"cannot open data file {path}: {e.strerror}") from None
-  with handle:
-    try:
-      for line_number, line in enumerate(handle, start=1):
-        if not line.strip():
-          continue
-        try:
-          value = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise DataError(f"{path}:{line_number}: bad JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(value, dict):
-          raise DataError(f"{path}:{line_number}: expected a JSON object, got {type(value).__name__}")
-        yield line_number, value
-    except UnicodeDecodeError as e:
-      raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+  """(1-based line number, object) for every non-blank line; any line that is no readable JSON object
+  (bad JSON, not UTF-8, nested too deeply, a number too long for Python) is a DataError naming it."""
+  for line_number, value in jsonl.iter_jsonl(path, DataError):
+    if not isinstance(value, dict):
+      raise DataError(f"{path}:{line_number}: expected a JSON object, got {type(value).__name__}")
+    yield line_number, value
 
 
 def normalize(raw: Mapping[str, Any], where: str) -> dict[str, str]:
@@ -116,6 +104,11 @@ def normalize(raw: Mapping[str, Any], where: str) -> dict[str, str]:
     record = _from_alpaca(raw, where)
   if not record["instruction"].strip():
     raise DataError(f"{where}: field 'instruction' is empty")
+  for key, value in record.items():
+    try:
+      value.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate escape such as \ud800: valid JSON, but no text
+      raise DataError(f"{where}: field {key!r} holds an unpaired surrogate at character {e.start}") from None
   return {key: value for key, value in record.items() if key in FIELDS or value}
 
 
@@ -146,7 +139,7 @@ def _id(raw: Mapping[str, Any], field: str, where: str) -> str:
     raise DataError(f"{where}: missing field {field!r}")
   value = raw[field]
   if isinstance(value, bool) or not isinstance(value, int | str) or str(value) == "":
-    raise DataError(f"{where}: field {field!r} must be a non-empty string or an integer, got {value!r}")
+    raise DataError(f"{where}: field {field!r} must be a non-empty string or an integer, got {reprlib.repr(value)}")
   return str(value)
 
 

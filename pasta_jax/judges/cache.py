@@ -3,17 +3,20 @@ judge and the exact ordered pair, so an interrupted run never judges the same pa
 
 Judging is the slow, paid part of an evaluation; a run killed at pair 700 of 800 must not pay for
 the first 700 again. A row cut in half by the kill is skipped on reading (runfiles.read_rows), and
-that pair is simply judged again.
+that pair is simply judged again. Only verdicts with a probability in [0, 1] are written or read
+back: a NaN from a misbehaving judge fails its pair instead of standing in the file for good.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 from pathlib import Path
 
 from pasta_jax import runfiles
+from pasta_jax.errors import PastaError
 from pasta_jax.judges.base import Judge, Verdict
 
 RAW_CHARS = 500  # enough of the judge's reply to audit it, without bloating the file
@@ -54,6 +57,9 @@ class CachedJudge:
     try:
       fresh = self.inner.compare(instruction, first, second)
       verdict = Verdict(float(fresh.p_first), fresh.raw[:RAW_CHARS])  # as a resumed run will read it back
+      if not valid_p(verdict.p_first):
+        raise PastaError(f"judge {self.name} gave P(first) = {verdict.p_first!r}, not a probability; "
+                         "the verdict is not cached")
       with self._lock:
         runfiles.append_row(self.path, {"key": key, "judge": self.name, "p_first": verdict.p_first,
                                         "raw": verdict.raw})
@@ -65,10 +71,17 @@ class CachedJudge:
         self._pending.pop(key).set()
 
 
+def valid_p(p: float) -> bool:
+  return math.isfinite(p) and 0.0 <= p <= 1.0
+
+
 def _cached_rows(path: Path):
-  """(key, Verdict) of the file's complete rows; rows of another shape are skipped, not fatal."""
+  """(key, Verdict) of the file's complete rows; rows of another shape, or with a p_first that is no
+  probability (NaN, say, from an older run), are skipped, not fatal: their pairs are judged again."""
   for row in runfiles.read_rows(path):
     try:
-      yield str(row["key"]), Verdict(float(row["p_first"]), str(row.get("raw", "")))
-    except (KeyError, TypeError, ValueError):
+      key, verdict = str(row["key"]), Verdict(float(row["p_first"]), str(row.get("raw", "")))
+    except (KeyError, TypeError, ValueError, OverflowError):
       continue
+    if valid_p(verdict.p_first):
+      yield key, verdict

@@ -20,12 +20,14 @@ BASE_MODEL_NOTE = ("The judge is the embedded Gemma 3 270M base model: not a mea
                    "judging instructions); treat win rates as a smoke test.")
 
 
-def make_judge(spec: str, out_dir: Path, load_model: Callable[[str | None], object]) -> tuple[Judge | None, str]:
+def make_judge(spec: str, out_dir: Path, load_model: Callable[[str | None], object], *,
+               allow_http_key: bool = False) -> tuple[Judge | None, str]:
   """(the judge `spec` names, cached in out_dir/verdicts.jsonl, or None; a note for the report).
 
   auto is http when PASTA_JUDGE_BASE_URL is set, else none; local without a MODEL is the base model.
   load_model: a path (None: the base model) -> a loaded model; pass the run's model cache, so that a local
-  judge and the methods it judges share one copy of a model."""
+  judge and the methods it judges share one copy of a model. allow_http_key: an http judge may send its
+  API key over plain http:// to a host that is not loopback (EndpointConfig.allow_insecure_key)."""
   kind, _, model_path = spec.partition(":")
   if kind == "auto":
     if not os.environ.get(JUDGE_URL_ENV):
@@ -34,7 +36,7 @@ def make_judge(spec: str, out_dir: Path, load_model: Callable[[str | None], obje
   if kind == "none":
     return None, "--judge none."
   if kind == "http":
-    judge, note = HttpJudge(EndpointConfig.from_env()), ""
+    judge, note = HttpJudge(EndpointConfig.from_env(allow_insecure_key=allow_http_key)), ""
   elif kind == "local":
     judge, note = LocalJudge(load_model(model_path or None)), "" if model_path else BASE_MODEL_NOTE
   else:

@@ -24,13 +24,14 @@ def p_first_from_logprobs(top: dict[str, float]) -> float | None:
 
   Tokens that spell the same letter (' A', 'A', '[[A') add up, so tokenizers' variants all count.
   """
+  letters = [(letter, logprob) for token, logprob in top.items() if (letter := prompt.letter_of(token)) is not None]
+  peak = max((logprob for _, logprob in letters), default=-math.inf)
+  if not math.isfinite(peak):
+    return None  # no letter, or only letters of probability zero (NaN/+inf never get here: the client refuses them)
   mass = {"A": 0.0, "B": 0.0}
-  for token, logprob in top.items():
-    letter = prompt.letter_of(token)
-    if letter is not None:
-      mass[letter] += math.exp(logprob)
-  total = mass["A"] + mass["B"]
-  return mass["A"] / total if total > 0 else None
+  for letter, logprob in letters:
+    mass[letter] += math.exp(logprob - peak)  # relative to the largest: no overflow, whatever the server sent
+  return mass["A"] / (mass["A"] + mass["B"])
 
 
 def verdict_logprobs(reply: Completion) -> dict[str, float] | None:

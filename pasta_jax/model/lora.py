@@ -183,7 +183,7 @@ def load_adapter(folder: str | os.PathLike) -> tuple[dict, AdapterConfig, dict]:
     meta = json.loads((folder / CONFIG_FILE).read_text())
     config = AdapterConfig.from_dict(meta["adapter"])
     flat = load_file(str(folder / WEIGHTS_FILE))
-  except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
+  except (OSError, KeyError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deeply
     raise WeightsError(f"cannot read the adapter in {folder}: {e}") from None
   tree: dict = {}
   for name, value in flat.items():

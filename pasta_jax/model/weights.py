@@ -347,7 +347,7 @@ class SafetensorsFolder:
     if index.exists():
       try:
         weight_map = json.loads(index.read_text())["weight_map"]
-      except (ValueError, KeyError, TypeError) as e:
+      except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: nested too deeply
         raise WeightsError(f"corrupt shard index {index}: {e}") from None
       shards = sorted(set(weight_map.values()))
       missing = [s for s in shards if not (self.folder / s).is_file()]
@@ -394,7 +394,7 @@ def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
     raise WeightsError(f"no config.json in {folder}")
   try:
     return json.loads(path.read_text())
-  except ValueError as e:
+  except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply to parse
     raise ConfigError(f"corrupt {path}: {e}") from None
 
 
