@@ -125,13 +125,13 @@ def test_a_prompt_longer_than_the_pool_is_refused():
 
 
 def test_settled_text_of_every_partial_run_is_a_prefix_of_the_final_text():
-  """Streaming (`serve.streaming.settled_ids`): at every step of forking PASTA runs, the settled content is a
+  """Streaming (`decode.streaming.settled_ids`): at every step of forking PASTA runs, the settled content is a
   prefix of the final answer's content (nothing streamed is taken back), and for a finished run it grows to
   all of it but the held-back token."""
   from pasta_jax.decode.result import content_ids
   from pasta_jax.decode.state import STEP
+  from pasta_jax.decode.streaming import settled_ids
   from pasta_jax.lang import metrics
-  from pasta_jax.serve.streaming import settled_ids
   cfg = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=16, pool_slots=POOL, max_steps=96, max_content=48)
   rng = np.random.default_rng(1)
   prompts = [[int(t) for t in rng.integers(70, 120, size=n)] for n in (4, 9, 13, 6)]

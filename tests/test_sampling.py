@@ -9,14 +9,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pasta_jax.decode.sampling import SamplingConfig, first_max_index, penalize_repeats, sample, sample_rows
+from pasta_jax.decode.sampling import (
+  RowSampling,
+  SamplingConfig,
+  first_max_index,
+  penalize_repeats,
+  sample,
+  sample_rows,
+  truncate,
+)
 
 LOGITS = jnp.log(jnp.array([0.5, 0.25, 0.15, 0.07, 0.03]))
 
 
 def draws(cfg: SamplingConfig, n: int = 4000) -> np.ndarray:
   keys = jax.random.split(jax.random.key(cfg.seed), n)
-  return np.asarray(sample_rows(jnp.broadcast_to(LOGITS, (n, 5)), keys, cfg))
+  rows = jax.tree.map(jnp.asarray, RowSampling.of([cfg] * n))
+  return np.asarray(sample_rows(jnp.broadcast_to(LOGITS, (n, 5)), keys, rows, cfg.envelope()))
 
 
 def test_greedy_is_argmax():
@@ -87,3 +96,54 @@ def test_repetition_penalty_equals_transformers(penalty):
 def test_repetition_penalty_must_be_positive():
   with pytest.raises(ValueError, match="repetition_penalty"):
     SamplingConfig(repetition_penalty=0.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), top_k=st.integers(0, 12), top_p=st.floats(0.05, 1.0),
+       temperature=st.floats(0.2, 2.0))
+def test_truncation_equals_transformers_top_k_then_top_p(seed, top_k, top_p, temperature):
+  """A row's kept tokens are those Hugging Face's TopKLogitsWarper then TopPLogitsWarper keep (on distinct logits:
+  ties are the one place the two may differ)."""
+  torch = pytest.importorskip("torch")
+  from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+  logits = np.random.default_rng(seed).permutation(np.linspace(-4, 4, 40)).astype(np.float32)[None] / temperature
+  want = torch.tensor(logits)
+  if top_k:
+    want = TopKLogitsWarper(top_k)(None, want)
+  if top_p < 1.0:
+    want = TopPLogitsWarper(top_p)(None, want)
+  got = truncate(jnp.asarray(logits), jnp.asarray([top_k]), jnp.asarray([top_p], jnp.float32))
+  np.testing.assert_array_equal(np.isfinite(want.numpy()) & (want.numpy() > -1e30),
+                                np.asarray(got) > np.finfo(np.float32).min)
+
+
+ROW_CONFIGS = st.builds(SamplingConfig, temperature=st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.7]),
+                        top_k=st.sampled_from([0, 1, 3]), top_p=st.sampled_from([1.0, 0.9, 0.4]),
+                        seed=st.integers(0, 2**32 - 1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(configs=st.lists(ROW_CONFIGS, min_size=1, max_size=6), logit_seed=st.integers(0, 1000))
+def test_each_row_samples_as_it_would_alone(configs, logit_seed):
+  """A batch whose rows have different settings (one program, the envelope covering them all) draws for every row
+  exactly what `sample` draws for that row with its own settings: greedy rows their argmax, the others by their own
+  temperature, top-k and top-p."""
+  logits = jnp.asarray(np.random.default_rng(logit_seed).normal(size=(len(configs), 30)).astype(np.float32) * 3)
+  keys = jax.random.split(jax.random.key(logit_seed), len(configs))
+  rows = jax.tree.map(jnp.asarray, RowSampling.of(configs))
+  got = sample_rows(logits, keys, rows, SamplingConfig.covering(configs))
+  want = [int(sample(logits[i], keys[i], cfg)) for i, cfg in enumerate(configs)]
+  assert np.asarray(got).tolist() == want
+  for i, cfg in enumerate(configs):
+    if cfg.greedy:
+      assert want[i] == int(jnp.argmax(logits[i]))
+
+
+def test_an_envelope_covers_what_it_compiled_and_refuses_more():
+  greedy, hot = SamplingConfig(), SamplingConfig(temperature=0.7, top_p=0.9, repetition_penalty=1.2)
+  assert SamplingConfig.covering([greedy, hot]).covers(hot) and SamplingConfig.covering([greedy, hot]).covers(greedy)
+  assert not greedy.envelope().covers(hot)
+  assert hot.envelope() == SamplingConfig(temperature=0.3, top_k=5, repetition_penalty=1.5).envelope()
+  with pytest.raises(ValueError, match="distinct_topics"):
+    SamplingConfig.covering([greedy, SamplingConfig(distinct_topics=True)])

@@ -160,8 +160,8 @@ def test_request_sampling_fills_only_what_the_request_leaves_unset():
   folder = {"repetition_penalty": 1.1, "distinct_topics": True}
   assert request_sampling(CompletionBody(prompt="x", method="pasta"), folder) == SamplingConfig(
       repetition_penalty=1.1, distinct_topics=True)
-  own = CompletionBody(prompt="x", method="sequential", repetition_penalty=1.0, temperature=0.5)
-  assert request_sampling(own, folder) == SamplingConfig(temperature=0.5)  # PASTA's topics rule only for pasta
+  own = CompletionBody(prompt="x", method="sequential", repetition_penalty=1.0, temperature=0.5, seed=3)
+  assert request_sampling(own, folder) == SamplingConfig(temperature=0.5, seed=3)  # PASTA's topics rule only for pasta
   assert request_sampling(CompletionBody(prompt="x"), {}) == SamplingConfig()
 
 
@@ -198,7 +198,8 @@ def test_an_idle_keep_alive_connection_outlives_the_clients_pool_expiry(server):
     ({"prompt": "hi", "method": "telepathy"}, 400, "method"),
     ({"prompt": "hi", "n": 2}, 400, "n"),
     ({"prompt": "hi", "n": 4, "method": "superposed"}, 400, "n"),  # more choices than the server's 3 drafts
-    ({"prompt": "hi", "seed": 3}, 400, "seed"),
+    ({"prompt": "hi", "seed": 2 ** 32}, 400, "seed"),
+    ({"prompt": "hi", "max_tokens": "7"}, 400, "max_tokens"),  # strict: a string is not a number
     ({"prompt": "y" * 300}, 400, "prompt"),
     ({"prompt": "y" * 200, "method": "sot"}, 400, "prompt"),  # fits, but SoT's skeleton prompt does not
     ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),

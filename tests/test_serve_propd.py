@@ -10,6 +10,7 @@ import pytest
 from pasta_jax.decode import speculation
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.methods import Propd, Sequential, generate_ids
+from pasta_jax.serve.batches import batch_key
 from pasta_jax.serve.engine import Engine, Request, ServeConfig
 from pasta_jax.serve.propd import PINNED_ELSEWHERE, OnlineLatency
 from tests.test_serve import HEADS, MODEL
@@ -71,6 +72,6 @@ def test_a_served_propd_compiles_a_small_tree_unless_told(tree_size, want):
   """The server has no calibration run to size ProPD's compiled tree, and its online model times every size."""
   engine = Engine(MODEL, ServeConfig(batch=2, pool_slots=256, max_tokens=32,
                                      methods=(Propd(heads=HEADS, tree_size=tree_size),)))
-  entry = engine._batch_for((engine.method_named("propd"), SamplingConfig()))
+  entry = engine._batch_for(batch_key(engine.method_named("propd"), SamplingConfig(), certify_head=False))
   assert entry.prep.cfg.rules.tree.size == want
   assert entry.latency.sizes == tuple(s for s in (1, 2, 4, 8) if s <= want)

@@ -5,7 +5,10 @@
 The stages' code is `pasta_jax.training.medusa` (distill, heads, early); this command reads the flags and
 runs the stages asked for.
 
-Stages, each resumable (a finished stage is skipped; `distill` appends and resumes per batch):
+Stages, each resumable, also after a kill at any moment (a finished stage is skipped; `distill` appends and
+resumes per batch; every file is written whole, the heads folder published with a completion marker last).
+A run folder keeps the settings that decide its data and heads (run.json): a rerun with other ones is refused,
+naming them.
   distill  self-distillation data: the model's own greedy answers to training-pool prompts (Medusa-2's advice
            for models whose training data is not at hand), written as token ids to distill.jsonl;
   train    the heads on a frozen base: loss sum_k 0.8^k CE(head_k) (`pasta_jax.model.medusa`), the base's
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pasta_jax import runfiles
 from pasta_jax.model import medusa
 from pasta_jax.model.load import load_model
 from pasta_jax.training.medusa import distill, early, heads
@@ -54,16 +58,25 @@ def parse_args(argv=None) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
+def identity(args: argparse.Namespace) -> dict:
+  """The settings a resumed run must share with the run in its folder: those that decide the distilled answers,
+  the split and the heads (--prompts may grow: the pool prompts are a prefix-stable list; --batch and the
+  calibration and early-head flags rerun cheaply or decide nothing kept)."""
+  return {"model": args.model, "new_tokens": args.new_tokens, "heads": args.heads, "next_token": args.next_token,
+          "epochs": args.epochs, "train_batch": args.train_batch, "lr": args.lr, "draft_vocab": args.draft_vocab,
+          "held_out": args.held_out}
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   out = Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
+  runfiles.claim(out, identity(args))
   model = load_model(args.model)
   stages = [s.strip() for s in args.stages.split(",") if s.strip()]
   if "distill" in stages:
     distill.distill(model, out, args.prompts, args.batch, args.new_tokens)
   train_rows, held_rows = distill.split(distill.read_distilled(out / "distill.jsonl"), args.held_out)
-  if "train" in stages and not (out / "heads" / medusa.WEIGHTS_FILE).exists():
+  if "train" in stages and not heads.heads_done(out):
     config = medusa.MedusaConfig(num_heads=args.heads, next_token=args.next_token)
     meta = heads.train_heads(model, train_rows, out, config, args.epochs, args.train_batch, args.lr, args.draft_vocab)
     print(f"heads: {meta['steps']} steps, loss {meta['first_loss'][0]:.3f} -> {meta['last_loss'][0]:.3f}")

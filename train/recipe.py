@@ -3,14 +3,16 @@
   python -m train.recipe --out runs/pasta270m [--model M] [--seq-len 192] [--epochs 2] [--lora-rank 16]
                          [--stages records,baseline_sft,pasta_sft,bonbon] [--lambdas 0,1]
 
-Stages (each one is skipped when its output exists, and a stage cut off mid-way resumes from its last
-Orbax checkpoint when the same command runs again, also after a restart):
+Stages (each one is skipped when its output is complete, and a stage cut off mid-way resumes from its last
+Orbax checkpoint when the same command runs again, also after a restart or a kill at any moment: every file
+is written whole under a temporary name and renamed, a model folder is complete once its marker, written
+last, exists; `pasta_jax.runfiles`):
   records        annotate the training pools structurally (`lima`, `alpaca_gpt4_1k`, `alpaca_5k`), keep
                  the answers with lists whose PASTA layout fits --seq-len, optionally keep only what the
                  model-verified filter accepts (--verify), then fork only the items that save main at
                  least --min-saving tokens (others stay in main; an answer with none trains plain), or with
                  --group-blocks N each list as at most N blocks of consecutive items; hold out a split
-                 -> records/{train,heldout}.jsonl
+                 -> records/{heldout.jsonl,report.json,train.jsonl} (train.jsonl last: the stage's marker)
   baseline_sft   Baseline-SFT (tags stripped) on exactly those records -> baseline_sft/model
   pasta_sft      Pasta-SFT on the same records -> pasta_sft/model
   bonbon         per lambda: N samples per prompt from the interpreter at T = 1, scored by speedup +
@@ -33,6 +35,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from pasta_jax import runfiles
 from pasta_jax.data.sources import shared_data_dir
 from pasta_jax.errors import PastaError
 from pasta_jax.preference.config import QUALITY_MEASURES, SPEED_MEASURES, PreferenceConfig
@@ -98,9 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _write_jsonl(path: Path, records) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix(".tmp")
-  tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-  tmp.replace(path)  # a stage's output appears whole or not at all
+  runfiles.write_rows(path, records)  # a file appears whole or not at all
 
 
 def _read_pool(name: str) -> list[dict]:
@@ -147,11 +148,11 @@ def stage_records(args, folder: Path) -> None:
   counts["kept as plain answers (nothing earns a fork)"] = sum(not r.get("annotated") for r in kept)
   random.Random(args.seed).shuffle(kept)
   held = max(1, int(len(kept) * args.held_out))
-  _write_jsonl(folder / "heldout.jsonl", kept[:held])
-  _write_jsonl(folder / "train.jsonl", kept[held:])
   report = {"kept": len(kept), "train": len(kept) - held, "held_out": held, "dropped": counts,
-            "by_pool": {p: sum(r["pool"] == p for r in kept) for p in {r["pool"] for r in kept}}}
-  (folder / "report.json").write_text(json.dumps(report, indent=1))
+            "by_pool": {p: sum(r["pool"] == p for r in kept) for p in sorted({r["pool"] for r in kept})}}
+  _write_jsonl(folder / "heldout.jsonl", kept[:held])
+  runfiles.write_atomic(folder / "report.json", json.dumps(report, indent=1))
+  _write_jsonl(folder / "train.jsonl", kept[held:])  # last: its existence says the stage is done (`_done`)
   print(f"records: {report}")
 
 
@@ -209,7 +210,7 @@ def _share_samples(first: Path, run: Path) -> None:
   source, target = (d / "round_1" / "pairs" / SAMPLES for d in (first, run))
   if source.is_file() and not target.exists() and first != run:
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(source.read_bytes())
+    runfiles.write_atomic(target, source.read_bytes())
     print(f"{run.name}: starting from {first.name}'s samples")
 
 
@@ -230,8 +231,8 @@ def stage_ship(args, out: Path) -> None:
       print(f"{name}: {source} is the shipped adapter itself")
       continue
     target.mkdir(parents=True, exist_ok=True)  # the adapter's files are replaced; its medusa/ heads stay
-    for file in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
-      shutil.copy2(source / file, target / file)
+    for file in (lora.WEIGHTS_FILE, lora.CONFIG_FILE):  # each whole; the config (what loading reads first) last
+      runfiles.save_atomic(target / file, lambda tmp, src=source / file: shutil.copy2(src, tmp))
     if name != "baseline-sft":
       _recommend_pasta(target)
     print(f"shipped {source} as {name} ({(target / lora.WEIGHTS_FILE).stat().st_size / 2**20:.1f} MiB)")
@@ -243,14 +244,14 @@ def _recommend_pasta(folder: Path) -> None:
   from pasta_jax.model.load import GENERATION_FILE
   path = folder / GENERATION_FILE
   values = json.loads(path.read_text()) if path.is_file() else {}
-  path.write_text(json.dumps({**values, "method": "pasta"}, indent=1) + "\n")
+  runfiles.write_atomic(path, json.dumps({**values, "method": "pasta"}, indent=1) + "\n")
 
 
 def _done(out: Path, stage: str) -> bool:
   if stage == "records":
     return (out / "records" / "train.jsonl").is_file()
   if stage in ("baseline_sft", "pasta_sft"):
-    return (out / stage / "model" / "adapter.json").is_file() or (out / stage / "model" / "pasta_config.json").is_file()
+    return runfiles.is_complete(out / stage / "model")  # the trainer's export, published with its marker
   return False  # bonbon: its own command skips finished rounds; ship: always copies
 
 

@@ -8,7 +8,7 @@ import time
 
 from pasta_jax.commands.method_flags import method_from_flags
 from pasta_jax.commands.pasta_view import Run, run_pasta, speculation_line
-from pasta_jax.decode import api
+from pasta_jax.decode import api, streaming
 from pasta_jax.decode.runtime import Runtime
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.errors import PastaError
@@ -117,7 +117,9 @@ def run_generate(args) -> int:
 
 
 def stream_answer(run: Run) -> int:
-  """Prints the answer as it settles, then its token rate (and what a tree did, or promises it left unkept)."""
+  """Prints the answer as it settles, then its token rate (and what a tree did, or promises it left unkept). Each
+  partial result's text is its settled text, which the next one extends (`methods.stream_ids`), so what is
+  printed is the final result's text exactly, wherever the chunks end."""
   start = time.perf_counter()
   first_token_at = None
   shown, tokens = "", 0
@@ -126,7 +128,11 @@ def stream_answer(run: Run) -> int:
     if first_token_at is None:
       first_token_at = time.perf_counter() - start
     tokens = len(result.records)
-    sys.stdout.write(result.text[len(shown):])
+    new = streaming.delta(shown, result.text)
+    if new is None:  # printed text cannot be taken back: say so, and print the answer whole
+      print("\n[the answer changed after it was printed; in full:]", file=sys.stderr)
+      new = result.text
+    sys.stdout.write(new)
     sys.stdout.flush()
     shown = result.text
   total = time.perf_counter() - start

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
+from typing import TYPE_CHECKING
 
 from pasta_jax.commands.method_flags import add_option_flags, apply_to_all
 from pasta_jax.errors import PastaError
 from pasta_jax.methods.registry import names
+
+if TYPE_CHECKING:
+  from pasta_jax.serve.access import HttpConfig
 
 
 def add_serve_parser(subparsers) -> None:
@@ -35,7 +40,45 @@ def add_serve_parser(subparsers) -> None:
   serve.add_argument("--certify-head", action="store_true",
                      help="greedy requests choose from a narrow head copy (int8 on a CPU) certified against the "
                           "float32 head: the same tokens, a cheaper step where the head plan says (float32 only)")
+  access = serve.add_argument_group("access and limits")
+  access.add_argument("--api-key", default=None,
+                      help="every route but /health needs `Authorization: Bearer KEY` (default: the environment "
+                           "variable PASTA_API_KEY, which unlike a flag other users cannot read in `ps`; neither: no "
+                           "key, and a warning when --host is beyond loopback)")
+  access.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                      help="a browser origin (scheme://host[:port]) allowed to call the server, with CORS headers; "
+                           "repeat it or give a comma list; '*': any. Default: none, so a request with an Origin "
+                           "header (a browser page's) is refused 403: a page of another site cannot drive the server")
+  access.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                      help="a Host name the server answers to (any port) besides loopback's (localhost, 127.0.0.1, "
+                           "[::1]) and the --host address, which are answered with the served port; repeat it or "
+                           "give a comma list; '*': any Host. Bound to 0.0.0.0 or ::, any IP address is answered too, "
+                           "but a DNS name (the machine's own, a proxy's) only when listed here. Every other Host is "
+                           "refused 403: a hostile page whose name resolves to this machine (DNS rebinding) is refused")
+  access.add_argument("--max-body", type=int, default=1 << 20, metavar="BYTES",
+                      help="the largest request body (bytes; larger: 413)")
+  access.add_argument("--max-connections", type=int, default=256,
+                      help="open connections at once (idle keep-alive ones included); past them: 503")
+  access.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                      help="a non-streaming request not answered within this is cancelled and answered 504 (a "
+                           "request's own `timeout` field may ask less); default: no limit")
   add_option_flags(serve)  # each sets that option of every served method that has it
+
+
+def http_config(args: argparse.Namespace) -> HttpConfig:
+  """The HTTP layer's settings from the flags (the key from PASTA_API_KEY when --api-key is not given)."""
+  from pasta_jax.serve.access import HttpConfig
+
+  def listed(values: list[str]) -> tuple[str, ...]:
+    return tuple(v.strip() for value in values for v in value.split(",") if v.strip())
+
+  key = args.api_key if args.api_key is not None else (os.environ.get("PASTA_API_KEY") or None)
+  try:
+    return HttpConfig(api_key=key, allow_origins=listed(args.allow_origin), allow_hosts=listed(args.allow_host),
+                      max_body=args.max_body, max_connections=args.max_connections,
+                      request_timeout=args.request_timeout)
+  except ValueError as err:
+    raise PastaError(str(err)) from None
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -51,6 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
                       certify_head=args.certify_head)
   except ValueError as err:
     raise PastaError(str(err)) from None
+  http = http_config(args)
   model = load_model(args.model)
   name = args.model or "pasta"  # the id clients name in `model` (GET /v1/models)
   print(f"pasta serve: [model: {model.describe()}]", flush=True)
@@ -64,7 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
   if methods:
     print(f"pasta serve: compiling {', '.join(methods)} (batch {cfg.batch}, pool {cfg.pool_slots}) ...", flush=True)
     engine.warm_up(methods, prompt_tokens=args.warmup_prompt)
-  server = make_server(engine, name, host=args.host, port=args.port, grace_s=args.grace)
+  server = make_server(engine, name, host=args.host, port=args.port, grace_s=args.grace, http=http)
   print(f"pasta serve: {name} on http://{args.host}:{args.port}/v1", flush=True)
   server.run()
   return 0

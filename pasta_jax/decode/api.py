@@ -28,7 +28,7 @@ from pasta_jax.decode.loop import RunOutput, bucket, pool_size
 from pasta_jax.decode.result import PastaResult, Result, ThreadTrace, content_ids, pasta_result
 from pasta_jax.decode.rules import PastaRules, Rules
 from pasta_jax.decode.runtime import Runtime
-from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.decode.sampling import RowSampling, SamplingConfig
 from pasta_jax.decode.sharding import DecodeSharding
 from pasta_jax.decode.state import PositionMode
 from pasta_jax.decode.tokenizing import LangTokenizer, chat_text, prompt_ids
@@ -203,6 +203,17 @@ class Prepared:
   # (run, seconds, tokenizer, vocab, method name) -> Result: the method's own form of answer (`result.py`)
   build_result: Callable[..., Result] = pasta_result
   method: str = "pasta"  # the name its results carry
+  sampling: RowSampling | None = None  # each request's sampling values (host arrays [B]); None: cfg.sampling's
+
+
+def per_prompt_sampling(sampling: SamplingConfig | Sequence[SamplingConfig], prompts: int) -> list[SamplingConfig]:
+  """One sampling config per prompt: `sampling` for each, or the list given (one per prompt)."""
+  if isinstance(sampling, SamplingConfig):
+    return [sampling] * prompts
+  rows = list(sampling)
+  if len(rows) != prompts or not all(isinstance(r, SamplingConfig) for r in rows):
+    raise PastaError(f"sampling: give one SamplingConfig, or one per prompt ({prompts}), not {len(rows)} values")
+  return rows
 
 
 def pad_scripts(scripts, batch: int, max_threads: int, length: int):
@@ -214,7 +225,8 @@ def pad_scripts(scripts, batch: int, max_threads: int, length: int):
 
 
 def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, max_new_tokens: int = 256, lanes: int = 8,
-            max_threads: int = 64, sampling: SamplingConfig = GREEDY, position_mode: PositionMode = "pred",
+            max_threads: int = 64, sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY,
+            position_mode: PositionMode = "pred",
             scripts=None, record_logits: bool = False, runtime: Runtime = DEFAULT_RUNTIME, rule_inputs=None,
             build_result: Callable[..., Result] = pasta_result, lane_buckets: bool = True,
             pool_tokens: int | None = None, defer_kv_writes: bool | None = None) -> Prepared:
@@ -224,6 +236,8 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, max_ne
   the parallelism; tags and topics are not counted): a request is cut once it has written that many,
   and the pool holds them plus a margin for tags (loop.POOL_MARGIN). Forced scripts replay whole.
 
+  sampling: one config for every prompt, or one per prompt; the compiled loop covers them all
+  (`SamplingConfig.covering`) and each row samples by its own values.
   runtime: the model's dtype, mesh, attention and output head (`decode.runtime.Runtime`).
   pool_tokens: size the pool for this many new tokens, not max_new_tokens (when larger): a short run then steps
   in the pool of a longer one, as ProPD's step-time calibration needs (`decode.latency`).
@@ -238,6 +252,8 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, max_ne
   if lanes < 1:
     raise PastaError(f"lanes must be at least 1, got {lanes}")
   vocab = tag_vocab_for(model.tokenizer, position_mode)
+  rows_sampling = per_prompt_sampling(sampling, len(ids))
+  sampling = rows_sampling[0] if len(set(rows_sampling)) == 1 else SamplingConfig.covering(rows_sampling)
   new = max_new_tokens
   if scripts is not None:  # a forced answer is replayed whole, however long
     new = max(new, max(sum(len(t) for t in s) + 2 * len(s) for s in scripts))
@@ -270,7 +286,7 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, max_ne
   return Prepared(cfg, model_fn(model.config, dtype, runtime.attention, head_dtype), converted,
                   model.config.vocab_size,
                   pool_spec(model.config, dtype), tokens, lengths, script, script_len, scripts is not None, vocab,
-                  rules.bind_inputs(rule_inputs, converted), build_result, rules.name)
+                  rules.bind_inputs(rule_inputs, converted), build_result, rules.name, RowSampling.of(rows_sampling))
 
 
 class CompileCache:
@@ -304,8 +320,9 @@ COMPILED = CompileCache()
 
 
 def dynamic_args(prep: Prepared) -> tuple:
-  requests = (prep.tokens, prep.lengths, prep.script, prep.script_len)  # [B, ...] each
-  shared = (np.uint32(prep.cfg.sampling.seed), prep.rule_inputs)
+  rows = prep.sampling if prep.sampling is not None else RowSampling.of([prep.cfg.sampling] * len(prep.lengths))
+  requests = (prep.tokens, prep.lengths, prep.script, prep.script_len, rows)  # [B, ...] each
+  shared = (prep.rule_inputs,)
   sharding = prep.cfg.sharding
   if sharding is None:
     return (prep.params, *jax.tree.map(jnp.asarray, requests), *jax.tree.map(jnp.asarray, shared))
@@ -328,9 +345,14 @@ def to_result(run: RunOutput, seconds: float, tokenizer: LangTokenizer, prep: Pr
   return prep.build_result(run, seconds, tokenizer, prep.vocab, prep.method)
 
 
-def stream_prepared(prep: Prepared, lang: LangTokenizer, chunk_steps: int) -> Iterator[list[Result]]:
+def stream_prepared(prep: Prepared, lang: LangTokenizer, chunk_steps: int,
+                    settled: Callable[[np.ndarray], str] | None = None) -> Iterator[list[Result]]:
   """Every request's result so far after prefill and after each chunk of `chunk_steps` steps (the loop state
-  stays on device between chunks). The last yield is final."""
+  stays on device between chunks). The last yield is final.
+
+  settled: the settled text of a run's records so far (`decode.streaming.settled_text`), which every result before
+  the last carries as its `text`, so that each text extends the one before and the last is the result's own text
+  (None: each carries the text its records make alone, which a later token may change)."""
   if chunk_steps < 1:
     raise PastaError(f"chunk_steps must be at least 1, got {chunk_steps}")
   cfg = loop.static_config(prep.cfg)
@@ -341,7 +363,10 @@ def stream_prepared(prep: Prepared, lang: LangTokenizer, chunk_steps: int) -> It
     done = int(state.step) >= cfg.max_steps or not bool(jnp.any(state.live))
     shown = loop.finish(state) if done else state
     seconds = time.perf_counter() - begin
-    yield [to_result(r, seconds, lang, prep) for r in loop.unpack(shown, prep.cfg)]
+    results = [to_result(r, seconds, lang, prep) for r in loop.unpack(shown, prep.cfg)]
+    if settled is not None and not done:
+      results = [dataclasses.replace(r, text=settled(r.records)) for r in results]
+    yield results
     if done:
       return
     state = loop.run_steps(prep.model_fn, prep.params, state, steps=chunk_steps, **run)

@@ -26,11 +26,12 @@ import numpy as np
 from pasta_jax.decode import loop
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import RunOutput, bucket
+from pasta_jax.decode.sampling import RowSampling, SamplingConfig
 from pasta_jax.decode.state import STEP, InterpState
 from pasta_jax.decode.step import cut_at_budget
 from pasta_jax.errors import PastaError
 
-SHARED_FIELDS = ("step", "key")  # InterpState leaves without a batch axis
+SHARED_FIELDS = ("step",)  # InterpState leaves without a batch axis
 HOST_FIELDS = ("records", "num_records", "finished", "truncated", "pool_full", "budget_spent", "content",
                "stalls", "fork_refusals", "head_fallbacks", "last_fed_step", "peak_live", "parent", "step")
 
@@ -99,12 +100,13 @@ STATIC = ("model_fn", "cfg", "vocab_size", "pool_spec", "forced")
 
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("state",))
 def admit(model_fn, params, state: InterpState, tokens, lengths, rows, content_budget, step_budget, slot_limit,
-          script, script_len, rule_inputs=None, *, cfg: InterpreterConfig, vocab_size: int, pool_spec: tuple,
-          forced: bool = False) -> InterpState:
+          script, script_len, sampling: RowSampling, rule_inputs=None, *, cfg: InterpreterConfig, vocab_size: int,
+          pool_spec: tuple, forced: bool = False) -> InterpState:
   """Prefills the newcomers' prompts (tokens [n, P], lengths [n]) with their per-thread scripts ([n, U, L],
   [n, U]) and writes them into rows [n] of the running batch with their budgets ([n] each; step_budget counts
-  from now)."""
-  new = loop.start_state(model_fn, params, tokens, lengths, script, script_len, jnp.uint32(0), rule_inputs, cfg=cfg,
+  from now) and sampling values (`RowSampling`, leaves [n]: within cfg.sampling's envelope; their keys count
+  steps from now, so a seeded request draws what it draws alone)."""
+  new = loop.start_state(model_fn, params, tokens, lengths, script, script_len, sampling, rule_inputs, cfg=cfg,
                          forced=forced, vocab_size=vocab_size, pool_spec=pool_spec)
   offset = state.step
   # The prefill cut at the batch's compiled budget (cfg.max_content); the rows' own budgets replace it (a row
@@ -112,7 +114,8 @@ def admit(model_fn, params, state: InterpState, tokens, lengths, rows, content_b
   new = dataclasses.replace(
       new, records=new.records.at[:, :, STEP].add(offset), last_fed_step=new.last_fed_step + offset,
       content_budget=content_budget, step_limit=offset + step_budget, slot_limit=slot_limit,
-      truncated=new.truncated & ~new.budget_spent, budget_spent=jnp.zeros_like(new.budget_spent))
+      truncated=new.truncated & ~new.budget_spent, budget_spent=jnp.zeros_like(new.budget_spent),
+      sampling=dataclasses.replace(new.sampling, first_step=jnp.full_like(new.sampling.first_step, offset)))
   return _put_rows(state, cut_at_budget(new, cfg), rows, cfg.rules.shared_state)
 
 
@@ -145,7 +148,13 @@ def run_chunk(model_fn, params, state: InterpState, steps, *, cfg: InterpreterCo
     return loop.run_loop(model_fn, params, state, state.step + steps, cfg, forced, vocab_size)
   shared = cfg.rules.shared_state
   head = loop.run_loop(model_fn, params, _take_rows(state, rows, shared), state.step + steps, cfg, forced, vocab_size)
-  return dataclasses.replace(_put_rows(state, head, jnp.arange(rows), shared), step=head.step, key=head.key)
+  return dataclasses.replace(_put_rows(state, head, jnp.arange(rows), shared), step=head.step)
+
+
+def decode_programs() -> int:
+  """The batch programs this process holds compiled: chunks (one per rows prefix) and admissions (group size x
+  prompt bucket), over every batch. New sampling values never add one: they are traced."""
+  return admit._cache_size() + run_chunk._cache_size()
 
 
 def empty_batch(model_fn, params, batch: int, *, cfg: InterpreterConfig, vocab_size: int,
@@ -156,8 +165,14 @@ def empty_batch(model_fn, params, batch: int, *, cfg: InterpreterConfig, vocab_s
   lengths = jnp.ones((batch,), jnp.int32)
   script = jnp.zeros((batch, cfg.max_threads, script_len), jnp.int32)
   state = loop.start(model_fn, params, tokens, lengths, script, jnp.zeros((batch, cfg.max_threads), jnp.int32),
-                     jnp.uint32(0), rule_inputs, cfg=cfg, forced=False, vocab_size=vocab_size, pool_spec=pool_spec)
+                     idle_sampling(batch), rule_inputs, cfg=cfg, forced=False, vocab_size=vocab_size,
+                     pool_spec=pool_spec)
   return release(state, jnp.ones((batch,), bool))
+
+
+def idle_sampling(rows: int) -> jax.Array:
+  """Sampling values of rows that hold no request: greedy, no penalty (a step's sampling work skips them)."""
+  return jax.tree.map(jnp.asarray, RowSampling.of([SamplingConfig()] * rows, [0] * rows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,23 +239,31 @@ class RowBatch:
   def busy_rows(self) -> list[int]:
     return [r for r, at in enumerate(self.admitted_at) if at is not None]
 
-  def admit(self, prompts: list[list[int]], budgets: list[RowBudget], scripts=None) -> list[int]:
+  def admit(self, prompts: list[list[int]], budgets: list[RowBudget], scripts=None,
+            sampling: list[SamplingConfig] | None = None) -> list[int]:
     """Prefills `prompts` into free rows (as many as there are), with their per-thread `scripts` when the
-    batch takes scripts; returns their rows, in order."""
+    batch takes scripts, and each its own `sampling` (default: greedy; each within the batch's envelope,
+    `cfg.sampling`); returns their rows, in order."""
     rows = self.free_rows()[: len(prompts)]
     if len(rows) < len(prompts):
       raise PastaError(f"{len(prompts)} requests for {len(rows)} free rows")
+    sampling = list(sampling or [SamplingConfig(distinct_topics=self.cfg.sampling.distinct_topics)] * len(prompts))
+    outside = [s for s in sampling if not self.cfg.sampling.covers(s)]
+    if outside:
+      raise PastaError(f"sampling {outside[0]} is outside what this batch compiled ({self.cfg.sampling})")
     group = min(bucket(len(rows), minimum=1), self.batch)
     padded = list(prompts) + [[1]] * (group - len(rows))  # padding rows prefill one token and are dropped
     tokens, lengths = loop.pad_prompts(padded, self.cfg.pool_slots)
     script, script_len = self._scripts(scripts, len(prompts), group)
     budgets = list(budgets) + [RowBudget(0, 0, 0)] * (group - len(rows))
+    rows_sampling = RowSampling.of(sampling + [SamplingConfig()] * (group - len(rows)), [0] * group)
     column = lambda name: jnp.asarray([getattr(b, name) for b in budgets], jnp.int32)
     step = int(self.state.step)
     self.state = admit(self.model_fn, self.params, self.state, jnp.asarray(tokens), jnp.asarray(lengths),
                        jnp.asarray(rows + [self.batch] * (group - len(rows)), jnp.int32), column("content"),
-                       column("steps"), column("slots"), script, script_len, self.rule_inputs,
-                       pool_spec=self.pool_spec, **self.run_args)
+                       column("steps"), column("slots"), script, script_len,
+                       jax.tree.map(jnp.asarray, rows_sampling), self.rule_inputs, pool_spec=self.pool_spec,
+                       **self.run_args)
     for row in rows:
       self.admitted_at[row] = step
     return rows
@@ -287,7 +310,8 @@ class RowBatch:
         self.state = admit(self.model_fn, self.params, self.state, jnp.ones((rows, prompt), jnp.int32),
                            jnp.ones((rows,), jnp.int32), jnp.full((rows,), self.batch, jnp.int32), zeros, zeros,
                            zeros, jnp.broadcast_to(script, (rows,) + script.shape[1:]),
-                           jnp.zeros((rows, threads), jnp.int32), self.rule_inputs, pool_spec=self.pool_spec,
+                           jnp.zeros((rows, threads), jnp.int32), idle_sampling(rows), self.rule_inputs,
+                           pool_spec=self.pool_spec,
                            **self.run_args)
     return len(self.row_buckets()) * (1 + sum(b < self.cfg.pool_slots for b in prompt_buckets))
 

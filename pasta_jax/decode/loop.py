@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.decode.config import InterpreterConfig
+from pasta_jax.decode.sampling import RowSampling
 from pasta_jax.decode.state import FREE, RUNNING, InterpState
 from pasta_jax.decode.step import ModelFn, choice_input, choose_from_model, cut_at_budget, decode_step, is_content
 from pasta_jax.errors import PastaError
@@ -65,7 +66,7 @@ def prefill(model_fn: ModelFn, params, prompt_tokens, lengths, pool_slots: int, 
 
 
 def init_state(pool: KVPool, prompt_tokens: jax.Array, lengths: jax.Array, first: jax.Array, script, script_len,
-               cfg: InterpreterConfig, vocab_size: int, main_script_ptr: int, key: jax.Array) -> InterpState:
+               cfg: InterpreterConfig, vocab_size: int, main_script_ptr: int, sampling: RowSampling) -> InterpState:
   """State after prefill: prompt b in slots 0..len_b-1, main pending its first token.
 
   With `cfg.rules.initial_threads` k > 1 (SoT's fan-out), threads 1..k-1 also start, on lanes 1..k-1: each
@@ -122,7 +123,7 @@ def init_state(pool: KVPool, prompt_tokens: jax.Array, lengths: jax.Array, first
       step_limit=jnp.full((batch,), cfg.max_steps, jnp.int32),
       slot_limit=jnp.full((batch,), cfg.pool_slots, jnp.int32),
       step=jnp.int32(0), records=records, num_records=jnp.full((batch,), k, jnp.int32),
-      record_logits=rec_logits, key=key,
+      record_logits=rec_logits, sampling=sampling,
   )
 
 
@@ -135,13 +136,13 @@ def check_runnable(cfg: InterpreterConfig, forced: bool) -> None:
                      "replay knows: use 'pred', 'pred-1x' or 'fixed' in free decoding")
 
 
-def initial_state(pool, last, prompt_tokens, lengths, script, script_len, seed, cfg: InterpreterConfig,
+def initial_state(pool, last, prompt_tokens, lengths, script, script_len, sampling: RowSampling, cfg: InterpreterConfig,
                   forced: bool, vocab_size: int, rule_inputs=None, params=None) -> InterpState:
   """The state after prefill: main's first token chosen from the last prompt logits [B, 1, V] (step 0; with
   `cfg.certify_head`, from the hidden states [B, 1, D] and `params`' head), and the rules' own state
   (`rules.init_rule_state`, then its first choice)."""
   init = functools.partial(init_state, pool, prompt_tokens, lengths, script=script, script_len=script_len,
-                           cfg=cfg, vocab_size=vocab_size, key=jax.random.key(seed))
+                           cfg=cfg, vocab_size=vocab_size, sampling=sampling)
   state = init(first=jnp.zeros_like(lengths), main_script_ptr=0)
   state = dataclasses.replace(state, rule_state=cfg.rules.init_rule_state(prompt_tokens, lengths, rule_inputs, cfg))
   main_row = jnp.zeros((lengths.shape[0], 1), jnp.int32)
@@ -173,14 +174,16 @@ def finish(state: InterpState) -> InterpState:
 STATIC = ("model_fn", "cfg", "forced", "vocab_size", "pool_spec")
 
 
-def start_state(model_fn, params, prompt_tokens, lengths, script, script_len, seed, rule_inputs=None, *,
+def start_state(model_fn, params, prompt_tokens, lengths, script, script_len, sampling: RowSampling, rule_inputs=None,
+                *,
                 cfg: InterpreterConfig, forced: bool, vocab_size: int, pool_spec: tuple) -> InterpState:
-  """Prefill and main's first token: the state before step 1. rule_inputs: read-only arrays the rules
-  use on device (Superposed Decoding's n-gram index), or None."""
+  """Prefill and main's first token: the state before step 1. sampling: each row's values (`RowSampling`, within
+  cfg.sampling's envelope). rule_inputs: read-only arrays the rules use on device (Superposed Decoding's n-gram
+  index), or None."""
   check_runnable(cfg, forced)
   last, pool = prefill(model_fn, params, prompt_tokens, lengths, cfg.pool_slots, pool_spec, cfg.sharding,
                        cfg.certify_head)
-  return initial_state(pool, last, prompt_tokens, lengths, script, script_len, seed, cfg, forced, vocab_size,
+  return initial_state(pool, last, prompt_tokens, lengths, script, script_len, sampling, cfg, forced, vocab_size,
                        rule_inputs, params)
 
 
@@ -188,10 +191,10 @@ start = jax.jit(start_state, static_argnames=STATIC)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
-def prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, seed, rule_inputs=None, *,
+def prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, sampling, rule_inputs=None, *,
                     cfg: InterpreterConfig, forced: bool, vocab_size: int, pool_spec: tuple) -> InterpState:
   """Prefill, then the whole decode loop on device: one call."""
-  state = start_state(model_fn, params, prompt_tokens, lengths, script, script_len, seed, rule_inputs, cfg=cfg,
+  state = start_state(model_fn, params, prompt_tokens, lengths, script, script_len, sampling, rule_inputs, cfg=cfg,
                       forced=forced, vocab_size=vocab_size, pool_spec=pool_spec)
   return finish(run_loop(model_fn, params, state, cfg.max_steps, cfg, forced, vocab_size))
 
@@ -260,8 +263,9 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pool_slots: int) -> tuple[np.n
 
 
 def static_config(cfg: InterpreterConfig) -> InterpreterConfig:
-  """The jit-static part of a config: the seed travels as a traced value, so a new seed reuses the loop."""
-  return dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, seed=0))
+  """The jit-static part of a config: its sampling's envelope (the rows' values travel traced, `RowSampling`), so
+  new sampling values reuse the loop."""
+  return dataclasses.replace(cfg, sampling=cfg.sampling.envelope())
 
 
 def run_interpreter(model_fn: ModelFn, params, prompts: Sequence[Sequence[int]], cfg: InterpreterConfig, *,
@@ -270,9 +274,15 @@ def run_interpreter(model_fn: ModelFn, params, prompts: Sequence[Sequence[int]],
   tokens, lengths = pad_prompts(prompts, cfg.pool_slots)
   script, script_len = pad_scripts(scripts, len(prompts), cfg.max_threads)
   final = prefill_and_run(model_fn, params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(script),
-                          jnp.asarray(script_len), jnp.uint32(cfg.sampling.seed), rule_inputs, cfg=static_config(cfg),
-                          forced=scripts is not None, vocab_size=vocab_size, pool_spec=pool_spec)
+                          jnp.asarray(script_len), row_sampling(cfg.sampling, len(prompts)), rule_inputs,
+                          cfg=static_config(cfg), forced=scripts is not None, vocab_size=vocab_size,
+                          pool_spec=pool_spec)
   return unpack(final, cfg)
+
+
+def row_sampling(sampling, batch: int) -> RowSampling:
+  """Device arrays of `batch` rows that all sample by one config."""
+  return jax.tree.map(jnp.asarray, RowSampling.of([sampling] * batch))
 
 
 def unpack(final: InterpState, cfg: InterpreterConfig) -> list[RunOutput]:

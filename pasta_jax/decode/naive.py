@@ -237,7 +237,8 @@ def init_naive(main_pool: KVPool, valid, table: InterpState, cfg: InterpreterCon
 
 
 @functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "forced", "vocab_size", "pool_spec"))
-def naive_prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, seed, rule_inputs=None, *,
+def naive_prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, sampling, rule_inputs=None,
+                          *,
                           cfg: InterpreterConfig, forced: bool, vocab_size: int, pool_spec: tuple):
   """Prefill main's rows, sample main's first token (step 0), then the whole loop on device.
   Returns the final thread table (an InterpState) for `loop.unpack`."""
@@ -254,7 +255,7 @@ def naive_prefill_and_run(model_fn, params, prompt_tokens, lengths, script, scri
   loop.check_runnable(cfg, forced)
   last, main_pool = loop.prefill(model_fn, params, prompt_tokens, lengths, cfg.pool_slots, pool_spec)
   valid = jnp.arange(cfg.pool_slots)[None, :] < lengths[:, None]
-  table = loop.initial_state(None, last, prompt_tokens, lengths, script, script_len, seed, cfg, forced,
+  table = loop.initial_state(None, last, prompt_tokens, lengths, script, script_len, sampling, cfg, forced,
                              vocab_size)
   length_table = jnp.asarray(cfg.vocab.length_table(vocab_size))
 
@@ -278,7 +279,8 @@ def run_naive(model_fn: ModelFn, params, prompts: Sequence[Sequence[int]], cfg: 
   tokens, lengths = loop.pad_prompts(prompts, cfg.pool_slots)
   script, script_len = loop.pad_scripts(scripts, len(prompts), cfg.max_threads)
   final = naive_prefill_and_run(model_fn, params, jnp.asarray(tokens), jnp.asarray(lengths),
-                                jnp.asarray(script), jnp.asarray(script_len), jnp.uint32(cfg.sampling.seed),
+                                jnp.asarray(script), jnp.asarray(script_len),
+                                loop.row_sampling(cfg.sampling, len(prompts)),
                                 cfg=loop.static_config(cfg), forced=scripts is not None,
                                 vocab_size=vocab_size, pool_spec=pool_spec)
   return loop.unpack(final, cfg)

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 
+from pasta_jax.decode.sampling import RowSampling
 from pasta_jax.lang import schema
 from pasta_jax.model.gemma import KVPool
 
@@ -62,7 +63,7 @@ class InterpState:
   records: jax.Array  # [B, R, 5] int32
   num_records: jax.Array  # [B] int32
   record_logits: jax.Array  # [B, R, V] float32 (R = 1 when not recording)
-  key: jax.Array
+  sampling: RowSampling  # each row's sampling values and key stream (leaves [B])
   # The method's own state (`rules.init_rule_state`: Superposed Decoding's drafts), None for most methods.
   rule_state: Any = None
 

@@ -52,8 +52,11 @@ def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: Interprete
   A repetition penalty (`cfg.sampling`) first lowers the logits of what each row already sees.
   Returns (state, tokens [B, Q], [B, Q] rows that had a fork refused by a limit)."""
   if cfg.sampling.penalizes and (not forced or cfg.rules.sample_after_script):  # wherever the rules sample
-    seen = seen_tokens(state, rows_lane, logits.shape[-1], cfg.vocab)
-    logits = penalize_repeats(logits, seen, cfg.sampling.repetition_penalty)
+    penalty = state.sampling.penalty  # [B]: each row's (1: off); a step where no row penalizes skips the work
+    def penalized(logits):
+      seen = seen_tokens(state, rows_lane, logits.shape[-1], cfg.vocab)
+      return penalize_repeats(logits, seen, penalty[:, None, None].astype(logits.dtype))
+    logits = jax.lax.cond(jnp.any(penalty != 1.0), penalized, lambda x: x, logits)
   if not forced:
     return cfg.rules.select_tokens(state, rows_lane, row_ok, logits, cfg, model_out=model_out)
   b = jnp.arange(logits.shape[0])[:, None]

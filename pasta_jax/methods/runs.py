@@ -14,24 +14,27 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 
-from pasta_jax.decode import api
+from pasta_jax.decode import api, streaming
 from pasta_jax.decode.api import GREEDY, Prepared, Result
 from pasta_jax.decode.runtime import Runtime
 from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.decode.tokenizing import LangTokenizer, prompt_ids
 from pasta_jax.errors import PastaError
 from pasta_jax.methods.base import Method, Setup
-from pasta_jax.methods.registry import prepared
+from pasta_jax.methods.registry import prepared, resolve
 
 DEFAULT_RUNTIME = Runtime()
+Sampling = SamplingConfig | Sequence[SamplingConfig]  # one for every prompt, or one per prompt
 
 
 def generate(model, prompts: Sequence[str], method: str | Method = "pasta", *, max_new_tokens: int = 256,
-             sampling: SamplingConfig = GREEDY, chat: bool = True, forced_answers: Sequence[str] | None = None,
+             sampling: Sampling = GREEDY, chat: bool = True, forced_answers: Sequence[str] | None = None,
              return_logits: bool = False, runtime: Runtime = DEFAULT_RUNTIME) -> list[Result]:
   """Decodes each prompt (a batch; requests never interact) with `method` through the one interpreter.
 
   max_new_tokens: each answer's content-token budget (its text tokens; tags and topics are not counted).
+  sampling: one `SamplingConfig` for every prompt, or one per prompt (temperature, top-k, top-p, repetition
+  penalty and seed are each row's own; one compiled loop runs them all).
   chat: wrap each prompt in Gemma's chat turns (as the tuned models were trained).
   forced_answers: one per prompt, replayed instead of sampled, in the method's text form (promise form for
   "pasta", APAR's for "apar", the scoped form for "pasta-v0"); a malformed one raises TagError naming the place.
@@ -43,7 +46,7 @@ def generate(model, prompts: Sequence[str], method: str | Method = "pasta", *, m
 
 
 def generate_ids(model, ids: Sequence[Sequence[int]], method: str | Method = "pasta", *, max_new_tokens: int = 256,
-                 sampling: SamplingConfig = GREEDY, forced_answers: Sequence[str] | None = None, scripts=None,
+                 sampling: Sampling = GREEDY, forced_answers: Sequence[str] | None = None, scripts=None,
                  return_logits: bool = False, runtime: Runtime = DEFAULT_RUNTIME) -> list[Result]:
   """`generate` on prompt token ids; `scripts`: per request, per thread token ids to force."""
   prep = prepare_run(model, ids, method, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -54,16 +57,18 @@ def generate_ids(model, ids: Sequence[Sequence[int]], method: str | Method = "pa
 
 
 def stream(model, prompts: Sequence[str], method: str | Method = "pasta", *, chunk_steps: int = 16,
-           max_new_tokens: int = 256, sampling: SamplingConfig = GREEDY, chat: bool = True,
+           max_new_tokens: int = 256, sampling: Sampling = GREEDY, chat: bool = True,
            forced_answers: Sequence[str] | None = None, runtime: Runtime = DEFAULT_RUNTIME) -> Iterator[list[Result]]:
   """`generate`, yielding every request's result so far after prefill and after each chunk of `chunk_steps`
-  steps (the loop state stays on device between chunks). The last yield is final."""
+  steps (the loop state stays on device between chunks). The last yield is final; before it, each result's `text`
+  is the answer's settled text (`decode.streaming`), which only grows and is a prefix of the final text: for a
+  method that settles only at the end (`Capabilities.stream` False) it is "" until then."""
   return stream_ids(model, _prompt_ids(model, prompts, chat, method), method, chunk_steps=chunk_steps,
                     max_new_tokens=max_new_tokens, sampling=sampling, forced_answers=forced_answers, runtime=runtime)
 
 
 def stream_ids(model, ids: Sequence[Sequence[int]], method: str | Method = "pasta", *, chunk_steps: int = 16,
-               max_new_tokens: int = 256, sampling: SamplingConfig = GREEDY,
+               max_new_tokens: int = 256, sampling: Sampling = GREEDY,
                forced_answers: Sequence[str] | None = None, scripts=None,
                runtime: Runtime = DEFAULT_RUNTIME) -> Iterator[list[Result]]:
   """`stream` on prompt token ids."""
@@ -71,11 +76,13 @@ def stream_ids(model, ids: Sequence[Sequence[int]], method: str | Method = "past
     raise PastaError(f"chunk_steps must be at least 1, got {chunk_steps}")
   prep = prepare_run(model, ids, method, max_new_tokens=max_new_tokens, sampling=sampling,
                      forced_answers=forced_answers, scripts=scripts, runtime=runtime)
-  return api.stream_prepared(prep, LangTokenizer(model.tokenizer), chunk_steps)
+  lang, streams = LangTokenizer(model.tokenizer), resolve(method).capabilities.stream
+  return api.stream_prepared(prep, lang, chunk_steps,
+                             settled=lambda records: streaming.settled_text(records, lang, prep.vocab, streams))
 
 
 def prepare_run(model, ids: Sequence[Sequence[int]], method: str | Method = "pasta", *, max_new_tokens: int = 256,
-                sampling: SamplingConfig = GREEDY, forced_answers: Sequence[str] | None = None, scripts=None,
+                sampling: Sampling = GREEDY, forced_answers: Sequence[str] | None = None, scripts=None,
                 return_logits: bool = False, runtime: Runtime = DEFAULT_RUNTIME, **engine) -> Prepared:
   """The prepared run of `method` on `ids`: the method prepared for `model` (once), its request checks, its forced
   answers as scripts, its layout. `engine`: `api.prepare`'s engine options (lane_buckets, pool_tokens,
@@ -88,7 +95,8 @@ def prepare_run(model, ids: Sequence[Sequence[int]], method: str | Method = "pas
     raise PastaError(f"got {len(forced_answers)} forced answers for {len(ids)} prompts")
   forced = forced_answers is not None or scripts is not None
   method = prepared(method, model, Setup(ids, max_new_tokens, runtime))
-  method.check_request(sampling=sampling, runtime=runtime, forced=forced)
+  for each in set(api.per_prompt_sampling(sampling, len(ids))):
+    method.check_request(sampling=each, runtime=runtime, forced=forced)
   if forced_answers is not None:
     scripts = method.scripts(forced_answers, model)
   layout = method.layout(model, scripts)

@@ -44,22 +44,28 @@ def _label(config: GemmaConfig) -> str:
 
 def save_checkpoint(path: str | os.PathLike, params: dict, config: GemmaConfig, *, tokenizer=None,
                     tokenizer_source: str | None = None, step: int | None = None,
-                    extra: dict[str, Any] | None = None, overwrite: bool = False):
+                    extra: dict[str, Any] | None = None, overwrite: bool = False, atomic: bool = True):
   """Save params ({'params': ...}) and config; with `tokenizer` (a Tokenizer) its files go alongside.
 
   tokenizer_source: where the tokenizer can be reloaded from (a .gguf or HF folder) when its files
   are not saved; a given `tokenizer` records its own source.
+  atomic: write under a temporary name and rename into place (`runfiles.publish`: the old checkpoint is
+  removed only after, a completion marker written last), so a kill never leaves a half-written checkpoint
+  where a whole one was; False writes into `path` itself (a caller that publishes the folder).
   """
   import orbax.checkpoint as ocp
 
+  from pasta_jax import runfiles
   from pasta_jax.paths import run_path, save_folder
-  path = run_path(path)  # local (absolute, as Orbax requires) or remote (gs://)
-  if path.exists() and any(path.iterdir()):
+  final = run_path(path)  # local (absolute, as Orbax requires) or remote (gs://)
+  if final.exists() and any(final.iterdir()):
     if not overwrite:
-      raise WeightsError(f"checkpoint directory {path} is not empty (pass overwrite=True to replace it)")
-    if not is_checkpoint(path):  # overwrite replaces a checkpoint, never an arbitrary folder
-      raise WeightsError(f"refusing to overwrite {path}: it is not empty and not a pasta checkpoint")
-    path.rmtree()
+      raise WeightsError(f"checkpoint directory {final} is not empty (pass overwrite=True to replace it)")
+    if not is_checkpoint(final):  # overwrite replaces a checkpoint, never an arbitrary folder
+      raise WeightsError(f"refusing to overwrite {final}: it is not empty and not a pasta checkpoint")
+    if not atomic:
+      final.rmtree()
+  path = run_path(runfiles.partial_folder(final)) if atomic else final
   path.mkdir(parents=True, exist_ok=True)
   leaves = jax.tree.leaves(params)
   dtype = str(leaves[0].dtype) if leaves else "float32"
@@ -72,7 +78,9 @@ def save_checkpoint(path: str | os.PathLike, params: dict, config: GemmaConfig, 
   meta = {"format": FORMAT, "config": config_to_dict(config), "dtype": dtype,
           "tokenizer_source": tokenizer_source, "step": step, "extra": extra or {}}
   (path / META_FILE).write_text(json.dumps(meta, indent=2))
-  return path
+  if atomic:
+    runfiles.publish(path, final)
+  return final
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
@@ -82,7 +90,7 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     raise WeightsError(f"not a pasta checkpoint: {path} has no {META_FILE}")
   try:
     meta = json.loads(meta_file.read_text())
-  except ValueError as e:
+  except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply to parse
     raise WeightsError(f"corrupt {meta_file}: {e}") from None
   if meta.get("format") != FORMAT:
     raise WeightsError(f"checkpoint {path} has format {meta.get('format')!r}, this version reads {FORMAT}")

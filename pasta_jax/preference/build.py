@@ -7,7 +7,16 @@
                         (or why there is none)
   <out>/pairs.jsonl     the pairs: prompt, chosen and rejected answers with their scores; the
                         reference log-probs are added by `reference.add_reference_logprobs`
-Every file is appended one prompt at a time, so a killed run resumes where it stopped.
+Every file is appended one prompt at a time, so a killed run resumes where it stopped, and a torn last row
+is cut before the next append (`runfiles`). What a kill can leave, and what the resume does:
+  samples   prompts are sampled in fixed chunks of the record list (each with its own seed); a chunk cut off
+            part-way is sampled again whole and only its missing rows appended, so every row is what an
+            uninterrupted run writes
+  scores    a prompt is done once its scores row exists; that row holds the decision (which samples are
+            chosen and rejected, with their figures), so its pairs row is a pure function of it and of the
+            samples row. SCORES is written first: a kill before the PAIRS row loses nothing, since the resume
+            writes every missing pair of a scored prompt from those two rows (`_pair_row`), and a prompt
+            already in PAIRS never gets a second row, so nothing is duplicated either.
 """
 
 from __future__ import annotations
@@ -83,11 +92,16 @@ def build_pairs(policy, baseline, records: Sequence[Mapping[str, Any]], judge: J
   out = runfiles.claim(out_dir, _identity(cfg, identity))
   _sample_pending(policy, baseline, records, cfg, out, samplers, progress)
   sampled = {row["id"]: row for row in runfiles.read_rows(out / SAMPLES)}
-  scored = {row["id"] for row in runfiles.read_rows(out / SCORES)}
-  pending = [sampled[str(r["id"])] for r in records if str(r["id"]) not in scored]
+  scores = {row["id"]: row for row in runfiles.read_rows(out / SCORES)}
+  paired = {row["id"] for row in runfiles.read_rows(out / PAIRS)}
+  for key, result in scores.items():  # scored before a kill, its pair not yet written
+    if result.get("chosen") is not None and key not in paired and key in sampled:
+      runfiles.append_row(out / PAIRS, _pair_row(sampled[key], result))
+      paired.add(key)
+  pending = [sampled[str(r["id"])] for r in records if str(r["id"]) not in scores]
   likelihood = _likelihood(baseline, cfg.chat) if cfg.quality_measure == "logp" and cfg.quality_weight != 0 else None
   for row in tqdm(pending, desc="judging", unit="prompt", disable=not progress):
-    _score_prompt(row, judge, cfg, out, likelihood)
+    _score_prompt(row, judge, cfg, out, likelihood, paired)
   return summarize(out, {str(r["id"]) for r in records})
 
 
@@ -107,16 +121,20 @@ def _likelihood(model, chat: bool) -> Callable[[str, str], float]:
 def _sample_pending(policy, baseline, records, cfg: PreferenceConfig, out: Path, samplers: Samplers,
                     progress: bool) -> None:
   done = {row["id"] for row in runfiles.read_rows(out / SAMPLES)}
-  todo = [(i, r) for i, r in enumerate(records) if str(r["id"]) not in done]
   chunk = cfg.prompts_per_run
-  bar = tqdm(total=len(todo), desc="sampling", unit="prompt", disable=not progress)
-  for start in range(0, len(todo), chunk):
-    part = todo[start:start + chunk]
+  # Fixed chunks of the record list, so a chunk's prompts are sampled together, under the seed of its first
+  # index, however often the run was cut off: a chunk with a missing row is sampled again whole.
+  parts = [list(enumerate(records))[start:start + chunk] for start in range(0, len(records), chunk)]
+  parts = [part for part in parts if any(str(r["id"]) not in done for _, r in part)]
+  bar = tqdm(total=sum(len(part) for part in parts), desc="sampling", unit="prompt", disable=not progress)
+  for part in parts:
     prompts = [record_prompt(r) for _, r in part]
     seed = cfg.seed * 1_000_003 + part[0][0]  # a pure function of the first prompt's index
     samples = samplers.sample(policy, prompts, cfg, seed=seed)
     base = samplers.greedy(baseline, prompts, cfg)
     for (_, record), prompt, answers, base_answer in zip(part, prompts, samples, base):
+      if str(record["id"]) in done:
+        continue
       runfiles.append_row(out / SAMPLES, {
           "id": str(record["id"]), "prompt": prompt, "reference": record.get("output") or None,
           "baseline": base_answer.to_json(), "samples": [a.to_json() for a in answers]})
@@ -148,7 +166,7 @@ def _quality(sample: Sample, baseline: Sample, row: dict, judge: Judge | None, c
 
 
 def _score_prompt(row: dict, judge: Judge | None, cfg: PreferenceConfig, out: Path,
-                  likelihood: Callable[[str, str], float] | None = None) -> None:
+                  likelihood: Callable[[str, str], float] | None = None, paired: set[str] | None = None) -> None:
   baseline = Sample.from_json(row["baseline"])
   samples = [Sample.from_json(s) for s in row["samples"]]
   opponents = {"baseline": baseline.text}
@@ -174,12 +192,19 @@ def _score_prompt(row: dict, judge: Judge | None, cfg: PreferenceConfig, out: Pa
   if picked is not None:
     chosen, rejected = (valid[k] for k in picked)
     result.update(chosen=chosen["index"], rejected=rejected["index"])
-    runfiles.append_row(out / PAIRS, {
-        "id": row["id"], "prompt": row["prompt"],
-        "chosen": {**samples[chosen["index"]].to_json(), **_metrics(chosen)},
-        "rejected": {**samples[rejected["index"]].to_json(), **_metrics(rejected)},
-        "baseline_tokens": baseline.content_tokens})
-  runfiles.append_row(out / SCORES, result)
+  runfiles.append_row(out / SCORES, result)  # first: the prompt is done, and its pair follows from this row
+  if picked is not None and row["id"] not in (paired or ()):
+    runfiles.append_row(out / PAIRS, _pair_row(row, result))
+
+
+def _pair_row(sampled: dict, result: dict) -> dict:
+  """The PAIRS row of a prompt: its samples row and its scores row (chosen and rejected indices) decide it."""
+  samples, candidates = sampled["samples"], {c["index"]: c for c in result["candidates"]}
+  chosen, rejected = result["chosen"], result["rejected"]
+  return {"id": sampled["id"], "prompt": sampled["prompt"],
+          "chosen": {**Sample.from_json(samples[chosen]).to_json(), **_metrics(candidates[chosen])},
+          "rejected": {**Sample.from_json(samples[rejected]).to_json(), **_metrics(candidates[rejected])},
+          "baseline_tokens": Sample.from_json(sampled["baseline"]).content_tokens}
 
 
 def _blocks(annotated: str) -> list[str]:

@@ -2,8 +2,9 @@
 
   <out>/round_<k>/pairs/    build.py's files (samples, verdicts, scores, pairs with reference log-probs)
   <out>/round_<k>/train/    the trainer's run (checkpoints, metrics, loss.png, the exported model)
-A round whose exported model exists is done and skipped; an interrupted round resumes inside its
-own files (sampling and judging per prompt, training from its last checkpoint). The reference model
+A round whose exported model is complete (its marker, written last when the trainer publishes it:
+`runfiles.is_complete`) is done and skipped; an interrupted round resumes inside its own files
+(sampling and judging per prompt, training from its last checkpoint, the export redone). The reference model
 of every round is the Pasta-SFT model the first round starts from, as the later paper does
 (`reference="round_start"` makes it each round's start model instead).
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import jax
 
+from pasta_jax import runfiles
 from pasta_jax.data.encode import EncodeConfig
 from pasta_jax.model.load import load_model
 from pasta_jax.preference.build import PAIRS, BuildSummary, Samplers, build_pairs
@@ -61,7 +63,7 @@ def run_round(index: int, start_model: str, baseline, records, judge_for: Callab
   the reference log-probs come from `reference_model` (None: the start model)."""
   round_dir = Path(out_dir) / f"round_{index}"
   exported = round_dir / "train" / "model"
-  if exported.exists():
+  if runfiles.is_complete(exported):
     return RoundResult(index, start_model, str(exported), None, ())
   policy = load(start_model)
   pairs_dir = round_dir / "pairs"

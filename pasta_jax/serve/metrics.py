@@ -38,6 +38,18 @@ class ServeMetrics:
                                      "streamed text (the rest was not streamed)", registry=r)
     self.program_drops = prom.Counter("pasta_compiled_program_drops", "times the server dropped every compiled "
                                       "program to stay under the memory-map limit (serve/programs.py)", registry=r)
+    self.compiled = prom.Counter("pasta_compiled_programs", "XLA programs this process compiled since start-up "
+                                 "(decode chunks, admissions: a new sampling setting must not add any)", registry=r)
+    self.decode_programs = prom.Gauge("pasta_decode_programs", "batch decode programs held compiled (chunks per "
+                                      "rows prefix, admissions per group size and prompt bucket): sampling "
+                                      "settings add none", registry=r)
+    self.engine_failures = prom.Counter("pasta_engine_failures", "chunks that raised: their batch's requests "
+                                        "failed with an error and the batch was dropped; the engine served on",
+                                        ["method"], registry=r)
+    self.restarts = prom.Counter("pasta_engine_restarts", "failures of the engine's loop outside a batch: every "
+                                 "request in flight failed and the loop started afresh", registry=r)
+    self.stalls = prom.Counter("pasta_engine_stalls", "times the watchdog saw rows to run and no chunk finish for "
+                               "the stall limit", registry=r)
     prom.Gauge("pasta_tokens_per_second", f"content tokens per second over the last {window_s:g} s",
                registry=r).set_function(self._rate)
     self.window_s, self._marks, self._lock = window_s, collections.deque(), threading.Lock()

@@ -1,11 +1,14 @@
 """The OpenAI-compatible request bodies `pasta serve` accepts, and its error bodies.
 
-Bodies are validated strictly: an unknown field, a wrong type or a value out of range is a 400 that names
-the field (OpenAI's error shape), never a silent default. Fields OpenAI defines that this server cannot
-honour (several choices, stop strings, penalties, log-probabilities, a seed: a sampled row's key folds in its
-batch row and step, so no per-request seed can be kept) are refused by name unless they carry their neutral
-value. Two fields are ours: `method` (the decoding method; unset: the model's generation.json, else pasta) and
-`return_trace` (the thread trace of the answer).
+Bodies are validated strictly: an unknown field, a wrong type (`"7"` is not 7, `"yes"` is not true; an integer is
+a float) or a value out of range is a 400 that names the field (OpenAI's error shape), never a silent default; so
+is a string holding a lone surrogate (JSON can spell one, `"\\ud800"`, but no text encoding can carry it on).
+Fields OpenAI defines that this server cannot honour (stop strings, presence and frequency penalties,
+log-probabilities; several choices except from superposed decoding's drafts) are refused by name unless they carry
+their neutral value. `temperature`, `top_p` and `seed` (0 <= seed < 2**32; a sampled request without one gets a
+fresh one) are OpenAI's; `top_k` (0: off) and `repetition_penalty` are vLLM's extra sampling fields. Ours:
+`method` (the decoding method; unset: the model's generation.json, else pasta), `return_trace` (the thread trace of
+the answer) and `timeout` (seconds; a non-streaming request not answered by then is cancelled and answered 504).
 """
 
 from __future__ import annotations
@@ -26,20 +29,29 @@ class ApiError(Exception):
     super().__init__(message)
     self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers or {}
 
-  def body(self) -> dict:
-    return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+  def body(self, code: int | str | None = None) -> dict:
+    return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}}
+
+
+STRICT = pydantic.ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(pydantic.BaseModel):
+  model_config = STRICT
+
+  include_usage: bool = False  # a last chunk with the usage
 
 
 class _Body(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="forbid", strict=False)
+  model_config = STRICT
 
   model: str | None = None
   max_tokens: int | None = pydantic.Field(default=None, ge=1)
   temperature: float = pydantic.Field(default=0.0, ge=0.0, le=2.0)
   top_p: float = pydantic.Field(default=1.0, gt=0.0, le=1.0)
   stream: bool = False
-  stream_options: dict | None = None
-  seed: int | None = None
+  stream_options: StreamOptions | None = None
+  seed: int | None = pydantic.Field(default=None, ge=0, lt=2**32)  # unset: a fresh one per sampled request
   user: str | None = None
   # Neutral values only (checked in `unsupported`): one choice (superposed: up to its k drafts), no stop
   # strings, no penalties, no logprobs.
@@ -48,16 +60,17 @@ class _Body(pydantic.BaseModel):
   presence_penalty: float = 0.0
   frequency_penalty: float = 0.0
   logprobs: Any = None
+  # vLLM's extra fields: top-k (0: off) and CTRL's repetition penalty (unset: the model's generation.json, else 1)
+  top_k: int = pydantic.Field(default=0, ge=0)
+  repetition_penalty: float | None = pydantic.Field(default=None, gt=0.0, le=10.0)
   # Ours.
   method: str | None = None  # unset: the model's generation.json `method`, else pasta (`parse_body`)
   return_trace: bool = False
-  # vLLM's extra field (CTRL's penalty); unset: the model's generation.json, else 1 (off)
-  repetition_penalty: float | None = pydantic.Field(default=None, gt=0.0, le=10.0)
+  timeout: float | None = pydantic.Field(default=None, gt=0.0)  # seconds (non-streaming only; `pasta serve` caps it)
 
   def unsupported(self) -> str | None:
     """The first OpenAI field given a value this server cannot honour, or None."""
     given = {"n": self.n != 1 and not registry.METHODS[self.method].capabilities.drafts, "stop": bool(self.stop),
-             "seed": self.seed is not None,
              "presence_penalty": self.presence_penalty != 0,
              "frequency_penalty": self.frequency_penalty != 0, "logprobs": self.logprobs not in (None, False)}
     return next((name for name, bad in given.items() if bad), None)
@@ -70,7 +83,7 @@ class CompletionBody(_Body):
 
 
 class ChatMessage(pydantic.BaseModel):
-  model_config = pydantic.ConfigDict(extra="forbid")
+  model_config = STRICT
 
   role: Literal["system", "user", "assistant"]
   content: str
@@ -86,12 +99,17 @@ def parse_body(kind: type[_Body], payload: Any, default_method: str = "pasta") -
   """A validated body (`method` unset: `default_method`), or ApiError(400) naming the first bad field."""
   if not isinstance(payload, dict):
     raise ApiError(400, "the request body must be a JSON object")
+  check_text(payload)
   try:
     body = kind.model_validate(payload)
   except pydantic.ValidationError as err:
-    first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"])
-    what = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
+    errors = err.errors()
+    # a union's members each fail: the member that got furthest names the field best (`prompt.1`, not `prompt`)
+    first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
+    if first["type"] == "extra_forbidden":
+      where, what = ".".join(str(p) for p in first["loc"]), "unknown field"
+    else:
+      where, what = field_path(kind, first["loc"]), first["msg"]
     raise ApiError(400, f"{where}: {what}", param=where) from None
   if body.method is None:
     body = body.model_copy(update={"method": default_method})
@@ -105,6 +123,60 @@ def parse_body(kind: type[_Body], payload: Any, default_method: str = "pasta") -
   if isinstance(body, CompletionBody) and body.echo:
     raise ApiError(400, "echo: not supported by this server", param="echo")
   return body
+
+
+def field_path(kind: type[pydantic.BaseModel], loc: tuple) -> str:
+  """A validation error's field as a client names it: `messages.0.content`, without the union member labels
+  pydantic adds to the location (`prompt.list[str].1` is `prompt.1`)."""
+  parts, model = [], kind
+  for part in loc:
+    if isinstance(part, int):
+      parts.append(str(part))
+    elif model is not None and part in model.model_fields:
+      parts.append(part)
+      model = _model_in(model.model_fields[part].annotation)
+    # else: a union member's label
+  return ".".join(parts)
+
+
+def _model_in(annotation) -> type[pydantic.BaseModel] | None:
+  """The pydantic model an annotation holds (`list[ChatMessage]`, `StreamOptions | None`), if any."""
+  if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+    return annotation
+  for arg in getattr(annotation, "__args__", ()):
+    if (found := _model_in(arg)) is not None:
+      return found
+  return None
+
+
+def check_text(payload: Any) -> None:
+  """ApiError(400) naming the first string (or key) of a parsed JSON body that holds a lone surrogate: JSON's
+  `\\ud800` parses to one, and the tokenizer, the logs and the response's own UTF-8 would each fail on it later.
+  Iterative: the body's depth is bounded only by the JSON parser's recursion limit."""
+  stack: list[tuple[str, Any]] = [("", payload)]
+  while stack:
+    where, value = stack.pop()
+    if isinstance(value, str):
+      if _has_surrogate(value):
+        name = where or "body"
+        raise ApiError(400, f"{name}: a string holds a lone surrogate (not a Unicode character)", param=name)
+    elif isinstance(value, dict):
+      for key in value:
+        if _has_surrogate(key):
+          key = key.encode("utf-8", "backslashreplace").decode("utf-8")
+          raise ApiError(400, f"{where + '.' if where else ''}{key}: a field name holds a lone surrogate",
+                         param=where or None)
+      stack.extend(reversed([(f"{where}.{key}" if where else key, item) for key, item in value.items()]))
+    elif isinstance(value, list):
+      stack.extend(reversed([(f"{where}.{i}" if where else str(i), item) for i, item in enumerate(value)]))
+
+
+def _has_surrogate(text: str) -> bool:
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError:
+    return True
+  return False
 
 
 def chat_prompt_text(messages: list[ChatMessage], format_single) -> str:

@@ -17,6 +17,12 @@ from pasta_jax.model.mesh import MeshConfig
 
 Objective = Literal["sft", "baseline_sft", "apar_sft", "scoped_sft", "bonbon"]
 
+# Fields that say how a job runs, not what it trains: a resumed run may change them (another machine, mesh or
+# kernel; saving or logging more often; the same global batch in other micro-batches). Any other field changed
+# on resume is refused (TrainCheckpoints), since the restored state and the rest of the run would disagree.
+RUN_ONLY_FIELDS = ("mesh", "hardware", "remat", "attention", "grad_accum", "save_every", "keep_checkpoints",
+                   "log_every")
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:

@@ -11,6 +11,7 @@ import json
 import os
 import time
 
+from pasta_jax import runfiles
 from pasta_jax.model.config import GemmaConfig
 from pasta_jax.paths import is_remote, run_path
 
@@ -48,13 +49,11 @@ class MetricsLog:
     if not self.enabled:
       return
     record = {"step": step, "time": time.time(), **{k: float(v) for k, v in values.items()}}
-    line = json.dumps(record) + "\n"
-    if self.remote:  # object stores cannot append: rewrite the (small) file
-      self.lines.append(line)
+    if self.remote:  # object stores cannot append: rewrite the (small) file, whole
+      self.lines.append(json.dumps(record) + "\n")
       self.path.write_text("".join(self.lines))
-    else:
-      with self.path.open("a") as f:
-        f.write(line)
+    else:  # after cutting a row a kill left torn
+      runfiles.append_row(self.path, record)
     if self.writer is not None:
       for key, value in values.items():
         self.writer.add_scalar(key, float(value), step)
@@ -65,6 +64,7 @@ class MetricsLog:
 
 
 def read_metrics(out_dir: str | os.PathLike) -> list[dict]:
+  """The logged rows; a line a kill cut in half is left out (not cut from the file: the job may be running)."""
   path = run_path(out_dir) / "metrics.jsonl"
   if not path.exists():
     return []
@@ -72,6 +72,6 @@ def read_metrics(out_dir: str | os.PathLike) -> list[dict]:
   for line in path.read_text().splitlines():
     try:
       rows.append(json.loads(line))
-    except json.JSONDecodeError:  # a line cut by a kill
+    except json.JSONDecodeError:  # a line cut by a kill, or being written
       continue
   return rows

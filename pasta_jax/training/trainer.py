@@ -5,15 +5,17 @@
           step, so resuming at step k replays exactly the batches an uninterrupted run would see);
   loop    one jitted, donated step per global batch, metrics to `<out>/metrics.jsonl`, a progress
           bar on the main process, a checkpoint every `save_every` steps;
-  finish  the final params exported as a pasta checkpoint in `<out>/model` (loadable by
-          `load_model` and so by the interpreter).
+  finish  the final params exported as a pasta checkpoint (or adapter) in `<out>/model` (loadable by
+          `load_model` and so by the interpreter): written under a temporary name, renamed into place,
+          its completion marker written last (`runfiles.publish`); only a marked export is done.
+A kill at any moment loses at most the steps after the last checkpoint: the resumed run drops their
+metric rows and trains them again, from the same batches.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import time
 from collections.abc import Callable
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from pasta_jax import runfiles
 from pasta_jax.errors import ConfigError
 from pasta_jax.lang.tags import tag_vocab_for
 from pasta_jax.model import lora
@@ -137,11 +140,11 @@ class Trainer:
 
   def _maybe_resume(self) -> int | None:
     latest = self.checkpoints.latest_step()
-    if latest is None:
-      return None
-    shapes = jax.eval_shape(lambda p: init_state(p, self.optimizer), self.state.params)
-    self.state = self.checkpoints.restore(latest, shapes, self.shardings)
-    _truncate_metrics(self.out_dir, latest)
+    if latest is not None:
+      shapes = jax.eval_shape(lambda p: init_state(p, self.optimizer), self.state.params)
+      self.state = self.checkpoints.restore(latest, shapes, self.shardings)
+    if jax.process_index() == 0:  # also with no checkpoint: the rows of a run killed before its first one go
+      _truncate_metrics(self.out_dir, latest or 0)
     return latest
 
   def run(self, stop_after: int | None = None) -> TrainResult:
@@ -185,15 +188,27 @@ class Trainer:
     return self.flops_per_token * tokens / seconds / peak if peak else 0.0
 
   def _export(self):
+    """Writes the model under a temporary name and publishes it as `<out>/model` (marker last): a kill at any
+    point leaves either the old export or one without its marker, which a resume exports again."""
+    final = self.out_dir / "model"
+    primary = jax.process_index() == 0
+    tmp = runfiles.partial_folder(final, clear=primary)
+    _sync("export: temporary folder ready")
     if self.adapter is not None:
       extra = {"step": int(self.state.step), "train": self.config.to_dict()}
       params = jax.device_get(self.state.params)
-      return lora.save_adapter(self.out_dir / "model", params, self.adapter, base=base_reference(self.model),
-                               extra=extra)
-    from pasta_jax.model.checkpoint import save_checkpoint
-    tokenizer = self.model.tokenizer if hasattr(self.model.tokenizer, "save") else None
-    return save_checkpoint(self.out_dir / "model", self.state.params, self.model.config, tokenizer=tokenizer,
-                           step=int(self.state.step), extra={"train": self.config.to_dict()}, overwrite=True)
+      if primary:
+        lora.save_adapter(tmp, params, self.adapter, base=base_reference(self.model), extra=extra)
+    else:
+      from pasta_jax.model.checkpoint import save_checkpoint
+      tokenizer = self.model.tokenizer if hasattr(self.model.tokenizer, "save") else None
+      save_checkpoint(tmp, self.state.params, self.model.config, tokenizer=tokenizer, step=int(self.state.step),
+                      extra={"train": self.config.to_dict()}, overwrite=True, atomic=False)  # every host writes
+    _sync("export: written")
+    if primary:
+      runfiles.publish(tmp, final)
+    _sync("export: published")
+    return final
 
 
 def adapter_config(config: TrainConfig, model: LoadedModel) -> lora.AdapterConfig | None:
@@ -219,18 +234,22 @@ def adapter_config(config: TrainConfig, model: LoadedModel) -> lora.AdapterConfi
 
 
 def _truncate_metrics(out_dir, resume_step: int) -> None:
-  """Drops metric rows of steps a killed run logged after its last checkpoint (they are re-run)."""
+  """Drops metric rows of steps a killed run logged after its last checkpoint (they are re-run), and a row the
+  kill cut in half; the file is replaced atomically."""
   path = out_dir / "metrics.jsonl"
   if not path.exists():
     return
-  kept = []
-  for line in path.read_text().splitlines():
-    try:
-      if json.loads(line)["step"] < resume_step:
-        kept.append(line)
-    except (json.JSONDecodeError, KeyError):
-      continue
-  path.write_text("".join(f"{line}\n" for line in kept))
+  rows = list(runfiles.read_rows(path))
+  kept = [row for row in rows if isinstance(row.get("step"), int) and row["step"] < resume_step]
+  if len(kept) < len(rows):
+    runfiles.write_rows(path, kept)
+
+
+def _sync(name: str) -> None:
+  """A barrier of every host (nothing with one process)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
 
 
 def train(config: TrainConfig, model: LoadedModel, dataset: StepDataset, out_dir, **kwargs) -> TrainResult:

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from pasta_jax.decode.constraints import constrain
-from pasta_jax.decode.sampling import SamplingConfig, lane_key, sample_rows
+from pasta_jax.decode.sampling import SamplingConfig, sample_rows
 from pasta_jax.decode.state import InterpState
 from pasta_jax.lang.tags import TagVocab
 from pasta_jax.model.output import ModelOutput
@@ -144,9 +144,9 @@ class Rules(abc.ABC):
     allowed, refused = self.allowed(state, rows_lane, logits, cfg)
     if allowed is not None:
       logits = constrain(logits, allowed)
-    keys = jax.vmap(lambda bi, lanes: jax.vmap(lambda lane: lane_key(state.key, bi, state.step, lane))(lanes))(
-        jnp.arange(batch), rows_lane)
-    flat = sample_rows(logits.reshape(batch * num_q, -1), keys.reshape(-1), cfg.sampling)
+    keys = state.sampling.lane_keys(state.step, rows_lane)  # [B, Q]
+    per_query = jax.tree.map(lambda x: jnp.repeat(x, num_q), state.sampling)  # each row's values, [B * Q]
+    flat = sample_rows(logits.reshape(batch * num_q, -1), keys.reshape(-1), per_query, cfg.sampling)
     return state, flat.reshape(batch, num_q), refused
 
   def bind_inputs(self, rule_inputs: Any, params: Any) -> Any:

@@ -283,7 +283,8 @@ class MedusaRules(SequentialRules):
     if self.acceptance == "greedy":
       match = node_token == chosen[:, parent]
     else:
-      temperature = max(cfg.sampling.temperature, 1e-6) if cfg.sampling.temperature > 0 else 1.0
+      heat = state.sampling.temperature  # [B]: each row's; a greedy row's typical acceptance reads its plain logits
+      temperature = jnp.where(heat > 0, jnp.maximum(heat, 1e-6), 1.0)[:, None, None]
       log_p = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)  # [B, Q, V]
       entropy = -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)  # [B, Q]
       threshold = jnp.minimum(self.typical_epsilon, self.typical_delta * jnp.exp(-entropy))

@@ -1,16 +1,21 @@
 """Self-distillation data: the model's own greedy answers to training-pool prompts (Medusa-2's advice for
 models whose training data is not at hand), as rows of token ids, one JSON line each: written by `distill`,
-read back, split into training and held-out rows, and batched for the frozen base."""
+read back, split into training and held-out rows, and batched for the frozen base.
+
+distill.jsonl is appended one batch at a time (`runfiles.append_rows`: a row a kill tore is cut first). A resume
+keeps the rows of whole batches only and samples from the next batch boundary, so every batch decodes the same
+prompts together as an uninterrupted run (the same float rounding, the same answers)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from pasta_jax import runfiles
 from pasta_jax.data.sources import read_records
+from pasta_jax.errors import PastaError
 
 POOLS = ("lima", "alpaca_gpt4_1k", "alpaca_5k")  # training pools; alpaca_eval_805 stays held out
 
@@ -43,31 +48,35 @@ def answer_ids(result, eos_ids) -> list[int]:
 
 def distill(model, out: Path, count: int, batch: int, new_tokens: int) -> Path:
   """Greedy answers of `model` to `count` pool prompts, appended per batch to distill.jsonl (resumes)."""
-  from pasta_jax.decode.api import generate_ids, prompt_ids
+  from pasta_jax.decode.api import prompt_ids
+  from pasta_jax.decode.runtime import Runtime
+  from pasta_jax.methods import Sequential, generate_ids
   path = out / "distill.jsonl"
-  done = sum(1 for _ in path.open()) if path.exists() else 0
   prompts = prompts_from_pools(count)
+  rows = list(runfiles.read_rows(path))
+  for i, row in enumerate(rows[:len(prompts)]):
+    if row.get("prompt") != prompts[i]:
+      raise PastaError(f"{path}: row {i + 1} answers another prompt than the pools' {i + 1}th; use another --out")
+  done = len(rows) - len(rows) % batch  # whole batches only (module doc)
+  if done < len(rows):
+    runfiles.write_rows(path, rows[:done])
   eos = set(model.tokenizer.eos_ids) if hasattr(model.tokenizer, "eos_ids") else None
-  with path.open("a") as sink, tqdm(total=len(prompts), initial=done, desc="distill (greedy answers)") as bar:
+  with tqdm(total=len(prompts), initial=min(done, len(prompts)), desc="distill (greedy answers)") as bar:
     for start in range(done, len(prompts), batch):
       texts = prompts[start:start + batch]
       ids = prompt_ids(model.tokenizer, texts, chat=True)
       # the certified head: float32 greedy's tokens at the narrow head's cost (decode/certified_head.py)
-      results = generate_ids(model, ids, method="sequential", lanes=1, max_threads=1, max_new_tokens=new_tokens,
-                             certify_head=True)
-      for text, prompt, result in zip(texts, ids, results):
-        ends = eos if eos is not None else set()
-        sink.write(json.dumps({"prompt": text, "prompt_ids": prompt, "answer_ids": answer_ids(result, ends),
-                               "finished": result.finished}) + "\n")
-      sink.flush()
+      results = generate_ids(model, ids, Sequential(), max_new_tokens=new_tokens, runtime=Runtime(certify_head=True))
+      ends = eos if eos is not None else set()
+      runfiles.append_rows(path, [{"prompt": text, "prompt_ids": prompt, "answer_ids": answer_ids(result, ends),
+                                   "finished": result.finished} for text, prompt, result in zip(texts, ids, results)])
       bar.update(len(texts))
   return path
 
 
 def read_distilled(path: Path) -> list[dict]:
   """The rows of distill.jsonl with answers long enough to train on (4 tokens or more)."""
-  rows = [json.loads(line) for line in path.open()]
-  return [r for r in rows if len(r["answer_ids"]) >= 4]
+  return [r for r in runfiles.read_rows(path) if len(r["answer_ids"]) >= 4]
 
 
 def split(rows: list[dict], held_out: float) -> tuple[list[dict], list[dict]]:

@@ -4,12 +4,13 @@ measured on held-out rows before and after."""
 
 from __future__ import annotations
 
-import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from pasta_jax import runfiles
 from pasta_jax.model import medusa
 from pasta_jax.training.medusa.distill import padded_batches
 
@@ -53,12 +54,12 @@ def heads_folder(model, out: Path) -> Path:
 
   from pasta_jax.decode.speculation import load_drafter
   folder = out / "heads"
-  if not (folder / medusa.WEIGHTS_FILE).exists():
+  if not runfiles.is_complete(folder) and not (folder / medusa.CONFIG_FILE).exists():  # never over trained heads
     shipped = Path(load_drafter(model).source)
-    folder.mkdir(parents=True, exist_ok=True)
-    for path in shipped.iterdir():
-      if path.is_file():
-        shutil.copy(path, folder / path.name)
+    with runfiles.publishing(folder) as tmp:  # whole or not at all
+      for path in shipped.iterdir():
+        if path.is_file():
+          shutil.copy(path, tmp / path.name)
     print(f"early head: training over the heads shipped in {shipped} (copied to {folder})")
   return folder
 
@@ -110,6 +111,16 @@ def train_early_head(model, train_rows, held_rows, out: Path, layer: int, top_k:
   meta = {"layer": layer, "top_k": top_k, "positions": int(len(states)), "steps": steps, "epochs": epochs,
           "lr": lr, "first_loss": history[0] if history else None, "last_loss": history[-1] if history else None,
           "held_out_top_k_hit_rate": {"logit_lens": before, "trained": after}}
-  pruning.save_early_head(out / "heads", head, meta)
-  (out / "early_loss.json").write_text(json.dumps(history))
+  _save_early_head(out / "heads", head, meta)
+  runfiles.write_json(out / "early_loss.json", history, indent=None)
   return meta
+
+
+def _save_early_head(folder: Path, head, meta: dict) -> None:
+  """`pruning.save_early_head` into `folder` file by file, each renamed in whole (the stage reruns whole, so
+  a kill between them is followed by both being written again)."""
+  from pasta_jax.decode.rules import pruning
+  with tempfile.TemporaryDirectory(dir=folder, prefix=".early-") as scratch:
+    pruning.save_early_head(scratch, head, meta)
+    for name in (pruning.EARLY_WEIGHTS, pruning.EARLY_CONFIG):  # the config (what loading looks for) last
+      runfiles.write_atomic(folder / name, (Path(scratch) / name).read_bytes())

@@ -1,16 +1,19 @@
 """Medusa-1 heads on a frozen base: the loss sum_k 0.8^k CE(head_k) (`pasta_jax.model.medusa`) over the base's
 hidden states, computed once and cached, the softmax over a draft vocabulary of the most frequent tokens;
-then per-head top-k hit rates on held-out rows, the prior of the tree builder and of ProPD."""
+then per-head top-k hit rates on held-out rows, the prior of the tree builder and of ProPD.
+
+Every file is written whole under a temporary name and renamed (`runfiles`); the heads folder is published
+with its completion marker last, which is what a resume checks (`heads_done`)."""
 
 from __future__ import annotations
 
 import collections
-import json
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from pasta_jax import runfiles
 from pasta_jax.data.sources import read_records
 from pasta_jax.model import medusa
 from pasta_jax.training.medusa.distill import POOLS, padded_batches
@@ -28,7 +31,8 @@ def hidden_and_targets(model, rows: list[dict], num_heads: int, cache: Path | No
       return saved["states"], saved["targets"], saved["next_tokens"]
   states, targets, next_tokens = compute_hidden(model, rows, num_heads)
   if cache is not None:
-    np.savez(cache, states=states, targets=targets, next_tokens=next_tokens, key=key)
+    runfiles.save_atomic(cache, lambda tmp: np.savez(tmp, states=states, targets=targets, next_tokens=next_tokens,
+                                                     key=key))
   return states, targets, next_tokens
 
 
@@ -71,7 +75,7 @@ def draft_vocabulary(model, rows: list[dict], size: int, cache: Path) -> np.ndar
         if record.get(field):
           counts.update(model.tokenizer.encode(record[field], add_bos=False))
   vocab = np.asarray([t for t, _ in counts.most_common(size)], np.int64)
-  np.save(cache, vocab)
+  runfiles.save_atomic(cache, lambda tmp: np.save(tmp, vocab))
   return vocab
 
 
@@ -123,9 +127,15 @@ def train_heads(model, rows: list[dict], out: Path, config, epochs: int, batch: 
           "sizes": medusa.head_sizes(config, *model.params["params"]["embedder"].shape)}
   if vocab is not None:
     heads = {**heads, "vocab": jnp.asarray(vocab, jnp.int32)}
-  medusa.save_heads(out / "heads", heads, config, meta)
-  (out / "train_loss.json").write_text(json.dumps(history))
+  runfiles.write_json(out / "train_loss.json", history, indent=None)
+  with runfiles.publishing(out / "heads") as folder:  # last: a complete heads folder means the stage is done
+    medusa.save_heads(folder, heads, config, meta)
   return meta
+
+
+def heads_done(out: Path) -> bool:
+  """Whether the heads stage finished: its folder was published whole (`train_heads`)."""
+  return runfiles.is_complete(out / "heads")
 
 
 def calibrate(model, rows: list[dict], out: Path, top_k: int) -> dict:
@@ -153,5 +163,5 @@ def calibrate(model, rows: list[dict], out: Path, top_k: int) -> dict:
   rates = hits / np.maximum(counts, 1)[:, None]
   info = {"hit_rates": rates.tolist(), "top1": rates[:, 0].tolist(), "topk": rates.sum(axis=1).tolist(),
           "positions": int(len(states)), "prompts": len(rows)}
-  (out / "heads" / "calibration.json").write_text(json.dumps(info, indent=1))
+  runfiles.write_json(out / "heads" / "calibration.json", info)
   return info
