@@ -12,6 +12,7 @@ when none of its rows needs it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -130,8 +131,14 @@ def lane_key(base: jax.Array, request: jax.Array, step: jax.Array, lane: jax.Arr
 def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
   """One token from logits [V] (already constrained with -inf) under one request's settings. Returns int32 [].
   The same computation as a row of `sample_rows` (the references use it)."""
-  rows = jax.tree.map(jnp.asarray, RowSampling.of([cfg]))
-  return sample_rows(logits[None], key[None], rows, cfg.envelope())[0]
+  return _sample_one(logits, key, RowSampling.of([cfg]), envelope=cfg.envelope())
+
+
+@functools.partial(jax.jit, static_argnames="envelope")
+def _sample_one(logits: jax.Array, key: jax.Array, rows: RowSampling, envelope: SamplingConfig) -> jax.Array:
+  """`sample` compiled once per envelope and vocabulary (the references call it for every token: op by op, its
+  conds and sorts would cost milliseconds each)."""
+  return sample_rows(logits[None], key[None], rows, envelope)[0]
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, rows: RowSampling, envelope: SamplingConfig) -> jax.Array:

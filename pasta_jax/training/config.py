@@ -8,10 +8,10 @@ memory planner (`training/plan.py`) reads the same object.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Literal
 
+from pasta_jax import jsonl
 from pasta_jax.errors import ConfigError
 from pasta_jax.model.mesh import MeshConfig
 
@@ -128,10 +128,6 @@ def load_train_config(path: str | os.PathLike, **overrides) -> TrainConfig:
   """A TrainConfig from a JSON file (tpu_configs/*.json), with keyword overrides."""
   if not os.path.isfile(path):
     raise ConfigError(f"training config {str(path)!r} does not exist")
-  try:
-    with open(path) as f:
-      fields = json.load(f)
-  except json.JSONDecodeError as err:
-    raise ConfigError(f"training config {str(path)!r} is not valid JSON: {err}") from None
+  fields = jsonl.read_json_file(path, ConfigError)
   fields.update({k: v for k, v in overrides.items() if v is not None})
   return TrainConfig.from_dict(fields)
