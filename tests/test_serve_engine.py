@@ -9,6 +9,8 @@ import queue
 import threading
 import time
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from pasta_jax.decode import batching
@@ -19,7 +21,16 @@ from pasta_jax.serve import batches
 from pasta_jax.serve.engine import Engine, Request, ServeConfig
 from tests.tiny import tiny_model
 
-MODEL = tiny_model()
+
+def flat(model):
+  """The model with its final norm scaled to 2% (Gemma's norm multiplies by 1 + scale): near-uniform logits, so a
+  sampled answer depends on its seed (the tiny random model's own are so peaked that any seed writes the same)."""
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.full_like(x, -0.98) if "final_norm" in jax.tree_util.keystr(path) else x, model.params)
+  return model._replace(params=params)
+
+
+MODEL = flat(tiny_model())
 CFG = ServeConfig(batch=4, pool_slots=256, chunk_steps=4, max_queue=16, max_tokens=16, default_max_tokens=12)
 PROMPTS = ["Tell me a tea.", "x", "Why blue sky?", "abc def"]
 
@@ -48,6 +59,11 @@ def collect(updates: queue.Queue) -> list:
 
 def alone(prompt: str, method: str, sampling: SamplingConfig, max_tokens: int = 12) -> str:
   return generate_ids(MODEL, [ids_of(prompt)], method, max_new_tokens=max_tokens, sampling=sampling)[0].text
+
+
+def tokens_alone(prompt: str, method: str, sampling: SamplingConfig, max_tokens: int = 12) -> list[int]:
+  return generate_ids(MODEL, [ids_of(prompt)], method, max_new_tokens=max_tokens,
+                      sampling=sampling)[0].records[:, 3].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +97,11 @@ def test_greedy_and_seeded_rows_answer_as_generate_alone_while_sharing_a_batch(e
   settings = [SamplingConfig(), SamplingConfig(temperature=0.9, top_p=0.95, seed=7), SamplingConfig(),
               SamplingConfig(temperature=1.3, top_k=5, repetition_penalty=1.2, seed=11)]
   pending = [ask(engine, p, "pasta", s) for p, s in zip(PROMPTS, settings, strict=True)]
-  texts = ["".join(u.delta for u in collect(p)) for p in pending]
-  assert texts == [alone(p, "pasta", s) for p, s in zip(PROMPTS, settings, strict=True)]
+  answers = [collect(p) for p in pending]
+  assert ["".join(u.delta for u in a) for a in answers] == [alone(p, "pasta", s) for p, s in zip(PROMPTS, settings)]
+  served = [a[-1].result.records[:, 3].tolist() for a in answers]
+  assert served == [tokens_alone(p, "pasta", s) for p, s in zip(PROMPTS, settings, strict=True)]
+  assert served[1] != tokens_alone(PROMPTS[1], "pasta", dataclasses.replace(settings[1], seed=8))  # seeds matter
 
 
 def test_generate_takes_one_sampling_per_prompt():
