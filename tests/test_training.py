@@ -123,7 +123,8 @@ def test_mesh_text_reads_as_data_fsdp_tensor():
 def test_mesh_that_does_not_match_devices_or_shapes_is_refused():
   with pytest.raises(ConfigError, match="devices"):
     make_mesh(MeshConfig(data=2), jax.devices()[:1])
-  params = jax.eval_shape(lambda: tiny_model().params)
+  model = tiny_model()  # built outside the trace: the cached model must never hold tracers
+  params = jax.eval_shape(lambda: model.params)
   with pytest.raises(ConfigError, match="does not divide"):
     param_specs(params, {"data": 1, "fsdp": 3, "tensor": 1})  # embed 64 over fsdp 3
 
