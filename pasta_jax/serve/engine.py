@@ -64,6 +64,7 @@ class Engine(SotStages):
     self.turn_at = time.perf_counter()  # when the engine last finished a turn (the watchdog reads it)
     self.stalled = False
     self.compiling = False  # creating (and compiling) a batch
+    self.turns = 0  # turns of the engine loop begun (the supervisor counts failures in a row by them)
     self.served = {m.name: m for m in cfg.methods}
     self.compile_ahead: set[Method] = set()  # methods whose batches compile every shape when created (`warm_up`)
     self.prompt_buckets: tuple[int, ...] = ()  # the prompt buckets their admissions compile for
@@ -199,21 +200,20 @@ class Engine(SotStages):
   def _supervise(self) -> None:
     """Runs the loop; a failure outside any one batch fails every request in flight, and the loop starts afresh
     (after `max_restarts` failures in a row the engine gives up: `error`, /health "failed")."""
-    failures = 0
+    failures, turns = 0, self.turns
     while True:
       try:
         self._run()
         return
       except Exception as err:  # a device or program error outside a batch's own work
-        failures += 1
+        failures = 1 if self.turns > turns + 1 else failures + 1  # in a row: no whole turn ran since the last
+        turns = self.turns
         self.last_failure = f"engine loop: {err!r}"
         self.metrics.restarts.inc()
         self._end_everyone(Update("", True, "error", note=f"server error: {err}", status=500), "error")
         if failures > self.cfg.max_restarts:
           self.error = err
           return
-      else:
-        failures = 0
 
   def _end_everyone(self, update: Update, outcome: str) -> None:
     with self.lock:
@@ -228,6 +228,7 @@ class Engine(SotStages):
   def _run(self) -> None:
     while True:
       self.turn_at = time.perf_counter()
+      self.turns += 1
       with self.lock:
         if not self.waiting and not self.running and not self.stopping:
           self.lock.wait(timeout=0.5)
