@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from pasta_jax import jsonl
+from pasta_jax import runfiles
 from pasta_jax.cli import main
 from pasta_jax.data import sources
 from pasta_jax.errors import PastaError, WeightsError
@@ -61,20 +61,20 @@ def test_the_cli_names_file_and_line_in_one_line(tmp_path, capsys, no_model_load
 def test_parse_json_names_where_and_keeps_the_callers_error():
   for text in (b"7" * 5000, DEEP, b"[1,", b"\xff"):
     with pytest.raises(WeightsError, match=r"^f\.json:9: "):
-      jsonl.parse_json(text, "f.json:9", WeightsError)
-  assert jsonl.parse_json(b"7" * 4000, "x") == int("7" * 4000)  # under the limit: read as ever
-  assert jsonl.parse_json(b"[" * 100 + b"]" * 100, "x") is not None
+      runfiles.parse_json(text, "f.json:9", WeightsError)
+  assert runfiles.parse_json(b"7" * 4000, "x") == int("7" * 4000)  # under the limit: read as ever
+  assert runfiles.parse_json(b"[" * 100 + b"]" * 100, "x") is not None
 
 
 def test_iter_jsonl_skips_blank_lines_and_counts_them(tmp_path):
   path = tmp_path / "f.jsonl"
   path.write_bytes(b'{"a": 1}\n\n  \n[2]\r\n' + DEEP + b"\n")
-  rows = jsonl.iter_jsonl(path)
+  rows = runfiles.iter_jsonl(path)
   assert next(rows) == (1, {"a": 1}) and next(rows) == (4, [2])
   with pytest.raises(PastaError, match=f"^{path}:5: JSON nested too deeply"):
     next(rows)
   with pytest.raises(PastaError, match="cannot open data file"):
-    next(jsonl.iter_jsonl(tmp_path / "missing.jsonl"))
+    next(runfiles.iter_jsonl(tmp_path / "missing.jsonl"))
 
 
 def test_a_deep_id_is_named_without_recursing(tmp_path):

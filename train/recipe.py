@@ -35,7 +35,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pasta_jax import jsonl, runfiles
+from pasta_jax import runfiles
 from pasta_jax.data.sources import shared_data_dir
 from pasta_jax.errors import PastaError
 from pasta_jax.preference.config import QUALITY_MEASURES, SPEED_MEASURES, PreferenceConfig
@@ -108,7 +108,7 @@ def _read_pool(name: str) -> list[dict]:
   path = Path(name) if name.endswith(".jsonl") else shared_data_dir() / f"{name}.jsonl"
   if not path.is_file():
     raise PastaError(f"training pool {name!r}: no file {path}")
-  records = [value for _, value in jsonl.iter_jsonl(path, PastaError)]
+  records = [value for _, value in runfiles.iter_jsonl(path, PastaError)]
   # ids repeat across pools: prefix the pool so one training file keeps them unique
   return [{**r, "id": f"{path.stem}-{r.get('id', i)}", "pool": path.stem} for i, r in enumerate(records)]
 

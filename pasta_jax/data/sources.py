@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pasta_jax import jsonl
+from pasta_jax import runfiles
 from pasta_jax.errors import PastaError
 
 FIELDS = ("id", "instruction", "input", "output")
@@ -88,7 +88,7 @@ def read_records(name_or_path: str | os.PathLike, max_records: int | None = None
 def iter_json_lines(path: Path) -> Iterator[tuple[int, dict]]:
   """(1-based line number, object) for every non-blank line; any line that is no readable JSON object
   (bad JSON, not UTF-8, nested too deeply, a number too long for Python) is a DataError naming it."""
-  for line_number, value in jsonl.iter_jsonl(path, DataError):
+  for line_number, value in runfiles.iter_jsonl(path, DataError):
     if not isinstance(value, dict):
       raise DataError(f"{path}:{line_number}: expected a JSON object, got {type(value).__name__}")
     yield line_number, value

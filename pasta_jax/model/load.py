@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from pasta_jax import jsonl
+from pasta_jax import runfiles
 from pasta_jax.errors import WeightsError
 from pasta_jax.model import checkpoint, gguf_loader, lora, weights
 from pasta_jax.model.config import GemmaConfig
@@ -125,7 +125,7 @@ def generation_defaults(model: LoadedModel) -> dict:
   path = Path(model.source) / GENERATION_FILE
   if not path.is_file():
     return {}
-  values = jsonl.read_json_file(path, WeightsError)
+  values = runfiles.read_json_file(path, WeightsError)
   if not isinstance(values, dict):
     raise WeightsError(f"{path}: expected a JSON object, got {type(values).__name__}")
   unknown = sorted(set(values) - set(GENERATION_KEYS) - {"why"})

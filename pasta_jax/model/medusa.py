@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pasta_jax import jsonl
+from pasta_jax import runfiles
 from pasta_jax.errors import WeightsError
 
 CONFIG_FILE = "heads.json"
@@ -202,7 +202,7 @@ def load_heads(folder: str | Path) -> tuple[dict, MedusaConfig, dict]:
   folder = Path(folder)
   if not (folder / CONFIG_FILE).exists() or not (folder / WEIGHTS_FILE).exists():
     raise WeightsError(f"{folder} holds no Medusa heads ({CONFIG_FILE} and {WEIGHTS_FILE} expected)")
-  info = jsonl.read_json_file(folder / CONFIG_FILE, WeightsError)
+  info = runfiles.read_json_file(folder / CONFIG_FILE, WeightsError)
   config = MedusaConfig(**info["config"])
   heads = {k: jnp.asarray(v) for k, v in load_file(str(folder / WEIGHTS_FILE)).items()}
   if (heads["w"].shape[0] != config.num_heads or ("out" in heads) == config.shared_head

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Any, Literal
 
-from pasta_jax import jsonl
+from pasta_jax import runfiles
 from pasta_jax.errors import ConfigError
 from pasta_jax.model.mesh import MeshConfig
 
@@ -128,6 +128,6 @@ def load_train_config(path: str | os.PathLike, **overrides) -> TrainConfig:
   """A TrainConfig from a JSON file (tpu_configs/*.json), with keyword overrides."""
   if not os.path.isfile(path):
     raise ConfigError(f"training config {str(path)!r} does not exist")
-  fields = jsonl.read_json_file(path, ConfigError)
+  fields = runfiles.read_json_file(path, ConfigError)
   fields.update({k: v for k, v in overrides.items() if v is not None})
   return TrainConfig.from_dict(fields)
