@@ -7,7 +7,7 @@ set explicitly here, on any backend. Workloads:
   - pasta:  the shipped default in free PASTA decoding, batch 1 (greedy, repetition penalty 1.1, distinct topics,
             certified head: `bench.learned`'s settings), one held-out prompt at a time;
   - propd:  ProPD at batch 8 on its 4-node tree with a step-time table that picks size 1 (the size it chose on 666
-            of 677 steps in session 25's `bench.medusa` on a CPU), so its steps are plain steps inside the tree
+            of 677 steps in a batch-8 `bench.medusa` run on a 2-core CPU), so its steps are plain steps inside the tree
             program, and plain greedy decoding of the same prompts beside it.
 Every program is compiled and run once first; then each of --rounds rounds runs every configuration once (a slow
 spell of a shared machine lands on all alike) and each keeps its median. Both ways write the same tokens (counted).

@@ -4,7 +4,7 @@ lowering and compiling (`jax.monitoring`'s duration events) and the memory maps 
   SUITE_PROFILE=runs/suite_profile.jsonl python -m pytest -q -n 2 -p bench.suite_profile
   python -m bench.suite_profile --profile runs/suite_profile.jsonl
 
-Session 37 found this way that 60% of the suite's test time was XLA:CPU's backend compile (tests/conftest.py's
+Profiled this way (2026-11-28), 60% of the suite's test time was XLA:CPU's backend compile (tests/conftest.py's
 flags then halved it) and that the worker crash every run had was its memory maps reaching the kernel's limit.
 Last line: `RESULT test_s=... compile_s=... compile_share=... peak_maps=...`.
 """

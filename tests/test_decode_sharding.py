@@ -1,4 +1,4 @@
-"""Sharded decoding (issue 22): on 8 simulated CPU devices, every method decodes on a mesh exactly as on
+"""Sharded decoding: on 8 simulated CPU devices, every method decodes on a mesh exactly as on
 one device, no step gathers a whole weight matrix, and the pool is split over its mesh axes.
 
 Each case runs tests/decode_sharding_worker.py in a fresh process (the device count is fixed at start).

@@ -12,7 +12,7 @@ from pasta_jax.model import load as load_lib
 from pasta_jax.model.lora import CONFIG_FILE, WEIGHTS_FILE
 from tests.marks import HEAVY
 
-MAX_BYTES = 16 * 2**20  # the budget per shipped adapter
+MAX_BYTES = 16 * 2**20  # the size budget per shipped adapter
 
 
 def _fake_shipped(root, names):

@@ -4,7 +4,7 @@
 # bench.seq_cost for Gemma 3 270M and Gemma 7B shapes (random bf16 weights) with the writes deferred and written
 # inside the switch, the kernel tests (the interpreter with the GPU kernel runs the deferred path), and the kernels
 # per step. Each part has its own time limit; logs go under ${OUT:-runs/gpu}. Compiling dominates on a fresh machine
-# (session 27: plain decoding plus one interpreter setting of the 270M took about 150 s): give the whole script 15
+# (on an H100: plain decoding plus one interpreter setting of the 270M took about 150 s): give the whole script 15
 # minutes, or run its parts in separate calls.
 source bench/gpu/device_info.sh
 timeout "${SEQ_S:-300}" python3 -m bench.seq_cost --dtype bfloat16 --tokens 128 --repeats 1 --blocks 1,8 \

@@ -6,7 +6,7 @@
 # the shipped adapters' SFT stages: STAGES=baseline_sft,pasta_sft). RECIPE_FLAGS: its flags after --out and --stages;
 # RECIPE_S and LEARNED_S bound the two runs (LEARNED_S=0 skips bench.learned); LIMIT and LEARNED_FLAGS: bench.learned's
 # prompts and decoding flags (default --repetition-penalty 1.1, the shipped default's settings).
-# On an H200 (session 34), with --seq-len 320 --epochs 3 on 613 records: each SFT stage (228 steps) took about
+# On an H200 (2026-11-28), with --seq-len 320 --epochs 3 on 613 records: each SFT stage (228 steps) took about
 # 2 minutes, 93 s of the first one compiling, and BoNBoN's sampling had only begun at RECIPE_S=330; the whole
 # recipe in one call wants RECIPE_S of about 540 and LEARNED_S=0. A stage cut off resumes in the next call.
 # Brings back under ${OUT:-runs/gpu}: device.txt, recipe.txt, learned.txt and learned.md, and one tgz per trained

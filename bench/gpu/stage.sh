@@ -1,7 +1,7 @@
 # Sourced by the bench/gpu scripts that need the real Gemma 3 270M on a GPU machine that cannot reach PyPI.
 # $STAGE (default /root/gs) holds what earlier calls brought over, 62 MB at a time (a call carries 64 MiB; the
 # shipped adapters, 57 MiB of the tree, stay behind while staging):
-#   gguf.part*  the embedded GGUF in parts (session 34: 36 MB beside the wheels in the first call, then 60 MB a
+#   gguf.part*  the embedded GGUF in parts (on an H200: 36 MB beside the wheels in the first call, then 60 MB a
 #               call: `head -c 36000000 G > gguf.part0; tail -c +36000001 G | split -b 60000000 -d -a 1
 #               --numeric-suffixes=1 - gguf.part`); gguf.md5 (`md5sum < G`), sent last, lets them be joined
 #   wheels/     what the image lacks or has in a version that fails here: transformers (not 5.17, whose GGUF

@@ -1,9 +1,10 @@
 """The grouped structural annotator: a list forks as a few long blocks of consecutive items, not one per item.
 
 Why: a fork pays only for a long block. On the 270M a promise costs main its topic and tags, and every live
-thread adds a row to each step, so forking every short item gave 92% forking answers at 1.00x (session 12),
-and forking only long items (`structural.annotate` with `min_saving`) forked too few answers (26%). Grouping
-keeps both: nearly every list forks, and each fork writes enough to pay for its promise.
+thread adds a row to each step, so forking every short item gave 92% forking answers at 1.00x
+(docs/results/archive/learned24_every_item_rp11/), and forking only long items (`structural.annotate` with
+`min_saving`) forked too few answers (26%). Grouping keeps both: nearly every list forks, and each fork writes
+enough to pay for its promise.
 
   - each list (items with only blank lines between them) is cut into g contiguous groups of nearly equal
     token counts, g = min(max_blocks + 1, its items, its tokens // min_block_tokens), lowered until every

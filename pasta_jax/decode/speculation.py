@@ -196,7 +196,7 @@ def step_times(sizes, seconds, model: str = "buckets") -> tuple[dict[int, float]
   buckets, each a compiled branch of its own, so T is a step function measured at every point ProPD can choose,
   and on a CPU it is no line: 1 and 2 rows read the same weights (memory-bound), and the measured head plan runs
   the int8 head at some buckets (2-3 or 2-4 rows) and the float32 one at the others. bench.medusa at batch 1 on a
-  2-core EPYC (session 32) measured T(1, 2, 4, 8) = 43.6, 41.2, 55.2, 64.2 ms, where the line through the tree
+  2-core EPYC (2026-11-28) measured T(1, 2, 4, 8) = 43.6, 41.2, 55.2, 64.2 ms, where the line through the tree
   sizes gives T(4) = 51.1 (7% low): ProPD took 4-node trees on 135 of 196 steps and ran 1.256x plain against the
   fixed 2-node tree's 1.403x.
   model="line": size 1 as measured, the tree sizes from the line (the paper's model; smoother where the step

@@ -60,8 +60,8 @@ class DecodeSettings:
   def identity(self) -> dict:
     """What makes two runs comparable; a setting added later is left out at its default, so older runs resume."""
     added_later = {"distinct_topics": False, "head_dtype": None, "certify_head": False}
-    # A certified head's narrow copy is part of its timing: name the one this machine compiles (int8 on a CPU
-    # since session 30), so a run decoded through another one starts afresh.
+    # A certified head's narrow copy is part of its timing: name the one this machine compiles (int8 on a CPU,
+    # where older runs compiled bfloat16), so a run decoded through another one starts afresh.
     narrow = api.narrow_head_dtype(self.head_dtype, self.certify_head)
     settings = {**vars(self), "head_dtype": narrow}
     return {k: v for k, v in settings.items() if not (k in added_later and v == added_later[k])}

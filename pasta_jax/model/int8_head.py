@@ -1,7 +1,7 @@
 """The tied output head quantized to int8, for the certified head (decode/certified_head.py) only.
 
 On XLA:CPU an int8 x int8 -> int32 matmul of 2-16 rows reads the 262k x 640 head (a quarter of float32's bytes)
-faster than any float form (on session 29's 2-core AMD EPYC: ~25 ms for 2-4 rows against 30-39 ms float32
+faster than any float form (on a 2-core AMD EPYC: ~25 ms for 2-4 rows against 30-39 ms float32
 weight-major; one row takes a slow path, ~280 ms, so one row never runs it). The weights carry one scale per
 token; the hidden row is split into two int8 levels (x ~ s1 q1 + s2 q2, the second quantizing the first's
 remainder), so its rounding is ~1/32000 of its largest entry and the bound the certificate needs stays as tight as

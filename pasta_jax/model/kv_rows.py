@@ -10,8 +10,8 @@ write after the reads in one computation costs XLA two copies of the pool instea
 Where it pays: on a CPU (XLA:CPU copies a conditional's written operand; deferred, PASTA at batch 16 is 1.16x
 faster and ProPD at batch 8 1.08x, bench.kv_writes). On an H100 the other way round: deferred, a one-lane step cost
 1.73x plain decoding against 1.11x written in the branch (Gemma 3 270M, bf16, bench.seq_cost --defer off,on,
-session 27; not profiled: the deferred layers' extra work is two key segments, the extended mask, and the rows
-stacked and scattered after the switch). So `defer_by_default` defers on a CPU only.
+docs/results/bench_seq_cost_h100_defer.txt; not profiled: the deferred layers' extra work is two key segments,
+the extended mask, and the rows stacked and scattered after the switch). So `defer_by_default` defers on a CPU only.
 
 Masks: a row's slot already carries its metadata (the rules wrote owner, order, position before the call), so
 the dense mask [B, Q, S] says which new rows a query sees: the columns at their slots. Those slots still hold

@@ -25,16 +25,16 @@ class PreferenceConfig:
   duplicate_penalty: float = 1.0
   # What "speedup" in the score measures. "speedup" (the paper's): the baseline answer's tokens / the
   # sample's critical path, which also rewards a shorter answer (with lambda = 0, BoNBoN then learns to
-  # write less: docs/results/learned16_bon_l0.md). "parallelism": the sample's own tokens / its critical
+  # write less: docs/results/archive/learned16_bon_l0.md). "parallelism": the sample's own tokens / its critical
   # path, which only rewards decoding the same answer in fewer steps.
   speed_measure: str = "speedup"
   # What "quality" in the score measures. "judge": the pairwise judge's wins over losses (above).
   # "rouge": the sample's ROUGE-L F1 against the record's reference answer over the Baseline-SFT
   # answer's (1 = as close as the baseline), for when no judge worth its cost is at hand: the local
-  # base-model judge scored every sample 1.00 +- 0.01 (docs/results/learned24_bonbon_rp11/).
+  # base-model judge scored every sample 1.00 +- 0.01 (docs/results/archive/learned24_bonbon_rp11/).
   # "logp": how likely the Baseline-SFT model finds the sample's clean text against its own greedy answer,
   # exp(mean log p per token of the sample - that of the baseline answer), both under the baseline (1 = as
-  # likely). The proxy `bench.learned` reports; the tuned default fell furthest short on it (issue 16).
+  # likely). The proxy `bench.learned` reports; the tuned default fell furthest short on it (goal: within 5%).
   quality_measure: str = "judge"
   chat: bool = True
   seed: int = 0
