@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pasta_jax import compile_cache
+from pasta_jax import user_cache
 from pasta_jax.commands.method_flags import add_method_flags
 from pasta_jax.errors import PastaError
 from pasta_jax.methods.registry import names
@@ -26,9 +26,10 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="pasta", description="PASTA learned asynchronous decoding in JAX.")
-  parser.add_argument("--compile-cache", action="store_true",
-                      help="keep compiled executables in JAX's persistent cache (~/.cache/pasta_jax/xla, or "
-                           f"${compile_cache.ENV}) so a second run skips compiling; off by default")
+  parser.add_argument("--compile-cache", action=argparse.BooleanOptionalAction, default=True,
+                      help="keep compiled decode loops and this machine's measured head plan in the user's cache "
+                           f"(~/.cache/pasta_jax, or ${user_cache.ENV}; 'off' there turns it off), so a second run "
+                           "skips compiling (default: on)")
   sub = parser.add_subparsers(dest="command", required=True)
   gen = sub.add_parser("generate", help="decode a prompt (plain, or PASTA with --pasta)")
   gen.add_argument("prompt")
@@ -77,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   try:
-    compile_cache.enable(compile_cache.cache_folder(requested=args.compile_cache))
+    if not args.compile_cache:
+      user_cache.turn_off()
     if args.command == "generate":
       from pasta_jax.commands.generate import run_generate
 

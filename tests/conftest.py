@@ -13,7 +13,7 @@ import sys
 import pytest
 
 # The suite is bound by XLA:CPU compile time (thousands of small programs, each run a few times: 60% of the
-# suite's time went to the backend compile in session 37's profile). Three settings compile them faster and
+# suite's time went to the backend compile in bench.suite_profile's profile). Three settings compile them faster and
 # change no semantics (XLA's HLO passes all run, no fast-math): LLVM's optimization level 0 (about twice as fast),
 # the older elemental fusion emitters in place of the MLIR ones, and one LLVM module per program instead of a
 # split for parallel codegen (which 2 busy cores cannot use). The latter two took a test file's compile time from
@@ -33,6 +33,9 @@ if not os.environ.get(PRODUCTION_ENV):
 # fixed plan so every worker runs the same forms, and the certified tests reach the narrow head at 2+ rows.
 # tests/test_head_plan.py measures it explicitly.
 os.environ.setdefault("PASTA_HEAD_PLAN", "fixed")
+# Compiled loops and head plans are kept in the user's cache by default (pasta_jax/user_cache.py); the suite neither
+# reads nor writes it (tests/test_program_store.py turns it on in a temporary folder).
+os.environ["PASTA_COMPILE_CACHE"] = "off"
 
 import jax  # noqa: E402
 
@@ -43,7 +46,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # On CPU each compiled XLA kernel holds three memory maps, and Linux allows a process 65,530: a test worker that
 # keeps every program it compiled reached the limit in about 700 tests, and its next compile crashed the worker
-# (session 37: pid 17442 held 65,476 maps when it died). Past half the limit, a test's teardown drops the
+# (one worker held 65,476 maps when it died). Past half the limit, a test's teardown drops the
 # compiled programs (later tests recompile what they need): the guard `pasta serve` keeps, read after every test.
 
 

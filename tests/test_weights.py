@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pasta_jax.errors import ConfigError, PastaError, WeightsError
 from pasta_jax.model import checkpoint, gguf_loader, weights
@@ -323,6 +325,31 @@ def test_gguf_tokenizer_and_its_cache(tiny_gguf, tmp_path):
     assert tok.decode(ids[1:]) == "hello world"
     assert tok.eos_ids == (1, 5) and tok.tag_vocab().promise == 6
     assert tok.encode_chat("hello") == fresh.encode_chat("hello")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_pair(tiny_gguf, tmp_path_factory):
+  """(built from the GGUF by transformers' Gemma class, reloaded fast from the cache's tokenizer.json)."""
+  cache = tmp_path_factory.mktemp("tokenizer_cache")
+  built = Tokenizer.from_gguf(tiny_gguf, cache_dir=cache)
+  Tokenizer._from_gguf_cached.cache_clear()
+  reloaded = Tokenizer.from_gguf(tiny_gguf, cache_dir=cache)
+  assert type(reloaded.hf) is not type(built.hf)  # the fast path was taken, not the Gemma class again
+  return built, reloaded
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.lists(st.sampled_from(list("helowrd \n\t<>_xé東") + ["<bos>", "<eos>", "<unused3>", "world"]),
+                    max_size=30).map("".join),
+       ids=st.lists(st.integers(0, 23), max_size=12))
+def test_the_fast_cached_tokenizer_reads_and_writes_as_the_built_one(tokenizer_pair, text, ids):
+  built, reloaded = tokenizer_pair
+  assert reloaded.encode(text) == built.encode(text)
+  for skip in (False, True):
+    assert reloaded.decode(ids, skip_special_tokens=skip) == built.decode(ids, skip_special_tokens=skip)
+  assert [reloaded.id_to_token(i) for i in ids] == [built.id_to_token(i) for i in ids]
+  assert (reloaded.vocab_size, reloaded.bos_id, reloaded.pad_id, reloaded.eos_ids) == (
+      built.vocab_size, built.bos_id, built.pad_id, built.eos_ids)
 
 
 def test_gguf_tokenizer_without_merges_is_refused(tiny_gguf, tmp_path, monkeypatch):

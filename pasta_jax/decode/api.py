@@ -21,10 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pasta_jax.decode import certified_head, loop
+from pasta_jax.decode import certified_head, loop, program_store
 from pasta_jax.decode.apar_text import encode_apar_text
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import RunOutput, bucket, pool_size
+from pasta_jax.decode.program_store import ProgramStore
 from pasta_jax.decode.result import PastaResult, Result, ThreadTrace, content_ids, pasta_result
 from pasta_jax.decode.rules import PastaRules, Rules
 from pasta_jax.decode.runtime import Runtime
@@ -79,7 +80,7 @@ def head_plan_line(config, dtype, head_dtype: str | None = None, certify_head: b
 
 def narrow_head_dtype(head_dtype: str | None, certify_head: bool) -> str | None:
   """The narrow head a decode compiles: `head_dtype`; for a certified head that names none, int8 on a CPU (on
-  the 2-core AMD EPYC of sessions 24-30 its 2-3 row product costs ~25% under float32's, where the bfloat16 copy
+  a 2-core AMD EPYC (AVX2) its 2-3 row product costs ~25% under float32's, where the bfloat16 copy
   costs more than float32 at every row count: `model/int8_head.py`), bfloat16 elsewhere. The head plan still
   sends each row count where the narrow product is not clearly faster to the float32 head."""
   if not certify_head or head_dtype is not None:
@@ -290,10 +291,21 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, max_ne
 
 
 class CompileCache:
-  """Ahead-of-time compiled loops by (runner, static config, argument shapes): least recently used out."""
+  """Ahead-of-time compiled loops by (runner, static config, argument shapes): least recently used out; behind
+  it the programs on disk (`decode.program_store`) that an earlier process compiled."""
 
-  def __init__(self, maxsize: int = 16):
+  def __init__(self, maxsize: int = 16, store: ProgramStore | None = None):
     self.maxsize, self.entries = maxsize, collections.OrderedDict()
+    self._store = store
+    self.compiles = 0  # loops this process traced and compiled (a stored program's load is not one)
+
+  @property
+  def store(self) -> ProgramStore:
+    """The disk store, resolved at first use (so that `pasta --no-compile-cache` or $PASTA_COMPILE_CACHE set before
+    the first run decides it)."""
+    if self._store is None:
+      self._store = ProgramStore(program_store.default_folder())
+    return self._store
 
   def clear(self) -> None:
     """Drops every program (`jax.clear_caches` does not reach these): a process that compiles many, such as a
@@ -310,10 +322,21 @@ class CompileCache:
     if key in self.entries:
       self.entries.move_to_end(key)
     else:
-      self.entries[key] = runner.lower(prep.model_fn, *args, **static).compile()
+      self.entries[key] = self._load_or_compile(key, runner, args, static)
       while len(self.entries) > self.maxsize:
         self.entries.popitem(last=False)
     return self.entries[key]
+
+  def _load_or_compile(self, key: tuple, runner, args: tuple, static: dict):
+    runner_, model_fn, *rest = key
+    stored = program_store.digest((f"{runner_.__module__}.{runner_.__name__}",
+                                   program_store.describe_model_fn(model_fn), *map(str, rest)))
+    compiled = self.store.load(stored)
+    if compiled is None:
+      compiled = runner.lower(model_fn, *args, **static).compile()
+      self.compiles += 1
+      self.store.save(stored, compiled)
+    return compiled
 
 
 COMPILED = CompileCache()

@@ -1,12 +1,12 @@
 """How the decode step multiplies the output head at each row count: measured on this machine, not assumed.
 
 The tied head (262k x 640 on Gemma 3 270M) is most of a CPU decode step, and which matmul form reads it fastest
-for 2-8 rows depends on the machine: on session 9's CPU the token-major float32 form cost 31 ms at 2 rows against
-37 ms weight-major; on session 25's 2-core AMD EPYC (AVX2) it cost 63 ms against 36, and there from 4 rows on the
+for 2-8 rows depends on the machine: on one CPU the token-major float32 form cost 31 ms at 2 rows against
+37 ms weight-major; on a 2-core AMD EPYC (AVX2) it cost 63 ms against 36, and there from 4 rows on the
 bfloat16 copy (38-56 ms) was slower than the float32 head read weight-major (34-44 ms). So on a CPU
 `model/head_timing.py` times the forms once per process, on the head's real shape, `choose` makes the plan, and
 the decoders compile it (a static field of `Gemma` and of the interpreter's config). Elsewhere, or with
-`PASTA_HEAD_PLAN=fixed`, the fixed plan below (session 9's) holds.
+`PASTA_HEAD_PLAN=fixed`, the fixed plan below (that first CPU's) holds.
 
 Every form computes the same function up to float32 rounding (`tests/test_head_plan.py`).
 """
@@ -30,7 +30,8 @@ class HeadPlan:
 
   token_major: tuple[int, ...] = (2, 3)
   exact: tuple[int, ...] = (1,)
-  measured: tuple = dataclasses.field(default=(), compare=False)  # (("rows:form", ms), ...) behind the choice
+  # (("rows:form", ms), ...) behind the choice: neither compared nor in the repr, which names compiled programs
+  measured: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
   def exact_at(self, rows: int) -> bool:
     """Whether a certified head takes the float32 head at `rows` (B * Q): at the rows of `exact`, and at a row count

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import logging
 import os
 import shutil
@@ -80,9 +81,9 @@ class Tokenizer:
       root = Path(cache_dir) if cache_dir else gguf_loader.default_cache_dir(path)
       key = gguf_loader.cache_path(path, root).name.removesuffix(".safetensors")
       cached = root / f"{key}-tokenizer-{transformers.__version__}"
-      if has_tokenizer_files(cached):
+      if (cached / "tokenizer.json").is_file():
         try:
-          return cls(transformers.AutoTokenizer.from_pretrained(str(cached)), str(path))
+          return cls(_load_fast(cached), str(path))
         except Exception:  # a torn cache entry: rebuild below
           pass
     arch = gguf_loader.read_gguf(path).metadata.get("general.architecture", "")  # also validates the file
@@ -178,6 +179,17 @@ class Tokenizer:
 
   def __repr__(self) -> str:
     return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size})"
+
+
+def _load_fast(folder: Path):
+  """The saved tokenizer straight from its tokenizer.json (1-2 s for Gemma's 262k vocabulary), not through
+  AutoTokenizer: transformers 5's GemmaTokenizer rebuilds the vocabulary on load (12 s). Same ids, same text
+  (tests/test_tokenizer_cache.py compares them); the special tokens come from its tokenizer_config.json."""
+  import transformers
+
+  config = json.loads((folder / "tokenizer_config.json").read_text())
+  specials = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+  return transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **specials)
 
 
 def _check_whole_words(hf_tokenizer, path: Path, probes: int = 32) -> None:
