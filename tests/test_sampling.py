@@ -6,13 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pasta_jax.decode.sampling import (
   RowSampling,
   SamplingConfig,
   first_max_index,
+  kept_floor,
   penalize_repeats,
   sample,
   sample_rows,
@@ -147,3 +148,140 @@ def test_an_envelope_covers_what_it_compiled_and_refuses_more():
   assert hot.envelope() == SamplingConfig(temperature=0.3, top_k=5, repetition_penalty=1.5).envelope()
   with pytest.raises(ValueError, match="distinct_topics"):
     SamplingConfig.covering([greedy, SamplingConfig(distinct_topics=True)])
+
+
+# Sort-free truncation and the inverse-CDF sampler against their definitions.
+
+F32 = np.finfo(np.float32)
+EXTREMES = [-np.inf, float(F32.min), -1e4, -30.0, -1.0, 0.0, 0.0, 1.0, float(np.nextafter(np.float32(1), 2)), 1.0,
+            2.5, 2.5, 30.0]
+
+
+def reference_kept(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+  """The tokens Hugging Face's top-k then top-p keep, by sorting, in float64: top-k keeps the logits >= the k-th
+  largest; top-p walks the kept tokens from the most likely and keeps each while the mass before it is below p."""
+  x = logits.astype(np.float64)
+  order = np.sort(x)[::-1]
+  floor = order[min(top_k, len(x)) - 1] if top_k > 0 else -np.inf
+  if top_p < 1.0:
+    mass = np.where(order >= floor, np.exp(order - order[0]), 0.0)
+    before = np.cumsum(mass) - mass
+    floor = max(floor, order[np.flatnonzero(before < top_p * mass.sum())[-1]])
+  return x >= floor
+
+
+def near_the_boundary(logits: np.ndarray, top_k: int, top_p: float) -> bool:
+  """Whether some token's mass above lies within float32 rounding of top_p times the mass (either side is right)."""
+  x = logits.astype(np.float64)
+  if top_p >= 1.0:
+    return False
+  order = np.sort(x[reference_kept(x, top_k, 1.0)])[::-1]
+  mass = np.exp(order - order[0])
+  first = np.r_[True, order[1:] != order[:-1]]  # where each run of tied logits starts: its mass above is before it
+  above = (np.cumsum(mass) - mass)[first]
+  return bool(np.any(np.abs(above - top_p * mass.sum()) <= 1e-5 * mass.sum()))
+
+
+jitted_kept_floor = jax.jit(kept_floor, static_argnames="candidates")
+
+# No subnormal logits: a CPU flushes them to zero (and numpy, the reference, does not).
+ROW_LOGITS = st.lists(st.one_of(st.sampled_from(EXTREMES), st.floats(-12, 12, width=32, allow_subnormal=False)),
+                      min_size=9, max_size=9)
+
+
+@settings(max_examples=120, deadline=None)
+@given(rows=st.lists(st.tuples(ROW_LOGITS, st.integers(0, 11), st.sampled_from([1.0, 0.95, 0.9, 0.7, 0.5, 0.3, 0.1])),
+                     min_size=3, max_size=3),
+       candidates=st.sampled_from([1, 3, 256]))
+def test_truncation_keeps_what_a_sort_keeps_ties_and_extremes_included(rows, candidates):
+  """The sort-free truncation keeps exactly the tokens the sorted definition keeps, on logits with ties, near ties
+  (one ulp apart), -inf, the float32 minimum and far-apart values, for top_k past the vocabulary too. `candidates`
+  1 and 3 make most rows miss the lax.top_k and search (the k-th logit by counting, the nucleus by bisection);
+  256 finds them in it (a nucleus only once two passes confirm it)."""
+  logits = np.array([r[0] for r in rows], np.float32)
+  assume(np.isfinite(logits).any(axis=1).all())  # every row has a token to keep (a constrained row always does)
+  assume(not any(near_the_boundary(logits[i], k, p) for i, (_, k, p) in enumerate(rows)))
+  top_k = jnp.array([r[1] for r in rows], jnp.int32)
+  top_p = jnp.array([r[2] for r in rows], jnp.float32)
+  floor = np.asarray(jitted_kept_floor(jnp.asarray(logits), top_k, top_p, candidates=candidates))
+  for i, (_, k, p) in enumerate(rows):
+    np.testing.assert_array_equal(logits[i] >= floor[i], reference_kept(logits[i], k, p), err_msg=f"row {i}")
+  want = np.stack([np.where(reference_kept(logits[i], k, p), logits[i], F32.min) for i, (_, k, p) in enumerate(rows)])
+  np.testing.assert_array_equal(np.asarray(truncate(jnp.asarray(logits), top_k, top_p)), want)
+
+
+@pytest.mark.parametrize("vocab", [300, 70000])
+def test_truncation_of_a_wide_vocabulary_keeps_what_a_sort_keeps(vocab):
+  """Past the lax.top_k's width: a top_k of 1000 (the counting search) and nuclei of thousands of tokens (the
+  bisection), on logits with many exact ties, over several rows of the inverse CDF's table."""
+  rng = np.random.default_rng(vocab)
+  logits = (rng.normal(size=(5, vocab)) * 3).astype(np.float32)
+  logits[:3] = np.round(logits[:3], 1)  # a tenth apart: ties everywhere
+  top_k, top_p = [0, 1000, 0, 40, 1000], [0.9, 0.8, 0.15, 0.95, 1.0]
+  floor = np.asarray(jitted_kept_floor(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p, jnp.float32)))
+  for i in range(5):
+    assert not near_the_boundary(logits[i], top_k[i], top_p[i])
+    np.testing.assert_array_equal(logits[i] >= floor[i], reference_kept(logits[i], top_k[i], top_p[i]))
+
+
+sample_jit = jax.jit(sample_rows, static_argnames="envelope")
+
+
+def sampled_counts(logits: np.ndarray, cfg: SamplingConfig, draws: int, batch: int = 4000) -> np.ndarray:
+  """How often `sample_rows` draws each token of logits [V] in `draws` rows with keys of seed cfg.seed."""
+  rows = jax.tree.map(jnp.asarray, RowSampling.of([cfg] * batch))
+  batched = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (batch, len(logits)))
+  counts = np.zeros(len(logits), np.int64)
+  for start in range(0, draws, batch):
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(cfg.seed), start), batch)
+    counts += np.bincount(np.asarray(sample_jit(batched, keys, rows, cfg.envelope())), minlength=len(logits))
+  return counts
+
+
+def truncated_softmax(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
+  scaled = logits.astype(np.float64) / cfg.temperature
+  kept = reference_kept(scaled, cfg.top_k, cfg.top_p)
+  probs = np.where(kept, np.exp(scaled - scaled.max()), 0.0)
+  return probs / probs.sum()
+
+
+def assert_chi_square_fits(counts: np.ndarray, probs: np.ndarray) -> None:
+  """No draw outside the kept tokens, and Pearson's chi-square of the counts against probs under its 0.999
+  quantile (fixed seeds: the verdict is the same on every run)."""
+  chi2 = pytest.importorskip("scipy.stats").chi2
+  assert counts[probs == 0].sum() == 0, f"drew tokens outside the kept set: {np.flatnonzero(counts * (probs == 0))}"
+  kept = probs > 0
+  expected = counts.sum() * probs[kept]
+  statistic = float(np.sum((counts[kept] - expected) ** 2 / expected))
+  assert statistic < chi2.ppf(0.999, max(kept.sum() - 1, 1)), (statistic, counts[kept], expected.round(1))
+
+
+STEPS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -np.inf], np.float32)
+FLAT = np.linspace(0.0, 0.6, 24).astype(np.float32)  # near-flat: top-p 0.2 keeps 4 tokens of 24, a fifth of the mass
+
+
+@pytest.mark.parametrize(("logits", "cfg"), [
+  (STEPS, SamplingConfig(temperature=1.0, seed=1)),
+  (STEPS, SamplingConfig(temperature=0.6, seed=2)),
+  (STEPS, SamplingConfig(temperature=1.7, top_k=3, seed=3)),
+  (STEPS, SamplingConfig(temperature=1.0, top_p=0.8, seed=4)),
+  (STEPS, SamplingConfig(temperature=1.3, top_k=5, top_p=0.7, seed=5)),
+  (STEPS, SamplingConfig(temperature=2.0, top_p=0.3, seed=6)),  # half the rows miss a try, 1 in 180 all eight
+  (FLAT, SamplingConfig(temperature=1.0, top_p=0.2, seed=7)),  # 15% miss all eight: the nucleus search draws
+], ids=["t1", "t0.6", "top_k", "top_p", "top_k_top_p", "top_p_low", "flat_top_p_low"])
+def test_sampled_frequencies_match_the_truncated_softmax(logits, cfg):
+  """Over 20000 keys the tokens drawn fit the temperature's softmax over the kept tokens (chi-square), whether a
+  row's draw came from its first try, a later one, or its nucleus's search."""
+  assert_chi_square_fits(sampled_counts(logits, cfg, 20000), truncated_softmax(logits, cfg))
+
+
+def test_sampled_frequencies_fit_across_the_table_of_a_wide_vocabulary():
+  """A vocabulary of 5000 (ten rows of 512 columns, padded): twelve tokens in different rows and columns carry
+  the mass; every other token is -inf but one far below them (e^-41 of the top's mass: a draw of it is a wrong
+  pick)."""
+  logits = np.full(5000, -np.inf, np.float32)
+  places = [0, 7, 511, 512, 1023, 1500, 2047, 2600, 3333, 4095, 4608, 4999]
+  logits[places] = np.linspace(1.0, -1.0, len(places))
+  logits[2222] = -40.0
+  for cfg in [SamplingConfig(temperature=1.0, seed=8), SamplingConfig(temperature=1.0, top_p=0.5, seed=9)]:
+    assert_chi_square_fits(sampled_counts(logits, cfg, 12000, batch=2000), truncated_softmax(logits, cfg))

@@ -3,7 +3,7 @@
 
 A request's settings are a `SamplingConfig`. On device they are per-row values (`RowSampling`, traced), so
 requests with any settings share one batch and one compiled program, as in vLLM. What the program can do at all
-is static, the config's `SamplingConfig.envelope()`: a greedy-only program never sorts or draws, a program
+is static, the config's `SamplingConfig.envelope()`: a greedy-only program never truncates or draws, a program
 without a penalty never reads what a row sees; inside the envelope each row chooses by its own values (a row
 at temperature 0 takes the argmax), and a step skips the sampling, truncation or penalty work (`lax.cond`)
 when none of its rows needs it.
@@ -137,46 +137,258 @@ def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
 @functools.partial(jax.jit, static_argnames="envelope")
 def _sample_one(logits: jax.Array, key: jax.Array, rows: RowSampling, envelope: SamplingConfig) -> jax.Array:
   """`sample` compiled once per envelope and vocabulary (the references call it for every token: op by op, its
-  conds and sorts would cost milliseconds each)."""
+  conds and loops would cost milliseconds each)."""
   return sample_rows(logits[None], key[None], rows, envelope)[0]
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, rows: RowSampling, envelope: SamplingConfig) -> jax.Array:
   """Rows of logits [N, V] with keys [N] and each row's settings (`rows`, leaves [N]) -> tokens [N]. Only the
-  paths of `envelope` are compiled; a row at temperature 0 takes the first argmax."""
-  greedy = first_max_index(logits)
+  paths of `envelope` are compiled; a row at temperature 0 takes the first argmax.
+
+  A hot row draws by inverse CDF from its temperature's softmax (restricted to its top-k), and a top-p row keeps
+  its first draw inside its nucleus (rejection: exact, and each try costs one pass over the row, where the sort
+  HF's definition reads costs seconds for a 262k vocabulary on a CPU); after `PROPOSALS` tries it draws from
+  its nucleus, whose threshold `_nucleus_floor` finds. A row's draw reads only its own logits, settings and key,
+  so a row draws the same token in any batch."""
   if envelope.greedy:
-    return greedy
+    return first_max_index(logits)
   hot = rows.temperature > 0
+  # A batch of hot rows skips the argmax: over 262k logits it costs a CPU more than a draw.
+  greedy = jax.lax.cond(jnp.all(hot), lambda: jnp.zeros(logits.shape[0], jnp.int32), lambda: first_max_index(logits))
 
   def draw():
     scaled = logits.astype(jnp.float32) / jnp.where(hot, rows.temperature, 1.0)[:, None]
-    if envelope.truncates:
-      cut = hot & ((rows.top_k > 0) | (rows.top_p < 1.0))
-      scaled = jax.lax.cond(jnp.any(cut), lambda: truncate(scaled, rows.top_k, rows.top_p), lambda: scaled)
-    return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    if not envelope.truncates:
+      return _draw(scaled, keys, None, None)
+    return _draw(scaled, keys, jnp.where(hot, rows.top_k, 0), jnp.where(hot, rows.top_p, 1.0))
 
   sampled = jax.lax.cond(jnp.any(hot), draw, lambda: greedy)
   return jnp.where(hot, sampled, greedy)
+
+
+# lax.top_k's width (about a third of a greedy step over 262k logits on a CPU): a row's k-th logit up to this
+# top_k is read there, and a nucleus of at most this many tokens is found there; a larger one is found by a
+# search over the logits' bits (32 passes).
+TOP_K_CANDIDATES = 256
+# Draws a top-p row tries before it looks for its nucleus's threshold. A try is accepted with probability at
+# least top_p, so at 0.5 one row in 256 looks.
+PROPOSALS = 8
+# The inverse CDF's table: the vocabulary as COLUMNS strided columns (token r * COLUMNS + c is row r of column c).
+# One pass gives every column's mass; a draw picks a column by them, then a token of it: two short running sums
+# where one over the vocabulary would cost more than a greedy step (XLA's CPU cumsum: about 40 ms for 16 x 262k).
+COLUMNS = 512
+NEG = float(np.finfo(np.float32).min)
 
 
 def truncate(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
   """logits [N, V] with every token outside each row's top-k (top_k [N], 0: off) and outside the smallest
   prefix of its sorted top-k distribution whose mass reaches top_p (top_p [N], 1: off; Hugging Face's order:
   top-k, then top-p on what is left) set to the float32 minimum.
-  The most likely token always stays; tokens tied with the last kept one stay too."""
-  neg = jnp.finfo(jnp.float32).min
-  ordered = -jnp.sort(-logits, axis=-1)  # [N, V] descending
+  The most likely token always stays; tokens tied with the last kept one stay too. No sort of the vocabulary:
+  the thresholds come from a lax.top_k of TOP_K_CANDIDATES logits, or past it from searches over the logits' bits
+  (`kept_floor`); `sample_rows` draws from the same set."""
+  logits = logits.astype(jnp.float32)
+  return jnp.where(logits < kept_floor(logits, top_k, top_p)[:, None], NEG, logits)
+
+
+def kept_floor(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, candidates: int = TOP_K_CANDIDATES
+               ) -> jax.Array:
+  """[N] the smallest float each row keeps under `truncate` (-inf: it keeps every token); its lax.top_k reads
+  `candidates` logits a row (fewer only make it search more)."""
+  logits = logits.astype(jnp.float32)
+  x = _columns(logits)
+  top = jnp.max(logits, axis=-1)
+  floor = _top_k_floor(logits, top_k, candidates)
+  total = jnp.sum(_column_mass(x, top, x >= floor[:, None, None]), axis=-1)
+  nucleus = _nucleus_floor(logits, x, top, floor, top_p * total, top_p < 1.0, candidates)
+  return jnp.where(top_p < 1.0, nucleus, floor)
+
+
+def _draw(logits: jax.Array, keys: jax.Array, top_k: jax.Array | None, top_p: jax.Array | None) -> jax.Array:
+  """One token per row of logits [N, V] (already scaled by temperature) under its top_k and top_p (None: off for
+  every row: the program has no truncation)."""
+  rows = logits.shape[0]
+  x = _columns(logits)
+  top = jnp.max(logits, axis=-1)
+  off = jnp.full((rows,), -jnp.inf, jnp.float32)
+  if top_k is None:
+    return _Table.of(x, top, off).draw(keys, 0)
+  floor = jax.lax.cond(jnp.any(top_k > 0), lambda: _top_k_floor(logits, top_k), lambda: off)
+  table = _Table.of(x, top, floor)
+  nucleus = top_p < 1.0
+
+  def rejection():
+    budget = top_p * table.total  # a token is in the nucleus iff the mass above it is below this (`kept_floor`)
+
+    def attempt(state):
+      tries, token, done = state
+      value = jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
+      done = done | (_mass_above(x, top, value) < budget)
+      return tries + 1, jnp.where(done, token, table.draw(keys, tries + 1)), done
+
+    _, token, done = jax.lax.while_loop(lambda s: (s[0] < PROPOSALS) & jnp.any(~s[2]), attempt,
+                                        (jnp.int32(0), table.draw(keys, 0), ~nucleus))
+
+    def search():
+      kept = _nucleus_floor(logits, x, top, floor, budget, ~done, TOP_K_CANDIDATES)
+      return jnp.where(done, token, _Table.of(x, top, kept).draw(keys, PROPOSALS))
+
+    return jax.lax.cond(jnp.any(~done), search, lambda: token)
+
+  return jax.lax.cond(jnp.any(nucleus), rejection, lambda: table.draw(keys, 0))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Table:
+  """Each row's distribution softmax(x) over the tokens at or above its floor, laid out for the inverse CDF."""
+
+  x: jax.Array  # [N, R, C] logits (`_columns`)
+  top: jax.Array  # [N] each row's largest logit
+  floor: jax.Array  # [N]
+  column_mass: jax.Array  # [N, C] each column's unnormalized mass, exp(x - top) summed
+
+  @staticmethod
+  def of(x: jax.Array, top: jax.Array, floor: jax.Array) -> _Table:
+    return _Table(x, top, floor, _column_mass(x, top, x >= floor[:, None, None]))
+
+  @property
+  def total(self) -> jax.Array:
+    return jnp.sum(self.column_mass, axis=-1)
+
+  def draw(self, keys: jax.Array, attempt) -> jax.Array:
+    """[N] one token per row, from two uniforms of its key folded with `attempt`: one picks a column by the
+    columns' masses, the other a token of that column by the tokens' masses (a row's CDF, in two steps)."""
+    u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, attempt), (2,)))(keys)
+    column = _inverse_cdf(self.column_mass, u[:, 0])
+    x = jnp.take_along_axis(self.x, column[:, None, None], axis=2)[..., 0]  # [N, R]
+    mass = jnp.where(x >= self.floor[:, None], jnp.exp(x - self.top[:, None]), 0.0)
+    return _inverse_cdf(mass, u[:, 1]) * self.x.shape[2] + column
+
+
+def _inverse_cdf(mass: jax.Array, u: jax.Array) -> jax.Array:
+  """[N] the first index whose running sum of mass [N, M] (>= 0) passes u [N] (in [0, 1)) times the total. An
+  index of mass 0 is never picked (its running sum equals the one before); where rounding leaves u * total at the
+  total, the last index with mass is."""
+  running = jnp.cumsum(mass, axis=-1)
+  picked = jnp.sum(running <= (u * running[:, -1])[:, None], axis=-1, dtype=jnp.int32)
+  index = jax.lax.broadcasted_iota(jnp.int32, mass.shape, 1)
+  last = jnp.max(jnp.where(mass > 0, index, 0), axis=-1)
+  return jnp.minimum(picked, last)
+
+
+def _columns(logits: jax.Array) -> jax.Array:
+  """logits [N, V] as [N, R, C] (token r * C + c at [:, r, c]): C = COLUMNS, the vocabulary padded with -inf (mass
+  0) to a multiple of it; a vocabulary under COLUMNS is one row."""
+  rows, vocab = logits.shape
+  columns = min(COLUMNS, vocab)
+  padded = -(-vocab // columns) * columns
+  if padded != vocab:
+    logits = jnp.pad(logits, ((0, 0), (0, padded - vocab)), constant_values=-jnp.inf)
+  return logits.reshape(rows, padded // columns, columns)
+
+
+def _column_mass(x: jax.Array, top: jax.Array, keep: jax.Array) -> jax.Array:
+  """[N, C] the unnormalized mass exp(x - top) of the kept tokens (keep [N, R, C]) of each column.
+  Every mass this module compares is a sum of these, in this order, so the comparisons agree with each other."""
+  return jnp.sum(jnp.where(keep, jnp.exp(x - top[:, None, None]), 0.0), axis=1)
+
+
+def _mass_above(x: jax.Array, top: jax.Array, value: jax.Array) -> jax.Array:
+  """[N] the unnormalized mass of each row's tokens whose logit is above its `value` [N]."""
+  return jnp.sum(_column_mass(x, top, x > value[:, None, None]), axis=-1)
+
+
+def _top_k_floor(logits: jax.Array, top_k: jax.Array, candidates: int = TOP_K_CANDIDATES) -> jax.Array:
+  """[N] each row's k-th largest logit, counting ties (-inf where top_k is 0; its smallest logit where top_k is
+  past its tokens): lax.top_k's where every row's top_k is at most `candidates`, else a counting search for the
+  rows past it."""
   vocab = logits.shape[-1]
-  kth = jnp.take_along_axis(ordered, (jnp.clip(top_k, 1, vocab) - 1)[:, None], axis=-1)[:, 0]
-  kth = jnp.where(top_k > 0, kth, -jnp.inf)
-  in_k = (top_k[:, None] <= 0) | (jnp.arange(vocab)[None, :] < top_k[:, None])  # top-p reads the top-k's mass
-  probs = jax.nn.softmax(jnp.where(in_k, ordered, neg), axis=-1)
-  kept = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]  # a prefix: mass before each token < top_p
-  last = jnp.sum(kept, axis=-1) - 1  # >= 0: the first token is always kept
-  pth = jnp.take_along_axis(ordered, last[:, None], axis=-1)[:, 0]
-  pth = jnp.where(top_p < 1.0, pth, -jnp.inf)
-  return jnp.where(logits < jnp.maximum(kth, pth)[:, None], neg, logits)
+  width = min(candidates, vocab)
+  best = jax.lax.top_k(logits, width)[0]  # [N, width] descending
+  kth = jnp.take_along_axis(best, (jnp.clip(top_k, 1, width) - 1)[:, None], axis=-1)[:, 0]
+  wide = top_k > width
+  kth = jax.lax.cond(jnp.any(wide), lambda: jnp.where(wide, _count_floor(logits, top_k), kth), lambda: kth)
+  return jnp.where(top_k > 0, kth, -jnp.inf)
+
+
+def _count_floor(logits: jax.Array, k: jax.Array) -> jax.Array:
+  """[N] each row's k-th largest logit (k [N]; its smallest where it has fewer than k tokens), by bisection over
+  the floats' order for the largest float with at least k logits at or above it (at most 32 passes, each a
+  count)."""
+  lo = _ordered(jnp.full(k.shape, -jnp.inf, jnp.float32))  # count(x >= -inf) is every token: never tested
+  hi = _ordered(jnp.max(logits, axis=-1)) + 1  # nothing is above the largest logit: never tested
+
+  def step(state):
+    lo, hi = state
+    mid = lo + (hi - lo) // 2
+    enough = jnp.sum(logits >= _unordered(mid)[:, None], axis=-1, dtype=jnp.int32) >= k
+    open_ = hi - lo > 1
+    return jnp.where(open_ & enough, mid, lo), jnp.where(open_ & ~enough, mid, hi)
+
+  lo, _ = jax.lax.while_loop(lambda s: jnp.any(s[1] - s[0] > 1), step, (lo, hi))
+  return _lowest_at_or_above(logits, _unordered(lo))
+
+
+def _nucleus_floor(logits: jax.Array, x: jax.Array, top: jax.Array, floor: jax.Array, budget: jax.Array,
+                  need: jax.Array, candidates: int = TOP_K_CANDIDATES) -> jax.Array:
+  """[N] for the rows in `need` [N], a float whose logits at or above it are exactly the row's tokens at or above
+  `floor` with less than `budget` of mass above them (`_mass_above`): the top-p rule (a prefix of the sorted tokens
+  keeps a token while the mass before it is below p; tied tokens have one mass above them, so stay or go
+  together). logits [N, V] and x, top: the same logits as `_Table` reads them.
+
+  First from the row's `candidates` largest logits (lax.top_k): their running mass guesses the last kept one,
+  and two passes check the guess (the guess is in, the next lower candidate out); a row whose nucleus is wider,
+  or whose guess rounding moved, is bisected (`_bisect_nucleus`)."""
+  width = min(candidates, logits.shape[-1])
+  best = jax.lax.top_k(logits, width)[0]  # [N, width] descending: every logit above best[:, -1] is here
+  mass = jnp.where(best >= floor[:, None], jnp.exp(best - top[:, None]), 0.0)
+  before = jnp.cumsum(mass, axis=-1) - mass
+  last = jnp.maximum(jnp.sum(before < budget[:, None], axis=-1) - 1, 0)
+  guess = jnp.take_along_axis(best, last[:, None], axis=-1)[:, 0]
+  lower = jnp.max(jnp.where(best < guess[:, None], best, -jnp.inf), axis=-1)  # the next logit down, if here
+  sure = ((lower > -jnp.inf) & (_mass_above(x, top, guess) < budget) & (_mass_above(x, top, lower) >= budget))
+  guess = jnp.maximum(guess, floor)  # the top-k's whole mass is >= budget: nothing below its floor is in
+  unsure = need & ~sure
+  return jax.lax.cond(jnp.any(unsure), lambda: jnp.where(sure, guess, _bisect_nucleus(x, top, floor, budget)),
+                      lambda: guess)
+
+
+def _bisect_nucleus(x: jax.Array, top: jax.Array, floor: jax.Array, budget: jax.Array) -> jax.Array:
+  """[N] the smallest logit at or above the smallest float t >= floor whose mass above (`_mass_above`) is below
+  budget [N] (`_nucleus_floor`), by bisection over the floats' order: at most 32 passes over the row, each one
+  masked sum."""
+  lo = _ordered(floor) - 1  # below the floor the whole top-k mass is above: never tested
+  hi = _ordered(top)  # nothing is above the largest logit: mass 0 < budget
+
+  def step(state):
+    lo, hi = state
+    mid = lo + (hi - lo) // 2
+    inside = _mass_above(x, top, _unordered(mid)) < budget
+    open_ = hi - lo > 1
+    return jnp.where(open_ & ~inside, mid, lo), jnp.where(open_ & inside, mid, hi)
+
+  _, hi = jax.lax.while_loop(lambda s: jnp.any(s[1] - s[0] > 1), step, (lo, hi))
+  return _lowest_at_or_above(x.reshape(x.shape[0], -1), _unordered(hi))
+
+
+def _lowest_at_or_above(logits: jax.Array, bound: jax.Array) -> jax.Array:
+  """[N] each row's smallest logit >= its bound [N]: a search's float as the logit it stands for (the same tokens
+  are at or above either). A search can end on a subnormal float, which a CPU that flushes them compares as 0
+  (and a host that does not, as itself)."""
+  return jnp.min(jnp.where(logits >= bound[:, None], logits, jnp.inf), axis=-1)
+
+
+def _ordered(value: jax.Array) -> jax.Array:
+  """float32 -> uint32 in the floats' order (-inf lowest; -0.0 just below +0.0), for bisection over floats."""
+  bits = jax.lax.bitcast_convert_type(value, jnp.uint32)
+  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _unordered(key: jax.Array) -> jax.Array:
+  """The inverse of `_ordered`."""
+  bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def penalize_repeats(logits: jax.Array, seen: jax.Array, penalty) -> jax.Array:
