@@ -166,6 +166,29 @@ def test_a_chunked_body_is_cut_off_as_soon_as_it_passes_the_limit(served, http):
   assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "ok"
 
 
+def test_an_oversize_body_still_being_sent_gets_its_413_not_a_reset(served, http):
+  """A body over the limit (but within a few times it) that the client goes on sending after the server has
+  decided: the server reads the rest and drops it before it answers, so the client reads the 413 and its error
+  body rather than a reset (a server that closes with the body unread makes its kernel reset the connection).
+  Streamed in pieces on a raw connection with its Content-Length, and by httpx, whole and chunked."""
+  port = served[2]
+  body = b"x" * (3 * HTTP.max_body)
+  piece = 16 * 1024
+  with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+    conn.sendall(head(port, f"Content-Length: {len(body)}").replace("\n", "\r\n").encode() + b"\r\n")
+    for start in range(0, len(body), piece):
+      conn.sendall(body[start:start + piece])
+      time.sleep(0.002)  # the server decides from the Content-Length while the client is still sending
+    answer = b""
+    while chunk := conn.recv(65536):
+      answer += chunk
+  assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+  assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "invalid_request_error"
+  error_of(post(http, body), 413)
+  pieces = iter([body[start:start + piece] for start in range(0, len(body), piece)])
+  error_of(http.post("/v1/completions", content=pieces, headers={"Content-Type": "application/json"}), 413)
+
+
 def test_tokenizing_runs_off_the_event_loop(http, engine):
   """While a slow tokenization runs, the server still answers /health at once."""
   tokenizer = engine.model.tokenizer

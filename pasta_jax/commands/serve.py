@@ -109,6 +109,7 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"pasta serve: compiling {', '.join(methods)} (batch {cfg.batch}, pool {cfg.pool_slots}) ...", flush=True)
     engine.warm_up(methods, prompt_tokens=args.warmup_prompt)
   server = make_server(engine, name, host=args.host, port=args.port, grace_s=args.grace, http=http)
-  print(f"pasta serve: {name} on http://{args.host}:{args.port}/v1", flush=True)
+  print(f"pasta serve: {name} on http://{args.host}:{args.port}/v1; its threads, live: http://{args.host}:{args.port}/",
+        flush=True)
   server.run()
   return 0

@@ -1,15 +1,18 @@
 """Who may call `pasta serve`, and how much they may send: an ASGI layer in front of the app.
 
-With an API key, every route but /health needs `Authorization: Bearer <key>` (checked in constant time). A
-request whose Origin is not allowed is refused (a browser page of another site must not drive the server: browsers
-send a JSON POST only after a CORS preflight, but a `text/plain` one without, so a POST must also be JSON), and so
-is a Host the server is not known by (DNS rebinding: a hostile name that resolves to this machine; `HostRule`). A
-body over `HttpConfig.max_body` is a 413, from its Content-Length before it is read or as soon as a chunked body
-passes the limit.
+With an API key, every route but /health (and the threads page's files: `app.AccessButPage`) needs `Authorization:
+Bearer <key>` (checked in constant time). A request whose Origin is not allowed is refused (a browser page of
+another site must not drive the server: browsers send a JSON POST only after a CORS preflight, but a `text/plain`
+one without, so a POST must also be JSON), and so is a Host the server is not known by (DNS rebinding: a hostile
+name that resolves to this machine; `HostRule`). A body over `HttpConfig.max_body` is a 413, decided from its
+Content-Length before it is read or as soon as a chunked body passes the limit, and answered once the rest of a body
+within a few times the limit is read and dropped (`DRAIN_FACTOR`: a client still sending reads the answer, not a
+reset).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import ipaddress
@@ -19,6 +22,13 @@ from fastapi import responses
 from pasta_jax.serve.protocol import ApiError
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+# The rest of a body over the limit is read and dropped before its 413 while the whole body stays within
+# DRAIN_FACTOR times the limit, more arrives within DRAIN_IDLE_S and all of it within DRAIN_S: a server that closes
+# a connection whose body is still arriving makes its kernel reset it, and a client still sending then reads the
+# reset, not the answer. Past any of them the 413 goes out at once and the connection closes.
+DRAIN_FACTOR = 4
+DRAIN_IDLE_S = 1.0
+DRAIN_S = 5.0
 WILDCARDS = frozenset({"0.0.0.0", "::", ""})  # bind addresses that listen on every interface
 
 
@@ -117,7 +127,9 @@ def is_loopback(host: str) -> bool:
 
 class Gate:
   """The outermost checks, before anything else answers: a Host the server is not known by (`HostRule`) and an
-  Origin not allowed are 403. A request without an Origin is not a browser's cross-site one."""
+  Origin not allowed are 403. A request without an Origin is not a browser's cross-site one. The server's own
+  origin (scheme://Host, with the Host known: its own page's calls) is allowed; without a Host rule
+  (`--allow-host '*'`) it is not, as a rebinding page's Host and Origin would match too."""
 
   def __init__(self, app, hosts: HostRule | None, origins: tuple[str, ...]):
     self.app, self.hosts, self.origins = app, hosts, frozenset(origins)
@@ -129,9 +141,10 @@ class Gate:
       if self.hosts is not None and not all(self.hosts.allows(h) for h in hosts):
         return await refuse(scope, receive, send, ApiError(403, f"Host {hosts[0]!r}: this server does not answer "
                                                             "to that name (see --allow-host)", kind="permission_error"))
+      own = set() if self.hosts is None else {f"{s}://{h.strip().lower()}" for h in hosts for s in ("http", "https")}
       for k, v in headers:
         origin = v.decode("latin-1").strip().rstrip("/").lower()
-        if k == b"origin" and "*" not in self.origins and origin not in self.origins:
+        if k == b"origin" and "*" not in self.origins and origin not in self.origins and origin not in own:
           return await refuse(scope, receive, send, ApiError(403, f"Origin {origin!r}: not allowed (see "
                                                               "--allow-origin)", kind="permission_error"))
     await self.app(scope, receive, send)
@@ -140,7 +153,8 @@ class Gate:
 class Access:
   """The checks inside CORS (so a browser can read their answers): the API key (401; every route but /health), a
   POST's Content-Type (JSON, else 415) and the body's size (413: from Content-Length before reading, and while
-  reading a chunked body, stopping as soon as it passes the limit). The body is read here and handed on whole."""
+  reading a chunked body, as soon as it passes the limit; either way after dropping the rest of a body that ends
+  within the `DRAIN_FACTOR` bounds). The body is read here and handed on whole."""
 
   def __init__(self, app, http: HttpConfig):
     self.app, self.max_body = app, http.max_body
@@ -160,6 +174,9 @@ class Access:
         return await refuse(scope, receive, send, ApiError(415, "Content-Type: send the body as application/json"))
     length = headers.get(b"content-length")
     if length is not None and length.strip().isdigit() and int(length) > self.max_body:
+      # a client waiting for "100 Continue" has not sent the body, and reading would ask for it
+      if int(length) <= DRAIN_FACTOR * self.max_body and headers.get(b"expect", b"").lower() != b"100-continue":
+        await self._drain(receive, 0)
       return await refuse(scope, receive, send, self._too_big(), {"Connection": "close"})
     if scope["method"] != "POST":
       return await self.app(scope, receive, send)
@@ -171,6 +188,8 @@ class Access:
       chunk = message.get("body", b"")
       size += len(chunk)
       if size > self.max_body:
+        if message.get("more_body", False):
+          await self._drain(receive, size)
         return await refuse(scope, receive, send, self._too_big(), {"Connection": "close"})
       chunks.append(chunk)
       if not message.get("more_body", False):
@@ -185,6 +204,20 @@ class Access:
       return await receive()  # after the body: the client's disconnect
 
     await self.app(scope, replay, send)
+
+  async def _drain(self, receive, size: int) -> None:
+    """Reads and drops the rest of a refused body (`size` bytes of it read so far) until it ends, or until it passes
+    DRAIN_FACTOR times the limit, pauses DRAIN_IDLE_S or takes DRAIN_S."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DRAIN_S
+    while size <= DRAIN_FACTOR * self.max_body:
+      try:
+        message = await asyncio.wait_for(receive(), min(DRAIN_IDLE_S, deadline - loop.time()))
+      except TimeoutError:
+        return
+      if message["type"] == "http.disconnect" or not message.get("more_body", False):
+        return
+      size += len(message.get("body", b""))
 
   def _authorized(self, header: bytes | None) -> bool:
     scheme, _, token = (header or b"").strip().partition(b" ")

@@ -2,6 +2,12 @@
 
   POST /v1/completions, /v1/chat/completions   (server-sent events with `stream: true`)
   GET  /v1/models, /health, /metrics
+  GET  /pasta/methods                            (the served methods and limits, for the page)
+  GET  /                                         (a page that streams an answer thread by thread: serve/page/)
+
+The page's files are the one thing served without the API key (a browser navigating to a page cannot send it; they
+hold nothing secret): the page asks for the key and sends it with its API calls. Its stream asks `pasta_threads`
+(`serve/shapes.py`), so each thread's text fills its own column as the thread writes.
 
 Every failure is an OpenAI-style error body with its status: 400 for bad input (naming the field; a body that is
 not a JSON object, not UTF-8, too deep or holding a lone surrogate included), 401 without the API key, 403 for a
@@ -23,6 +29,7 @@ import secrets
 import sys
 import time
 from collections.abc import AsyncIterator
+from importlib import resources
 
 import fastapi
 import uvicorn
@@ -47,10 +54,21 @@ POLL_S = 0.25  # how often a waiting non-streaming handler checks that its clien
 # `openai` client: 5 s), so the client always drops an idle connection first: at uvicorn's default (also 5 s) a
 # client could reuse a connection the server was closing that instant and get "connection reset by peer".
 KEEP_ALIVE_S = 75
+# The page's files: path -> (file in serve/page/, media type). A fixed list: no path from a request reaches the disk.
+PAGE_FILES = {"/": ("index.html", "text/html; charset=utf-8"),
+              "/page/app.js": ("app.js", "text/javascript; charset=utf-8"),
+              "/page/style.css": ("style.css", "text/css; charset=utf-8")}
+# The page runs only its own script and style and talks only to this server, so injected markup could do nothing.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                                           "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
+                                           "form-action 'none'; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 # No token of the served tokenizers spans more than this many characters (Gemma 3's longest pieces are runs of 31
 # spaces, newlines or tabs), so a prompt of more than pool_slots * this many characters cannot fit a row's pool:
 # it is refused before it is tokenized (tokenizing a megabyte takes a while, even off the event loop).
 MAX_CHARS_PER_TOKEN = 32
+
+
 class GracefulServer(uvicorn.Server):
   """uvicorn, stopping the engine first on shutdown (SIGTERM): running requests get `grace_s` to finish,
   then are cut with finish_reason "length"; their streams end with a last event and `[DONE]`, so the
@@ -100,7 +118,7 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0, http: Htt
   max_prompt_chars = engine.cfg.pool_slots * MAX_CHARS_PER_TOKEN
   # the middleware, innermost first: key, Content-Type and body size; CORS headers (and preflights) for allowed
   # origins; Host and Origin
-  app.add_middleware(Access, http=http)
+  app.add_middleware(AccessButPage, http=http)
   if http.allow_origins:
     app.add_middleware(CORSMiddleware, allow_origins=list(http.allow_origins), allow_methods=["GET", "POST"],
                        allow_headers=["Authorization", "Content-Type"])
@@ -140,6 +158,21 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0, http: Htt
   @app.get("/metrics")
   async def metrics():
     return responses.Response(engine.metrics.text(), media_type="text/plain; version=0.0.4")
+
+  @app.get("/pasta/methods")
+  async def methods():
+    served = []
+    for name in registry.names(serve=True):
+      cls = registry.METHODS[name]
+      caps = cls.capabilities
+      served.append({"name": name, "summary": cls.summary, "streams": caps.stream, "samples": caps.sample})
+    return {"model": model_name, "default": default_method, "methods": served, "max_tokens": engine.cfg.max_tokens,
+            "default_max_tokens": engine.cfg.default_max_tokens}
+
+  page = page_files()
+  for path, (content, media_type) in page.items():
+    app.add_api_route(path, lambda content=content, media_type=media_type: responses.Response(
+        content, media_type=media_type, headers=PAGE_HEADERS), methods=["GET"], include_in_schema=False)
 
   @app.post("/v1/completions")
   async def completions(client: fastapi.Request):
@@ -198,13 +231,16 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0, http: Htt
       raise ApiError(400, f"n: method {method.name!r} here writes {method.max_choices} drafts; ask for at most that "
                      "many", param="n")
     timeout = _timeout(body)
+    if body.pasta_threads and not body.stream:
+      raise ApiError(400, "pasta_threads: only for streaming requests (stream: true); a whole answer's threads come "
+                     "with return_trace", param="pasta_threads")
 
     def sink(update: Update) -> None:  # called from the engine thread
       with contextlib.suppress(RuntimeError):  # the event loop already closed (the server is gone)
         loop.call_soon_threadsafe(updates.put_nowait, update)
 
     request = Request(ids=ids, method=method, max_tokens=max_tokens, sampling=request_sampling(body, defaults),
-                      sink=sink, question=question, chat=chat)
+                      sink=sink, question=question, chat=chat, thread_progress=body.pasta_threads)
     try:
       await asyncio.to_thread(engine.submit, request)  # (SoT's skeleton prompt is tokenized there)
     except QueueFull as err:
@@ -214,7 +250,7 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0, http: Htt
     except PastaError as err:
       raise ApiError(400, str(err), param="max_tokens" if "max_tokens" in str(err) else "prompt") from None
     usage = body.stream_options is not None and body.stream_options.include_usage
-    shape = Shape(request, model_name, chat, body.return_trace, len(ids), usage, body.n)
+    shape = Shape(request, model_name, chat, body.return_trace, len(ids), usage, body.n, threads=body.pasta_threads)
     if body.stream:
       return responses.StreamingResponse(_events(request, updates, shape), media_type="text/event-stream")
     return await _whole(client, request, updates, shape, timeout)
@@ -253,8 +289,9 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0, http: Htt
           yield sse(err.body(code=err.status))
           yield "data: [DONE]\n\n"
           return
-        if update.delta or update.done:
-          yield sse(shape.chunk(update.delta, update if update.done else None))
+        threads = shape.thread_events(update)
+        if update.delta or update.done or threads:
+          yield sse(shape.chunk(update.delta, update if update.done else None, threads=threads))
         if update.done:
           for index, text in enumerate(shape.texts("", update)[1:], start=1):  # superposed's other drafts
             yield sse(shape.chunk(text, update, index=index))
@@ -267,6 +304,32 @@ def create_app(engine: Engine, model_name: str, grace_s: float = 10.0, http: Htt
         engine.cancel(request)
 
   return app
+
+
+class AccessButPage:
+  """`Access` (the key, Content-Type and body size) for every request but a GET of the page's files
+  (`PAGE_FILES`): a browser fetches those by navigating, without the key. `Gate` still checks their Host."""
+
+  def __init__(self, app, http: HttpConfig):
+    self.app, self.access = app, Access(app, http=http)
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] in PAGE_FILES:
+      return await self.app(scope, receive, send)
+    return await self.access(scope, receive, send)
+
+
+def page_files() -> dict[str, tuple[bytes, str]]:
+  """The page's files (path -> (content, media type)), read once: they ship in the package (serve/page/)."""
+  folder = resources.files("pasta_jax.serve").joinpath("page")
+  out = {}
+  for path, (name, media_type) in PAGE_FILES.items():
+    try:
+      out[path] = (folder.joinpath(name).read_bytes(), media_type)
+    except FileNotFoundError:
+      raise PastaError(f"the page's file {name} is missing from {folder}: reinstall pasta_jax (its package data "
+                       "holds serve/page/)") from None
+  return out
 
 
 def engine_error(update: Update) -> ApiError:

@@ -14,7 +14,7 @@ import dataclasses
 import time
 from typing import NamedTuple
 
-from pasta_jax.decode import api, batching, streaming
+from pasta_jax.decode import api, batching, streaming, thread_text
 from pasta_jax.decode.result import Result
 from pasta_jax.decode.runtime import Runtime
 from pasta_jax.decode.sampling import ANY_SAMPLING, SamplingConfig
@@ -176,11 +176,15 @@ def hand_out(request: Request, run, lang: LangTokenizer, vocab, result: Result |
     if request.first_token_at is None:
       request.first_token_at = now
       metrics.ttft.observe(now - request.created)
+  threads = None
+  if request.thread_progress:  # (a stage's forced point prompts are not what its threads wrote)
+    forced = [len(script) for script in request.scripts] if request.scripts else ()
+    threads = thread_text.thread_texts(run.records, lang, vocab, run.parents, final=result is not None, forced=forced)
   if result is None:
-    if delta:
-      request.sink(Update(delta))
+    if delta or threads:
+      request.sink(Update(delta, threads=threads))
     return
   reason = "stop" if result.stop_reason == "end" else "length"
   metrics.finished.labels(request.label, reason).inc()
   metrics.latency.observe(now - request.created)
-  request.sink(Update(delta, True, reason, result, note=result.stop_note))
+  request.sink(Update(delta, True, reason, result, note=result.stop_note, threads=threads))

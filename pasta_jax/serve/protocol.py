@@ -8,7 +8,8 @@ log-probabilities; several choices except from superposed decoding's drafts) are
 their neutral value. `temperature`, `top_p` and `seed` (0 <= seed < 2**32; a sampled request without one gets a
 fresh one) are OpenAI's; `top_k` (0: off) and `repetition_penalty` are vLLM's extra sampling fields. Ours:
 `method` (the decoding method; unset: the model's generation.json, else pasta), `return_trace` (the thread trace of
-the answer) and `timeout` (seconds; a non-streaming request not answered by then is cancelled and answered 504).
+the answer), `timeout` (seconds; a non-streaming request not answered by then is cancelled and answered 504) and
+`pasta_threads` (a stream's chunks also carry each thread's new text: `serve/shapes.py`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class _Body(pydantic.BaseModel):
   method: str | None = None  # unset: the model's generation.json `method`, else pasta (`parse_body`)
   return_trace: bool = False
   timeout: float | None = pydantic.Field(default=None, gt=0.0)  # seconds (non-streaming only; `pasta serve` caps it)
+  pasta_threads: bool = False  # streaming only: chunks with each thread's new text (`shapes.Shape.thread_events`)
 
   def unsupported(self) -> str | None:
     """The first OpenAI field given a value this server cannot honour, or None."""

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from pasta_jax.decode.result import Result
 from pasta_jax.decode.sampling import SamplingConfig
+from pasta_jax.decode.thread_text import ThreadText
 from pasta_jax.errors import PastaError
 from pasta_jax.methods import Method
 
@@ -25,6 +26,7 @@ class Update:
   # finish_reason "error": the HTTP status it is answered with (400: the request cannot be served here; 500: the
   # server failed while running it; 504: its deadline passed)
   status: int = 500
+  threads: tuple[ThreadText, ...] | None = None  # each thread's text so far, for a request with `thread_progress`
 
 
 class QueueFull(PastaError):
@@ -59,6 +61,7 @@ class Request:
   hidden: bool = False  # a stage whose text the client never sees (SoT's skeleton); its normal end is not counted
   scripts: list | None = None  # a stage's per-thread point prompts
   render: Callable | None = None  # a stage's text from (records, final), instead of the method's
+  thread_progress: bool = False  # an update after every chunk, with each thread's text (`Update.threads`)
 
   @property
   def dropped(self) -> bool:

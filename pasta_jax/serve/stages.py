@@ -32,7 +32,7 @@ class SotStages:
 
   def _stage(self, parent: Request, method: Method, ids: list[int], max_tokens: int, sink, **kw) -> Request:
     return Request(ids=ids, method=method, max_tokens=max_tokens, sink=sink, sampling=parent.sampling,
-                   created=parent.created, id=parent.id, stage_of=parent, **kw)
+                   created=parent.created, id=parent.id, stage_of=parent, thread_progress=parent.thread_progress, **kw)
 
   def _skeleton_stage(self, parent: Request) -> Request:
     """Stage 1 in place of the client's request; when it ends, stage 2 is queued (`_after_skeleton`)."""
