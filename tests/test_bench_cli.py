@@ -40,10 +40,13 @@ def test_default_data_loads(name):
       assert sources.read_records(getattr(args, flag), 2), f"bench.{name} --{flag} default gives no records"
 
 
-@pytest.mark.parametrize("name, command", [("generate", "generate"), ("eval", "eval")])
-def test_infer_entry_points_are_the_cli_commands(name, command, capsys):
+@pytest.mark.parametrize("name, argv, usage", [
+    ("generate", ["a prompt", "--help"], "usage: pasta generate"),  # one prompt: `pasta generate`
+    ("generate", ["--help"], "usage: infer.generate"),  # a file of prompts: its own command
+    ("eval", ["--help"], "usage: pasta eval"), ("serve", ["--help"], "usage: pasta serve")])
+def test_infer_entry_points(name, argv, usage, capsys):
   module = importlib.import_module(f"infer.{name}")
   with pytest.raises(SystemExit) as exit_info:
-    module.main(["--help"])
+    module.main(argv)
   assert exit_info.value.code == 0
-  assert f"usage: pasta {command}" in capsys.readouterr().out
+  assert usage in capsys.readouterr().out

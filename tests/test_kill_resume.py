@@ -23,6 +23,7 @@ import pytest
 
 from pasta_jax import runfiles
 from tests import kill_worker
+from tests.marks import HEAVY
 
 ROOT = Path(__file__).resolve().parent.parent
 CLOCK_FIELDS = {"time", "step_seconds", "tokens_per_s", "valid_tokens_per_s", "mfu"}  # differ between any two runs
@@ -76,6 +77,7 @@ def assert_same_arrays(a: dict, b: dict) -> None:
     np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=key)
 
 
+@HEAVY  # the same resume machinery (runfiles) as the SFT and preference kills below
 def test_recipe_records_survive_kills(tmp_path, tiny_file):
   killed, straight = killed_and_straight("records", tmp_path, ["write/report.json:1", "write/train.jsonl:1"],
                                          tiny_file)
@@ -134,6 +136,7 @@ def test_preference_sampling_scoring_and_bonbon_survive_kills(tmp_path, tiny_fil
   assert_no_leftovers(killed / "bonbon")
 
 
+@HEAVY  # the same resume machinery as the SFT and preference kills above
 def test_medusa_distillation_and_heads_survive_kills(tmp_path, tiny_file):
   from safetensors.numpy import load_file
 

@@ -19,6 +19,7 @@ from pasta_jax.decode import api, loop
 from pasta_jax.methods import Pasta, Sequential, prepare_run
 from pasta_jax.model.gemma import KVPool, RowSelect
 from pasta_jax.model.kv_rows import write_fresh
+from tests.marks import HEAVY
 from tests.tiny import tiny_model
 
 SLOTS = 32
@@ -108,6 +109,7 @@ def test_the_decode_loop_never_copies_the_pool():
 
 
 @pytest.mark.production_xla
+@HEAVY  # an HLO inspection; test_the_decode_loop_never_copies_the_pool holds the default's rule
 def test_writing_in_the_branch_copies_the_pool_on_a_cpu_and_is_the_default_elsewhere(monkeypatch):
   """The setting is honoured: written inside the switch, the CPU loop copies the pool (what deferring removes).
   Off a CPU writing in the branch is the default (an H100 measured a one-lane step 1.11x plain decoding written in

@@ -147,7 +147,7 @@ def test_greedy_tag_programs_match():
 
 def test_sampled_run_respects_the_contract():
   bias = {P: 3.0, SYNC: 2.0, EOS: 1.0, AE: 3.0, VOCAB.lengths[0]: 6.0}
-  sampling = SamplingConfig(temperature=1.0, seed=3)
+  sampling = SamplingConfig(temperature=1.0, seed=8)  # a seed whose runs fork and finish
   cfg = config(pool_slots=128, max_steps=128, record_logits=False, sampling=sampling)
   params = toy_params(TOY, bias, seed=2)
   outs = run_naive(toy_apply, params, [[3, 4, 5], [6, 7]], cfg, vocab_size=TOY.vocab_size, pool_spec=TOY_SPEC)

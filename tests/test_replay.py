@@ -181,6 +181,7 @@ def real_model():
 
 
 @pytest.mark.slow
+@HEAVY  # the tiny Gemma 1/2/3 replays hold the rule; test_hf_parity.py checks the real 270M's forward
 def test_real_270m_training_forward_equals_decode_replay(real_model):
   """One annotated example on the real Gemma 3 270M with its own tokenizer and reserved tag tokens."""
 
@@ -220,7 +221,7 @@ def test_real_270m_training_forward_equals_decode_replay(real_model):
 
 
 @pytest.mark.slow
-@HEAVY  # the tiny-model variants above hold the rule; the real 270M replay below stays on
+@HEAVY  # the tiny-model variants above hold the rule
 def test_real_270m_untagged_answer_decodes_as_plain(real_model):
   model, cfg = real_model, real_model.config
 

@@ -25,6 +25,7 @@ from pasta_jax.methods import Medusa, Pasta, PastaTrees, Propd, Sequential, Sot,
 from pasta_jax.model import medusa
 from pasta_jax.serve.app import make_server
 from pasta_jax.serve.engine import Engine, ServeConfig
+from tests.marks import HEAVY
 from tests.tiny import tiny_model
 
 MODEL = tiny_model()
@@ -83,8 +84,10 @@ def reference(prompt: str, method: str, max_tokens: int, chat: bool) -> str:
   return generate(MODEL, [prompt], value, max_new_tokens=max_tokens, chat=chat)[0].text
 
 
-@pytest.mark.parametrize("method",
-                         ["sequential", "pasta", "apar", "pasta-v0", "medusa", "propd", "sot", "pasta+medusa"])
+# The served path is one for every method: sequential, PASTA and SoT (its two stages) run here; the others, each
+# equal to generate through the same hand-out, with PASTA_HEAVY_TESTS=1 (about 110 s on 2 cores).
+@pytest.mark.parametrize("method", ["sequential", "pasta", "sot"] + [
+    pytest.param(name, marks=HEAVY) for name in ("apar", "pasta-v0", "medusa", "propd", "pasta+medusa")])
 def test_completions_equal_generate_streamed_or_not(client, method):
   """Four prompts at once (they share the batch), each streamed and whole, against generate alone."""
   max_tokens = 20

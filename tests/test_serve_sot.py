@@ -11,6 +11,7 @@ from pasta_jax.lang.schema import THREAD
 from pasta_jax.methods import Sot
 from pasta_jax.serve import sot as served_sot
 from pasta_jax.serve.engine import Engine, Request, ServeConfig
+from tests.marks import HEAVY
 from tests.tiny import tiny_model
 
 MODEL = tiny_model()
@@ -35,6 +36,7 @@ def collect(updates: queue.Queue) -> list:
   return got
 
 
+@HEAVY  # about a minute; test_serve.py's sot case serves both stages against generate
 def test_served_sot_equals_skeleton_of_thought(monkeypatch):
   """Three questions at once in a batch of two rows: 3 points (5 spare threads) and 8 points (the whole
   fan-out) share the expansion batch; the third question gets no outline and is answered plainly."""

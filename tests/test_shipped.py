@@ -88,6 +88,7 @@ def test_shipped_medusa_heads_fit_the_budget_and_name_their_model():
 
 
 @pytest.mark.slow
+@HEAVY  # tests/test_medusa.py holds the rule (trees write plain greedy's tokens) on tiny models
 def test_the_tuned_default_decodes_with_its_medusa_heads_as_plain_greedy():
   import pasta_jax
   model = pasta_jax.load_model()

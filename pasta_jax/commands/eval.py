@@ -20,13 +20,14 @@ def build_eval_parser(subparsers) -> argparse.ArgumentParser:
                       help="alpaca_eval_805 (default), mt_bench (first turns), or any instruction JSONL")
   parser.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts only")
   parser.add_argument("--methods", nargs="+", default=["pasta-forced"], metavar="NAME[:MODEL]",
-                      help="methods to compare: sequential, pasta, pasta-forced, sequential-forced, apar, "
-                           "apar-forced, sot, sot-router, superposed, pasta-v0, pasta-v0-forced "
-                           "(default: pasta-forced)")
+                      help="methods to compare: every decoding method (pasta, sequential, pasta-v0, apar, "
+                           "superposed, medusa, propd, pasta+medusa), NAME-forced for those that annotate (pasta, "
+                           "sequential, pasta-v0, apar), and sot, sot-router, sot-forced (default: pasta-forced); "
+                           "an unknown name is refused with the list")
   parser.add_argument("--baseline", default="sequential", metavar="NAME[:MODEL]",
                       help="what methods without their own reference are measured against (default: sequential)")
   parser.add_argument("--model", default=None,
-                      help="model of methods named without one (default: the embedded Gemma 3 270M)")
+                      help="model of methods named without one (default: the tuned default, pasta-bon)")
   parser.add_argument("--out", required=True, help="output folder (resumed if it holds the same run)")
   parser.add_argument("--max-new-tokens", type=int, default=256,
                       help="content-token budget of free decodes; forced answers are cut to this many tokens")

@@ -125,12 +125,24 @@ def sync_steps(records: np.ndarray, vocab: TagVocab) -> tuple[int, ...]:
   return tuple(int(main[k + 1, STEP]) for k in range(len(main) - 1) if main[k, TOKEN] == vocab.sync)
 
 
+def ends_in_topic(ids: Sequence[int], vocab: TagVocab) -> bool:
+  """Whether the answer was cut after a promise opened and before its length closed the topic."""
+  in_topic = False
+  for t in ids:
+    in_topic = (in_topic or t == vocab.promise) and not vocab.is_length(t)
+  return in_topic
+
+
 def clean_text(ids: Sequence[int], annotated: str, tokenizer, vocab: TagVocab) -> str:
-  """strip_tags of the annotated text; for a cut-off (malformed) answer, its content tokens decoded."""
-  try:
-    return T.strip_tags(annotated)
-  except TagError:
-    return tokenizer.decode(content_ids(ids, vocab))
+  """strip_tags of the annotated text; for a cut-off (malformed) answer, its content tokens decoded. An answer cut
+  inside a promise's topic parses without error (the unfinished `<promise topic="...` reads as text), so it takes
+  the content tokens too: neither the tag nor its topic is text."""
+  if not ends_in_topic(ids, vocab):
+    try:
+      return T.strip_tags(annotated)
+    except TagError:
+      pass
+  return tokenizer.decode(content_ids(ids, vocab))
 
 
 def pasta_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, method: str = "pasta") -> Result:
