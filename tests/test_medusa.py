@@ -34,6 +34,7 @@ from pasta_jax.errors import PastaError
 from pasta_jax.methods import Medusa, Pasta, Propd, Sequential, generate, generate_ids, prepare_run, stream
 from pasta_jax.model import medusa
 from pasta_jax.model.gemma import Gemma, causal_mask
+from tests.marks import HEAVY
 from tests.test_tree import choices_lists
 from tests.tiny import tiny_model
 
@@ -466,6 +467,8 @@ def test_propd_from_python_measures_its_own_step_times_as_the_cli_does():
   assert_same_greedy(plain, runs)  # whether the measured times chose a tree or plain steps
 
 
+@HEAVY  # times every size for real; test_calibration_cancels_the_prefill holds its arithmetic and
+# test_propd_from_python_measures_its_own_step_times_as_the_cli_does runs it whole
 def test_calibration_times_every_size():
   info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=4, steps=4, repeats=1)
   first = info["first_pass"] or info  # when fewer nodes can pay, their program was timed again

@@ -189,7 +189,7 @@ ROW_LOGITS = st.lists(st.one_of(st.sampled_from(EXTREMES), st.floats(-12, 12, wi
                       min_size=9, max_size=9)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(rows=st.lists(st.tuples(ROW_LOGITS, st.integers(0, 11), st.sampled_from([1.0, 0.95, 0.9, 0.7, 0.5, 0.3, 0.1])),
                      min_size=3, max_size=3),
        candidates=st.sampled_from([1, 3, 256]))
