@@ -71,8 +71,9 @@ def pytest_pyfunc_call(pyfuncitem):
   if os.environ.get(PRODUCTION_ENV) or pyfuncitem.get_closest_marker("production_xla") is None:
     return None
   env = {**os.environ, PRODUCTION_ENV: "1", "XLA_FLAGS": USER_XLA_FLAGS}
+  # (one test, in one process: none of the suite's addopts, whose --dist needs xdist)
   done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
-                         pyfuncitem.nodeid], env=env, cwd=pyfuncitem.config.rootpath, capture_output=True, text=True)
+                         "-o", "addopts=", pyfuncitem.nodeid], env=env, cwd=pyfuncitem.config.rootpath, capture_output=True, text=True)
   if done.returncode != 0:
     pytest.fail(f"under XLA's default flags:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}", pytrace=False)
   return True
