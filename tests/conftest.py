@@ -73,7 +73,8 @@ def pytest_pyfunc_call(pyfuncitem):
   env = {**os.environ, PRODUCTION_ENV: "1", "XLA_FLAGS": USER_XLA_FLAGS}
   # (one test, in one process: none of the suite's addopts, whose --dist needs xdist)
   done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
-                         "-o", "addopts=", pyfuncitem.nodeid], env=env, cwd=pyfuncitem.config.rootpath, capture_output=True, text=True)
+                         "-o", "addopts=", pyfuncitem.nodeid],
+                        env=env, cwd=pyfuncitem.config.rootpath, capture_output=True, text=True)
   if done.returncode != 0:
     pytest.fail(f"under XLA's default flags:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}", pytrace=False)
   return True
