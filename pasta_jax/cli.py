@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pasta_jax import user_cache
 from pasta_jax.commands.method_flags import add_method_flags
 from pasta_jax.errors import PastaError
 from pasta_jax.methods.registry import names
+from pasta_jax.model import user_cache
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:

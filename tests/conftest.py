@@ -33,8 +33,8 @@ if not os.environ.get(PRODUCTION_ENV):
 # fixed plan so every worker runs the same forms, and the certified tests reach the narrow head at 2+ rows.
 # tests/test_head_plan.py measures it explicitly.
 os.environ.setdefault("PASTA_HEAD_PLAN", "fixed")
-# Compiled loops and head plans are kept in the user's cache by default (pasta_jax/user_cache.py); the suite neither
-# reads nor writes it (tests/test_program_store.py turns it on in a temporary folder).
+# Compiled loops and head plans are kept in the user's cache by default (pasta_jax/model/user_cache.py); the suite
+# neither reads nor writes it (tests/test_program_store.py turns it on in a temporary folder).
 os.environ["PASTA_COMPILE_CACHE"] = "off"
 
 import jax  # noqa: E402

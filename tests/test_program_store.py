@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pasta_jax import user_cache
 from pasta_jax.decode import api, program_store
 from pasta_jax.decode.program_store import ProgramStore
 from pasta_jax.methods import Pasta, Sequential, generate_ids, prepare_run
+from pasta_jax.model import user_cache
 from tests.tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
