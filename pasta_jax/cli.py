@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 
 from pasta_jax.commands.method_flags import add_method_flags
@@ -117,5 +119,24 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
+def entry() -> None:
+  """The `pasta` console command: `main`, then an exit that skips tearing the interpreter down.
+
+  Everything a command writes is written and closed before `main` returns; what is left is freeing the compiled
+  programs and gigabytes of weights one object at a time (JAX's exit hook, then the modules), which took 1.3 s
+  of a 13 s `pasta generate`. The operating system takes the memory back at once."""
+  try:
+    code = main()
+  except BrokenPipeError:  # the reader of our output went away (`| head`): not an error worth a traceback
+    code = 1
+  logging.shutdown()
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError):  # a reader that went away (`| head`): nothing left to tell it
+      pass
+  os._exit(code)
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  entry()

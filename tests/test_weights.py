@@ -15,12 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pasta_jax.decode.tokenizing import LangTokenizer
 from pasta_jax.errors import ConfigError, PastaError, WeightsError
 from pasta_jax.model import checkpoint, gguf_loader, weights
 from pasta_jax.model.config import GemmaConfig, gemma3, get_config
 from pasta_jax.model.gemma import Gemma, causal_mask
 from pasta_jax.model.load import load_model
-from pasta_jax.model.tokenizer import Tokenizer, chat_prompt
+from pasta_jax.model.tokenizer import BackendTokenizer, Tokenizer, chat_prompt
 
 # Small and cheap to compile; GQA and the real Gemma 3 pattern (period 6, what a GGUF without a layer
 # pattern defaults to) all present: 6 layers, unlike the 3-layer tiny preset.
@@ -329,12 +330,14 @@ def test_gguf_tokenizer_and_its_cache(tiny_gguf, tmp_path):
 
 @pytest.fixture(scope="module")
 def tokenizer_pair(tiny_gguf, tmp_path_factory):
-  """(built from the GGUF by transformers' Gemma class, reloaded fast from the cache's tokenizer.json)."""
+  """(built from the GGUF by transformers' Gemma class, reloaded fast from the cache's tokenizer.json by the
+  `tokenizers` backend alone)."""
   cache = tmp_path_factory.mktemp("tokenizer_cache")
-  built = Tokenizer.from_gguf(tiny_gguf, cache_dir=cache)
+  built = Tokenizer.from_gguf(tiny_gguf, cache_dir=False)
+  Tokenizer.from_gguf(tiny_gguf, cache_dir=cache)  # builds and saves the files
   Tokenizer._from_gguf_cached.cache_clear()
   reloaded = Tokenizer.from_gguf(tiny_gguf, cache_dir=cache)
-  assert type(reloaded.hf) is not type(built.hf)  # the fast path was taken, not the Gemma class again
+  assert isinstance(reloaded.hf, BackendTokenizer) and not isinstance(built.hf, BackendTokenizer)
   return built, reloaded
 
 
@@ -345,6 +348,7 @@ def tokenizer_pair(tiny_gguf, tmp_path_factory):
 def test_the_fast_cached_tokenizer_reads_and_writes_as_the_built_one(tokenizer_pair, text, ids):
   built, reloaded = tokenizer_pair
   assert reloaded.encode(text) == built.encode(text)
+  assert LangTokenizer(reloaded).encode(text) == LangTokenizer(built).encode(text)  # special spellings as text
   for skip in (False, True):
     assert reloaded.decode(ids, skip_special_tokens=skip) == built.decode(ids, skip_special_tokens=skip)
   assert [reloaded.id_to_token(i) for i in ids] == [built.id_to_token(i) for i in ids]

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pasta_jax.decode import certified_head, loop, program_store
+from pasta_jax.decode import certified_head, layout_store, loop, program_store
 from pasta_jax.decode.apar_text import encode_apar_text
 from pasta_jax.decode.config import InterpreterConfig
 from pasta_jax.decode.loop import RunOutput, bucket, pool_size
@@ -118,27 +118,39 @@ def pool_spec(config, dtype) -> tuple:
 _PARAMS_CACHE: dict = {}
 
 
-def decode_params(params, dtype, sharding: DecodeSharding | None = None, head_dtype: str | None = None):
+def decode_params(params, dtype, sharding: DecodeSharding | None = None, head_dtype: str | None = None,
+                  weights_id: str | None = None):
   """Training-layout params -> device arrays of `dtype` in the decode layout (`model_fn`'s), placed on the
   mesh by the trainer's rules when `sharding` is given; with `head_dtype`, plus the tied head's copy in it
   (`gemma.HEAD_COPY`) and the per-token norms of its rounding (`certified_head.BOUNDS`). Cached for the last
-  model (a 270M conversion costs ~1 s)."""
-  from pasta_jax.model.gemma import to_decode_layout
+  model (a 270M conversion costs ~1 s), and on one device for weights a later process recognizes (`weights_id`,
+  `layout_store`)."""
   key = (id(params), jnp.dtype(dtype).name, sharding, head_dtype)
   hit = _PARAMS_CACHE.get(key)
   if hit is not None and hit[0] is params:
     return hit[1]
   if head_dtype is not None and sharding is not None:
     raise PastaError("head_dtype is a single-device option: the mesh's sharding rules do not place the head copy")
+  stored = None if sharding is not None else layout_store.stored_path(weights_id, jnp.dtype(dtype).name, head_dtype)
+  converted = None if stored is None else layout_store.load(stored)
+  if converted is None:
+    converted = _convert(params, dtype, head_dtype)
+    if stored is not None:
+      layout_store.save(stored, converted)
+  if sharding is not None:
+    converted = sharding.put_params(converted)
+  _PARAMS_CACHE.clear()
+  _PARAMS_CACHE[key] = (params, converted)
+  return converted
+
+
+def _convert(params, dtype, head_dtype: str | None) -> dict:
+  from pasta_jax.model.gemma import to_decode_layout
   converted = jax.jit(to_decode_layout)(jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
   if head_dtype is not None:
     tree = converted["params"]
     added = jax.jit(certified_head.narrow_params, static_argnums=1)(tree["embedder"], head_dtype)
     converted = {**converted, "params": {**tree, **added}}
-  if sharding is not None:
-    converted = sharding.put_params(converted)
-  _PARAMS_CACHE.clear()
-  _PARAMS_CACHE[key] = (params, converted)
   return converted
 
 
@@ -283,7 +295,7 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, max_ne
   loop.check_runnable(cfg, forced=scripts is not None)
   tokens, lengths = loop.pad_prompts(ids, slots)
   script, script_len = pad_scripts(scripts, len(ids), max_threads, slots)
-  converted = decode_params(model.params, dtype, cfg.sharding, head_dtype)
+  converted = decode_params(model.params, dtype, cfg.sharding, head_dtype, getattr(model, "weights_id", None))
   return Prepared(cfg, model_fn(model.config, dtype, runtime.attention, head_dtype), converted,
                   model.config.vocab_size,
                   pool_spec(model.config, dtype), tokens, lengths, script, script_len, scripts is not None, vocab,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import logging
 import mmap
 import os
@@ -32,13 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.errors import ConfigError, WeightsError
-from pasta_jax.model import weights
+from pasta_jax.model import weight_file, weights
 from pasta_jax.model.config import GemmaConfig, config_from_dict, config_to_dict
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
-CACHE_FORMAT = 1  # bump when the cached layout changes
+CACHE_FORMAT = 2  # bump when the cached layout changes
+CACHE_SUFFIX = ".weights"  # a `weight_file`
 _SUPPORTED_VERSIONS = (2, 3)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
             12: "<d"}
@@ -326,61 +326,41 @@ def default_cache_dir(gguf_path: Path) -> Path:
   return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pasta_jax"
 
 
-def cache_path(gguf_path: Path, cache_dir: Path) -> Path:
+def cache_key(gguf_path: Path) -> str:
+  """What names a GGUF's cached conversions: its name, size and modification time."""
   stat = gguf_path.stat()
-  return cache_dir / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CACHE_FORMAT}.safetensors"
+  return f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
-  flat = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      flat.update(_flatten(value, f"{prefix}{key}/"))
-    else:
-      flat[f"{prefix}{key}"] = np.asarray(value)
-  return flat
-
-
-def _unflatten(flat: dict[str, Any]) -> dict:
-  tree: dict = {}
-  for key, value in flat.items():
-    node = tree
-    *parents, leaf = key.split("/")
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = value
-  return tree
+def cache_path(gguf_path: Path, cache_dir: Path) -> Path:
+  return cache_dir / f"{cache_key(gguf_path)}-v{CACHE_FORMAT}{CACHE_SUFFIX}"
 
 
 def _read_cache(path: Path, config: GemmaConfig, dtype: np.dtype) -> weights.Params | None:
-  """The cached tree, if it was written for this very config (parsing rules may have changed since)."""
-  from safetensors import safe_open
+  """The cached tree, if it was written for this very config (parsing rules may have changed since): mapped from
+  the file, not read into new memory (`weight_file`)."""
   try:
-    with safe_open(str(path), framework="np") as f:
-      if config_from_dict(json.loads(f.metadata()["config"])) != config:
-        log.info("GGUF cache %s was made for another config; rebuilding", path)
-        return None
-      flat = {k: jnp.asarray(f.get_tensor(k).astype(dtype, copy=False)) for k in f.keys()}
+    flat, metadata = weight_file.load(path)
+    if config_from_dict(metadata["config"]) != config:
+      log.info("GGUF cache %s was made for another config; rebuilding", path)
+      return None
   except Exception as e:  # a torn or stale cache file is rebuilt, never fatal
     log.warning("ignoring unreadable GGUF cache %s: %s", path, e)
     return None
-  return {"params": _unflatten(flat)}
+  return {"params": weight_file.unflatten({k: v if v.dtype == dtype else v.astype(dtype) for k, v in flat.items()})}
 
 
 def _write_cache(path: Path, stem: str, config: GemmaConfig, params: weights.Params) -> None:
-  from safetensors.numpy import save_file
-  tmp = path.with_suffix(f".tmp{os.getpid()}")
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f"{glob.escape(stem)}-*.safetensors"):
+    for stale in [*path.parent.glob(f"{glob.escape(stem)}-*{CACHE_SUFFIX}"),
+                  *path.parent.glob(f"{glob.escape(stem)}-*.safetensors")]:  # the earlier format's files
       if stale.name.rsplit("-", 3)[0] == stem and stale != path:
         stale.unlink(missing_ok=True)  # an older version of the same file: don't keep GBs around
-    flat = {k: v.astype(np.float32, copy=False) for k, v in _flatten(params["params"]).items()}
-    save_file(flat, str(tmp), metadata={"config": json.dumps(config_to_dict(config))})
-    os.replace(tmp, path)  # atomic: a concurrent reader sees no file or the whole file
+    flat = {k: np.asarray(v).astype(np.float32, copy=False) for k, v in weight_file.flatten(params["params"]).items()}
+    weight_file.save(path, flat, {"config": config_to_dict(config)})
   except Exception as e:  # full or read-only disk: the cache is an optimisation only
     log.warning("could not write GGUF cache %s: %s", path, e)
-    tmp.unlink(missing_ok=True)
 
 
 # --- entry point -----------------------------------------------------------------------------------
@@ -411,6 +391,6 @@ def load_gguf(path: str | os.PathLike, dtype: Any = jnp.float32,
     _write_cache(cache, path.stem, config, params32)
   if target == np.float32:
     return config, params32
-  cast = _unflatten({k: jnp.asarray(v, target) for k, v in _flatten(params32["params"]).items()})
+  cast = weight_file.unflatten({k: jnp.asarray(v, target) for k, v in weight_file.flatten(params32["params"]).items()})
   return config, {"params": cast}
 

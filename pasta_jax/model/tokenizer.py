@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -73,19 +74,20 @@ class Tokenizer:
   @classmethod
   @functools.lru_cache(maxsize=4)
   def _from_gguf_cached(cls, path: Path, size: int, mtime_ns: int, cache_dir) -> Tokenizer:
-    import transformers
+    from importlib.metadata import version
 
     from pasta_jax.model import gguf_loader
     cached = None
     if cache_dir is not False:
       root = Path(cache_dir) if cache_dir else gguf_loader.default_cache_dir(path)
-      key = gguf_loader.cache_path(path, root).name.removesuffix(".safetensors")
-      cached = root / f"{key}-tokenizer-{transformers.__version__}"
+      cached = root / f"{gguf_loader.cache_key(path)}-v1-tokenizer-{version('transformers')}"
       if (cached / "tokenizer.json").is_file():
         try:
           return cls(_load_fast(cached), str(path))
         except Exception:  # a torn cache entry: rebuild below
           pass
+    import transformers
+
     arch = gguf_loader.read_gguf(path).metadata.get("general.architecture", "")  # also validates the file
     try:
       # The Gemma class reads the vocabulary directly (~5 s for 262k tokens); AutoTokenizer would
@@ -100,6 +102,7 @@ class Tokenizer:
     if cached is not None:
       _save_atomically(hf, cached)
       _remove_stale(cached, path.stem)
+      return cls(_load_fast(cached), str(path))  # what every later process loads: the same class each time
     return cls(hf, str(path))
 
   @classmethod
@@ -181,15 +184,77 @@ class Tokenizer:
     return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size})"
 
 
-def _load_fast(folder: Path):
+def _load_fast(folder: Path) -> BackendTokenizer:
   """The saved tokenizer straight from its tokenizer.json (1-2 s for Gemma's 262k vocabulary), not through
   AutoTokenizer: transformers 5's GemmaTokenizer rebuilds the vocabulary on load (12 s). Same ids, same text
-  (tests/test_tokenizer_cache.py compares them); the special tokens come from its tokenizer_config.json."""
-  import transformers
-
+  (tests/test_weights.py compares them); the special tokens come from its tokenizer_config.json."""
   config = json.loads((folder / "tokenizer_config.json").read_text())
   specials = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
-  return transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **specials)
+  return BackendTokenizer(folder / "tokenizer.json", specials)
+
+
+class BackendTokenizer:
+  """The calls this project makes of a Hugging Face fast tokenizer, answered by its `tokenizers` backend alone.
+
+  A fast tokenizer's answers to these calls are its backend's (transformers' PreTrainedTokenizerFast passes them
+  through); loading the backend without transformers saves importing it (0.6 s) and its wrapper's set-up (0.3 s) in
+  every command that decodes."""
+
+  def __init__(self, tokenizer_file: Path, specials: dict[str, str]):
+    import tokenizers
+
+    self.backend_tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    self._file = Path(tokenizer_file)
+    self.specials = specials  # bos_token, eos_token, pad_token, ...: the token strings
+    self._encoding = threading.Lock()
+
+  def _special_id(self, name: str) -> int | None:
+    token = self.specials.get(name)
+    return None if token is None else self.backend_tokenizer.token_to_id(token)
+
+  @property
+  def bos_token_id(self) -> int | None:
+    return self._special_id("bos_token")
+
+  @property
+  def eos_token_id(self) -> int | None:
+    return self._special_id("eos_token")
+
+  @property
+  def pad_token_id(self) -> int | None:
+    return self._special_id("pad_token")
+
+  def __len__(self) -> int:
+    return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+  def get_vocab(self) -> dict[str, int]:
+    return self.backend_tokenizer.get_vocab(with_added_tokens=True)
+
+  def convert_ids_to_tokens(self, token_id: int) -> str | None:
+    return self.backend_tokenizer.id_to_token(int(token_id))
+
+  def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+    """split_special_tokens: special-token spellings in `text` are read as plain text, not as the special ids."""
+    backend = self.backend_tokenizer
+    with self._encoding:  # the setting is the backend's, not the call's: one call at a time (the server's threads)
+      backend.encode_special_tokens = split_special_tokens
+      try:
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+      finally:
+        backend.encode_special_tokens = False
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = False,
+             clean_up_tokenization_spaces: bool = False) -> str:
+    if clean_up_tokenization_spaces:
+      raise ValueError("clean_up_tokenization_spaces is not supported: it corrupts BPE text")
+    return self.backend_tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+  def save_pretrained(self, folder: str) -> None:
+    """The files it was loaded from, as `Tokenizer.from_hf` reads them."""
+    folder = Path(folder)
+    shutil.copyfile(self._file, folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({**self.specials, "tokenizer_class":
+                                                              "PreTrainedTokenizerFast"}, indent=1))
 
 
 def _check_whole_words(hf_tokenizer, path: Path, probes: int = 32) -> None:
