@@ -88,13 +88,38 @@ def test_pasta_rows_fork_while_neighbours_come_and_go():
     np.testing.assert_array_equal(got.records, want.records)
 
 
+def test_chunks_of_short_requests_attend_over_a_prefix_of_the_pool():
+  """Rows whose slot budgets fit a quarter of the pool run over that quarter, and decode as alone: the slots past
+  every row's budget are never written and hidden from every row."""
+  cfg = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=16, pool_slots=POOL)
+  batch = row_batch(cfg)
+  rng = np.random.default_rng(2)
+  requests = [([int(t) for t in rng.integers(70, 120, size=n)], 6) for n in (3, 5, 4)]
+  budgets = [batching.row_budgets(batch.cfg, len(p), new) for p, new in requests]
+  assert max(b.slots for b in budgets) <= POOL // 4
+  rows = batch.admit([p for p, _ in requests], budgets)
+  assert batch.slots_to_run() == POOL // 4
+  for _ in range(12):
+    batch.run(3)
+  view = batch.peek()
+  for row, (prompt, new), budget in zip(rows, requests, budgets, strict=True):
+    want = alone(prompt, budget, cfg)
+    got = batch.output(view, row)
+    np.testing.assert_array_equal(got.records, want.records)
+    assert (got.finished, got.truncated, got.content) == (want.finished, want.truncated, want.content)
+  batch.release(rows)
+  long = [int(t) for t in rng.integers(70, 120, size=40)]
+  batch.admit([long], [batching.row_budgets(batch.cfg, len(long), 40)])
+  assert batch.slots_to_run() == POOL  # a long request's budget needs the whole pool
+
+
 def test_compiled_shapes_cover_every_chunk_and_admission():
   """After `compile_shapes`, any load (rows prefix, admission group, prompt bucket, chunk length) runs compiled
   programs only, and the warm-up changed no row: requests still decode as alone."""
   cfg = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=16, pool_slots=POOL)
   batch = row_batch(cfg, rows=5)
-  assert batch.row_buckets() == [1, 2, 4, 5]
-  assert batch.compile_shapes((16, 32)) == 4 * 3
+  assert batch.row_buckets() == [1, 2, 4, 5] and batch.slot_buckets() == [32, 64, 128]
+  assert batch.compile_shapes((16, 32)) == 4 * (3 + 2)  # rows prefixes x (slot prefixes + prompt buckets)
   compiled = (batching.run_chunk._cache_size(), batching.admit._cache_size())
   rng = np.random.default_rng(1)
   requests = [([int(t) for t in rng.integers(70, 120, size=n)], 24) for n in (5, 20, 3, 14, 9, 30, 2)]

@@ -31,6 +31,7 @@ from pasta_jax.decode.state import STEP, InterpState
 from pasta_jax.decode.step import cut_at_budget
 from pasta_jax.errors import PastaError
 
+MIN_SLOT_BUCKET = 32  # the smallest pool prefix a chunk attends over
 SHARED_FIELDS = ("step",)  # InterpState leaves without a batch axis
 HOST_FIELDS = ("records", "num_records", "finished", "truncated", "pool_full", "budget_spent", "content",
                "stalls", "fork_refusals", "head_fallbacks", "last_fed_step", "peak_live", "parent", "step")
@@ -136,14 +137,43 @@ def _take_rows(state: InterpState, rows: int, shared: tuple[str, ...] = ()) -> I
   return dataclasses.replace(state, **changes)
 
 
-@functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "vocab_size", "rows", "forced"),
+SLOT_FIELDS = ("slot_owner", "slot_order", "slot_pos", "slot_valid", "slot_token")  # InterpState's [B, S] leaves
+
+
+def _take_slots(state: InterpState, slots: int) -> InterpState:
+  """The first `slots` slots of the pool and of the slot table."""
+  changes = {name: getattr(state, name)[:, :slots] for name in SLOT_FIELDS}
+  return dataclasses.replace(state, pool=jax.tree.map(lambda x: x[:, :, :slots], state.pool), **changes)
+
+
+def _put_slots(state: InterpState, head: InterpState) -> InterpState:
+  """`head` (run on the first slots) with the slots past them as `state` had them."""
+  pool = jax.tree.map(lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, axis=2), state.pool,
+                      head.pool)
+  changes = {name: jax.lax.dynamic_update_slice_in_dim(getattr(state, name), getattr(head, name), 0, axis=1)
+             for name in SLOT_FIELDS}
+  return dataclasses.replace(head, pool=pool, **changes)
+
+
+@functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "vocab_size", "rows", "slots", "forced"),
                    donate_argnames=("state",))
 def run_chunk(model_fn, params, state: InterpState, steps, *, cfg: InterpreterConfig, vocab_size: int,
-              rows: int, forced: bool = False) -> InterpState:
+              rows: int, slots: int | None = None, forced: bool = False) -> InterpState:
   """Up to `steps` steps (traced: every chunk length runs one program) of the first `rows` rows in one device
-  call (every live row must be among them: rows past them are free, and a free row never changes). The batch's
-  step counter runs on across requests (each row stops at its own `step_limit`), so it is not bounded by
+  call (every live row must be among them: rows past them are free, and a free row never changes), over the first
+  `slots` slots of the pool (None: all; every live row's slot limit must be within them: a slot past every row's
+  limit is never written and hidden from every row, so attending over it costs time and changes nothing). The
+  batch's step counter runs on across requests (each row stops at its own `step_limit`), so it is not bounded by
   cfg.max_steps."""
+  if slots is not None and slots < cfg.pool_slots:
+    head = _run_rows(model_fn, params, _take_slots(state, slots), steps, dataclasses.replace(cfg, pool_slots=slots),
+                     vocab_size, rows, forced)
+    return _put_slots(state, head)
+  return _run_rows(model_fn, params, state, steps, cfg, vocab_size, rows, forced)
+
+
+def _run_rows(model_fn, params, state: InterpState, steps, cfg: InterpreterConfig, vocab_size: int, rows: int,
+              forced: bool) -> InterpState:
   if rows == state.finished.shape[0]:
     return loop.run_loop(model_fn, params, state, state.step + steps, cfg, forced, vocab_size)
   shared = cfg.rules.shared_state
@@ -232,6 +262,7 @@ class RowBatch:
     self.state = empty_batch(model_fn, params, batch, pool_spec=pool_spec, rule_inputs=rule_inputs, cfg=cfg,
                              vocab_size=vocab_size, script_len=max(script_len, 1))
     self.admitted_at: list[int | None] = [None] * batch  # the batch step at each row's admission; None: free
+    self.slot_limits = [0] * batch  # each busy row's slot budget (`RowBudget.slots`)
 
   def free_rows(self) -> list[int]:
     return [r for r, at in enumerate(self.admitted_at) if at is None]
@@ -264,8 +295,9 @@ class RowBatch:
                        column("steps"), column("slots"), script, script_len,
                        jax.tree.map(jnp.asarray, rows_sampling), self.rule_inputs, pool_spec=self.pool_spec,
                        **self.run_args)
-    for row in rows:
+    for row, budget in zip(rows, budgets, strict=False):
       self.admitted_at[row] = step
+      self.slot_limits[row] = budget.slots or self.cfg.pool_slots
     return rows
 
   def _scripts(self, scripts, count: int, group: int) -> tuple[jax.Array, jax.Array]:
@@ -286,9 +318,23 @@ class RowBatch:
 
   def run(self, steps: int) -> None:
     """`steps` steps of the busy rows: only the smallest power-of-two prefix of rows that holds them all is
-    computed (rows are admitted lowest first), so a lightly loaded batch costs what a small one does."""
+    computed (rows are admitted lowest first), over the smallest slot bucket that holds their slot budgets, so a
+    lightly loaded batch of short requests costs what a small batch with a small pool does."""
     self.state = run_chunk(self.model_fn, self.params, self.state, jnp.int32(steps), rows=self.rows_to_run(),
-                           **self.run_args)
+                           slots=self.slots_to_run(), **self.run_args)
+
+  def slot_buckets(self) -> list[int]:
+    """The pool prefixes a chunk may attend over (`slots_to_run`): a quarter, half and all of the pool (at least
+    MIN_SLOT_BUCKET slots); all of it for rules that keep state of their own (it may index slots)."""
+    full = self.cfg.pool_slots
+    if self.state.rule_state is not None:
+      return [full]
+    return sorted({full} | {full // d for d in (2, 4) if full // d >= MIN_SLOT_BUCKET})
+
+  def slots_to_run(self) -> int:
+    """The slots the next chunk attends over: the smallest bucket that holds every busy row's slot budget."""
+    need = max((self.slot_limits[r] for r in self.busy_rows()), default=0)
+    return min(b for b in self.slot_buckets() if b >= need)
 
   def row_buckets(self) -> list[int]:
     """Every rows prefix a chunk may compute (`rows_to_run`) and every admission group size: the powers of
@@ -304,7 +350,9 @@ class RowBatch:
     threads = self.cfg.max_threads
     script = jnp.zeros((1, threads, max(self.script_len, 1)), jnp.int32)
     for rows in self.row_buckets():
-      self.state = run_chunk(self.model_fn, self.params, self.state, jnp.int32(0), rows=rows, **self.run_args)
+      for slots in self.slot_buckets():
+        self.state = run_chunk(self.model_fn, self.params, self.state, jnp.int32(0), rows=rows, slots=slots,
+                               **self.run_args)
       for prompt in (b for b in prompt_buckets if b < self.cfg.pool_slots):
         zeros = jnp.zeros((rows,), jnp.int32)
         self.state = admit(self.model_fn, self.params, self.state, jnp.ones((rows, prompt), jnp.int32),
@@ -313,7 +361,7 @@ class RowBatch:
                            jnp.zeros((rows, threads), jnp.int32), idle_sampling(rows), self.rule_inputs,
                            pool_spec=self.pool_spec,
                            **self.run_args)
-    return len(self.row_buckets()) * (1 + sum(b < self.cfg.pool_slots for b in prompt_buckets))
+    return len(self.row_buckets()) * (len(self.slot_buckets()) + sum(b < self.cfg.pool_slots for b in prompt_buckets))
 
   def rows_to_run(self) -> int:
     """The rows the next chunk computes: the smallest power-of-two prefix that holds every busy row."""

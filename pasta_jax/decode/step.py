@@ -199,7 +199,9 @@ def append_records(state: InterpState, inserted, recorded, lane_logits, cfg) -> 
   inserted_rows, inserted_keep = inserted
   rows = jnp.concatenate([inserted_rows, lane_rows], axis=1)  # [B, K + T, 5]
   keep = jnp.concatenate([inserted_keep, recorded], axis=1)
-  index = jnp.where(keep, state.num_records[:, None] + jnp.cumsum(keep, axis=1) - 1, cfg.max_records)
+  # dropped past the buffer's end: a chunk over a prefix of the pool (`batching.run_chunk`) has a smaller
+  # cfg.max_records than the buffer it writes
+  index = jnp.where(keep, state.num_records[:, None] + jnp.cumsum(keep, axis=1) - 1, state.records.shape[1])
   records = state.records.at[b[:, None], index].set(rows, mode="drop")
   rec_logits = state.record_logits
   if cfg.record_logits:
