@@ -102,7 +102,7 @@ def test_chunks_of_short_requests_attend_over_a_prefix_of_the_pool():
   for _ in range(12):
     batch.run(3)
   view = batch.peek()
-  for row, (prompt, new), budget in zip(rows, requests, budgets, strict=True):
+  for row, (prompt, _), budget in zip(rows, requests, budgets, strict=True):
     want = alone(prompt, budget, cfg)
     got = batch.output(view, row)
     np.testing.assert_array_equal(got.records, want.records)

@@ -45,7 +45,7 @@ def save(path: Path, tree: dict) -> None:
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
     weight_file.save(path, weight_file.flatten(tree), {})
-  except OSError as e:  # a full or read-only disk: the next process converts again
+  except (OSError, ValueError, TypeError) as e:  # a full or read-only disk: the next process converts again
     log.warning("could not keep the decode-layout weights in %s: %s", path, e)
     return
   kept = sorted(path.parent.glob("*.weights"), key=lambda p: p.stat().st_mtime)

@@ -223,7 +223,7 @@ def _write_folded(path: Path, config: GemmaConfig, params: dict) -> bool:
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
     weight_file.save(path, weight_file.flatten(params["params"]), {"config": config_to_dict(config)})
-  except OSError as e:  # full or read-only disk: the cache is an optimisation only
+  except (OSError, ValueError, TypeError) as e:  # full or read-only disk: the cache is an optimisation only
     log.warning("could not keep the folded adapter in %s: %s", path, e)
     return False
   folded = sorted(path.parent.glob(f"*-fold-*{gguf_loader.CACHE_SUFFIX}"), key=lambda p: p.stat().st_mtime)

@@ -60,7 +60,7 @@ def _aligned(offset: int) -> int:
 def save(path: str | os.PathLike, arrays: dict[str, Any], metadata: dict) -> None:
   """Writes `arrays` (flat names -> host or device arrays) and JSON-able `metadata` atomically."""
   path = Path(path)
-  host = {name: np.ascontiguousarray(jax.device_get(a)) for name, a in arrays.items()}
+  host = {name: np.asarray(jax.device_get(a), order="C") for name, a in arrays.items()}  # 0-d stays 0-d
   entries, offset = {}, 0
   for name, a in host.items():
     entries[name] = [a.dtype.name, list(a.shape), offset, a.nbytes]
@@ -73,7 +73,7 @@ def save(path: str | os.PathLike, arrays: dict[str, Any], metadata: dict) -> Non
       f.write(MAGIC + struct.pack("<Q", len(header)) + header)
       for name, a in host.items():
         f.seek(start + entries[name][2])
-        f.write(memoryview(a.reshape(-1)).cast("B"))
+        f.write(a.reshape(-1).view(np.uint8))  # bytes of any dtype (a buffer cannot hold bfloat16's)
       f.truncate(start + offset)
     os.replace(tmp, path)
   finally:
@@ -86,7 +86,10 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
   with open(path, "rb") as f:
     if f.read(len(MAGIC)) != MAGIC:
       raise WeightFileError(f"{path} is not a weight file")
-    (length,) = struct.unpack("<Q", f.read(8))
+    field = f.read(8)
+    if len(field) < 8:
+      raise WeightFileError(f"{path} is cut short in its header")
+    (length,) = struct.unpack("<Q", field)
     try:
       header = json.loads(f.read(length))
     except (ValueError, RecursionError):
