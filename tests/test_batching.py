@@ -118,8 +118,8 @@ def test_compiled_shapes_cover_every_chunk_and_admission():
   programs only, and the warm-up changed no row: requests still decode as alone."""
   cfg = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=16, pool_slots=POOL)
   batch = row_batch(cfg, rows=5)
-  assert batch.row_buckets() == [1, 2, 4, 5] and batch.slot_buckets() == [32, 64, 128]
-  assert batch.compile_shapes((16, 32)) == 4 * (3 + 2)  # rows prefixes x (slot prefixes + prompt buckets)
+  assert batch.row_buckets() == [1, 2, 4, 5] and batch.slot_buckets() == [32, 128]
+  assert batch.compile_shapes((16, 32)) == 4 * (2 + 2)  # rows prefixes x (slot prefixes + prompt buckets)
   compiled = (batching.run_chunk._cache_size(), batching.admit._cache_size())
   rng = np.random.default_rng(1)
   requests = [([int(t) for t in rng.integers(70, 120, size=n)], 24) for n in (5, 20, 3, 14, 9, 30, 2)]

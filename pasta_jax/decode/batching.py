@@ -324,12 +324,13 @@ class RowBatch:
                            slots=self.slots_to_run(), **self.run_args)
 
   def slot_buckets(self) -> list[int]:
-    """The pool prefixes a chunk may attend over (`slots_to_run`): a quarter, half and all of the pool (at least
-    MIN_SLOT_BUCKET slots); all of it for rules that keep state of their own (it may index slots)."""
+    """The pool prefixes a chunk may attend over (`slots_to_run`): a quarter of the pool (at least MIN_SLOT_BUCKET
+    slots) and all of it, two programs per rows prefix (each is compiled at warm-up); all of it for rules that keep
+    state of their own (it may index slots)."""
     full = self.cfg.pool_slots
-    if self.state.rule_state is not None:
+    if self.state.rule_state is not None or full // 4 < MIN_SLOT_BUCKET:
       return [full]
-    return sorted({full} | {full // d for d in (2, 4) if full // d >= MIN_SLOT_BUCKET})
+    return [full // 4, full]
 
   def slots_to_run(self) -> int:
     """The slots the next chunk attends over: the smallest bucket that holds every busy row's slot budget."""
