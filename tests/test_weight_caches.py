@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from pasta_jax.decode import api, layout_store
 from pasta_jax.errors import WeightsError
-from pasta_jax.model import gguf_loader, load, lora, weight_file
+from pasta_jax.model import folded_cache, gguf_loader, load, lora, weight_file
 from pasta_jax.model.load import load_model
 from tests.test_weights import TINY3, assert_same_params, leaves, random_params, write_gguf
 from tests.tiny import tiny_model
@@ -295,7 +295,7 @@ def test_a_torn_folded_file_is_folded_and_written_again(gguf_base, tmp_path, mon
 def test_the_least_recently_used_folds_are_dropped(gguf_base, tmp_path, monkeypatch):
   gguf, base_params = gguf_base
   cache = tmp_path / "cache"
-  monkeypatch.setattr(load, "FOLDED_KEEP", 2)
+  monkeypatch.setattr(folded_cache, "KEEP", 2)
   ids = {}
   for name, seed in (("a", 1), ("b", 2)):
     _adapter_folder(tmp_path / name, gguf, base_params, seed=seed)

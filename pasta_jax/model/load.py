@@ -13,9 +13,7 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
-import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -25,8 +23,8 @@ import jax.numpy as jnp
 
 from pasta_jax import runfiles
 from pasta_jax.errors import WeightsError
-from pasta_jax.model import checkpoint, gguf_loader, lora, weight_file, weights
-from pasta_jax.model.config import GemmaConfig, config_from_dict, config_to_dict
+from pasta_jax.model import checkpoint, folded_cache, gguf_loader, lora, weights
+from pasta_jax.model.config import GemmaConfig
 from pasta_jax.model.tokenizer import Tokenizer, has_tokenizer_files
 
 
@@ -65,8 +63,6 @@ class LoadedModel(NamedTuple):
     name = Path(self.source).name
     return f"adapter {name!r} (LoRA rank {self.adapter.config.rank}) folded into {base}"
 
-
-log = logging.getLogger(__name__)
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "adapters"
 SHIPPED = ("pasta-bon", "pasta-sft", "baseline-sft")
@@ -142,6 +138,10 @@ def _write_verified(path: Path, stamp: dict | None) -> None:
     pass
 
 
+def _is_gguf_file(path: Path) -> bool:
+  return path.is_file() and _is_gguf(path)
+
+
 def _is_gguf(path: Path) -> bool:
   if path.suffix == ".gguf":
     return True
@@ -188,50 +188,6 @@ def generation_defaults(model: LoadedModel) -> dict:
   return {k: values[k] for k in GENERATION_KEYS if k in values}
 
 
-FOLD_FORMAT = 1  # bump when folding changes what it computes
-FOLDED_KEEP = 3  # folded adapters kept per base (each is the whole model: 1 GB for Gemma 3 270M in float32)
-
-
-def _folded_cache(folder: Path, base_path: Path | None, dtype, cache_dir) -> Path | None:
-  """Where the adapter folded into its GGUF base is kept, beside the base's own cache (None: caching is off, or the
-  base is not a GGUF). Named by the adapter files' digest, so a retrained adapter is folded again."""
-  if cache_dir is False:
-    return None
-  gguf = embedded_gguf_path() if base_path is None else base_path
-  if not gguf.is_file() or not _is_gguf(gguf):
-    return None
-  digest = hashlib.sha256(str(FOLD_FORMAT).encode())
-  for name in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
-    digest.update((folder / name).read_bytes())
-  root = Path(cache_dir) if cache_dir else gguf_loader.default_cache_dir(gguf)
-  name = f"{gguf_loader.cache_key(gguf)}-fold-{digest.hexdigest()[:16]}-{jnp.dtype(dtype).name}"
-  return root / f"{name}{gguf_loader.CACHE_SUFFIX}"
-
-
-def _read_folded(path: Path) -> tuple[GemmaConfig, dict] | None:
-  try:
-    flat, metadata = weight_file.load(path)
-    config = config_from_dict(metadata["config"])
-  except Exception:  # a torn or foreign file: folded again (and rewritten) below
-    return None
-  os.utime(path)  # recently used: kept longest
-  return config, {"params": weight_file.unflatten(flat)}
-
-
-def _write_folded(path: Path, config: GemmaConfig, params: dict) -> bool:
-  """Keeps the folded model (the oldest beyond FOLDED_KEEP are removed); whether it was written."""
-  try:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    weight_file.save(path, weight_file.flatten(params["params"]), {"config": config_to_dict(config)})
-  except (OSError, ValueError, TypeError) as e:  # full or read-only disk: the cache is an optimisation only
-    log.warning("could not keep the folded adapter in %s: %s", path, e)
-    return False
-  folded = sorted(path.parent.glob(f"*-fold-*{gguf_loader.CACHE_SUFFIX}"), key=lambda p: p.stat().st_mtime)
-  for old in folded[:-FOLDED_KEEP]:
-    old.unlink(missing_ok=True)
-  return True
-
-
 def _load_with_adapter(folder: Path, dtype, with_tokenizer: bool, cache_dir) -> LoadedModel:
   tree, config, meta = lora.load_adapter(folder)
   base_ref = meta.get("base", "embedded")
@@ -239,10 +195,10 @@ def _load_with_adapter(folder: Path, dtype, with_tokenizer: bool, cache_dir) -> 
   if base_path is not None and not base_path.is_absolute():
     base_path = (folder / base_path).resolve()
   load_base = functools.partial(load_model, BASE if base_path is None else base_path, dtype, cache_dir=cache_dir)
-  cache = _folded_cache(folder, base_path, dtype, cache_dir)
-  hit = _read_folded(cache) if cache is not None and cache.is_file() else None
+  gguf = embedded_gguf_path() if base_path is None else base_path
+  cache = folded_cache.path_for(folder, gguf, dtype, cache_dir) if _is_gguf_file(gguf) else None
+  hit = folded_cache.read(cache) if cache is not None and cache.is_file() else None
   if hit is not None:
-    gguf = embedded_gguf_path() if base_path is None else base_path
     tokenizer = Tokenizer.from_gguf(gguf, cache_dir=cache_dir) if with_tokenizer else None
     base_params = lambda: load_base(with_tokenizer=False).params
     return LoadedModel(hit[0], hit[1], tokenizer, str(folder), AdapterParts(config, tree, base_ref, base_params),
@@ -250,7 +206,7 @@ def _load_with_adapter(folder: Path, dtype, with_tokenizer: bool, cache_dir) -> 
   base = load_base(with_tokenizer=with_tokenizer)
   lora.check_matches(base.params, tree, str(folder))
   folded = lora.fold(base.params, tree, config)
-  kept = cache is not None and _write_folded(cache, base.config, folded)
+  kept = cache is not None and folded_cache.write(cache, base.config, folded)
   parts = AdapterParts(config, tree, base_ref, lambda: base.params)
   return LoadedModel(base.config, folded, base.tokenizer, str(folder), parts, cache.name if kept else None)
 
