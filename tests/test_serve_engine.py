@@ -190,6 +190,27 @@ def test_a_stalled_engine_says_so(monkeypatch):
     engine.stop(grace_s=0)
 
 
+def test_a_long_compile_is_progress_not_a_stall(monkeypatch):
+  """Opening a batch (compiling its shapes) may take longer than stall_s; once it is open, the time it took does not
+  read as a stall while the rest of that turn (the admission, the first chunk) runs."""
+  engine = Engine(MODEL, dataclasses.replace(CFG, stall_s=0.4)).start()
+  try:
+    open_batch, run_chunk = batches.open_batch, batches.run_chunk
+    def slow_open(*args, **kwargs):
+      time.sleep(1.0)  # past stall_s: allowed while compiling
+      return open_batch(*args, **kwargs)
+    def slow_chunk(*args):
+      time.sleep(0.3)  # within stall_s: each turn makes progress
+      return run_chunk(*args)
+    monkeypatch.setattr(batches, "open_batch", slow_open)
+    monkeypatch.setattr(batches, "run_chunk", slow_chunk)
+    assert collect(ask(engine, PROMPTS[0]))[-1].finish_reason in ("stop", "length")
+    assert "pasta_engine_stalls_total 0.0" in engine.metrics.text().decode()
+    assert engine.health()["status"] == "ok"
+  finally:
+    engine.stop(grace_s=0)
+
+
 def test_a_warm_up_that_fails_stops_start_up(monkeypatch):
   def broken(*args, **kwargs):
     raise RuntimeError("planted compile failure")

@@ -362,6 +362,7 @@ class Engine(SotStages):
                                  compile_buckets=self.prompt_buckets if ahead else None)
     finally:
       self.compiling = False
+      self.turn_at = time.perf_counter()  # compiling was progress: the rest of this turn is not a stall
     with self.lock:
       self.batches[key] = entry
     return entry
