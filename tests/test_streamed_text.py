@@ -12,7 +12,6 @@ pieces) and over real runs of the tiny random Gemma, its logits bent so that it 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import io
 
@@ -35,33 +34,10 @@ from pasta_jax.decode.tokenizing import LangTokenizer
 from pasta_jax.methods import Medusa, Pasta, PastaTrees, Sequential, registry, stream_ids
 from pasta_jax.model import medusa
 from tests.marks import HEAVY
-from tests.tiny import TEXT_BASE, CharTokenizer, tiny_model
+from tests.tiny import BYTE_BASE, TEXT_BASE, BytePieces, CharTokenizer, biased_model_fn, tiny_model
 
 VOCAB = CharTokenizer().tag_vocab()
 EOS = VOCAB.eos_ids[0]
-BYTE_BASE = 300  # id BYTE_BASE + b is the byte b (a byte-fallback piece)
-
-
-class BytePieces(CharTokenizer):
-  """CharTokenizer plus byte pieces, decoded as Hugging Face's ByteFallback decodes them: consecutive bytes as one
-  UTF-8 string, or one replacement mark per byte where they are not valid UTF-8. So ids decoded together can read
-  differently from the same ids decoded apart, and a later id can change how earlier ones read."""
-
-  def decode(self, ids) -> str:
-    out, pending = [], bytearray()
-    for i in [*ids, None]:
-      if i is not None and BYTE_BASE <= i < BYTE_BASE + 256:
-        pending.append(i - BYTE_BASE)
-        continue
-      if pending:
-        try:
-          out.append(pending.decode("utf-8"))
-        except UnicodeDecodeError:
-          out.append("\ufffd" * len(pending))
-        pending = bytearray()
-      if i is not None:
-        out.append(super().decode([i]))
-    return "".join(out)
 
 
 TOKENIZER = BytePieces()
@@ -216,18 +192,7 @@ def streamed():
   assert set(STREAMING) == set(registry.names(stream=True))
   bias, original, prepare = jnp.asarray(tag_writing_logits()), api.model_fn, api.prepare
 
-  @functools.cache
-  def bent(config, dtype, attention="xla", head_dtype=None):
-    apply = original(config, dtype, attention, head_dtype)
-
-    def call(params, tokens, *args, **kwargs):
-      out = apply(params, tokens, *args, **kwargs)
-      if out.logits is None:
-        return out
-      rows = kwargs.get("logit_rows")  # the prefill's: each prompt's last token
-      inputs = tokens if rows is None else jnp.take_along_axis(tokens, rows, axis=1)
-      return dataclasses.replace(out, logits=0.02 * out.logits + bias[inputs])
-    return call
+  bent = biased_model_fn(original, bias)
 
   ids = [MODEL.tokenizer.encode(p) for p in PROMPTS]
   with pytest.MonkeyPatch.context() as patch:

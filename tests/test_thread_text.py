@@ -20,38 +20,11 @@ from pasta_jax.decode.result import pasta_result
 from pasta_jax.decode.state import STEP, THREAD
 from pasta_jax.decode.thread_text import thread_texts
 from pasta_jax.serve.shapes import ThreadEvents
-from tests.tiny import TEXT_BASE, CharTokenizer
+from tests.tiny import BYTE_BASE, TEXT_BASE, BytePieces, CharTokenizer
 
 VOCAB = CharTokenizer().tag_vocab()
 EOS = VOCAB.eos_ids[0]
-BYTE_BASE = 300  # id BYTE_BASE + b is the byte b
 
-
-class BytePieces(CharTokenizer):
-  """CharTokenizer plus byte pieces, decoded as a byte-fallback detokenizer decodes them: consecutive bytes as UTF-8,
-  a replacement mark per byte where they are not valid UTF-8 (so an id decoded alone may read as a partial
-  character that the next id completes)."""
-
-  def decode(self, ids) -> str:
-    out, pending = [], bytearray()
-    for i in [*ids, None]:
-      if i is not None and BYTE_BASE <= i < BYTE_BASE + 256:
-        pending.append(i - BYTE_BASE)
-        continue
-      if pending:
-        out.append(pending.decode("utf-8", errors="replace") if _valid(pending) else "\ufffd" * len(pending))
-        pending = bytearray()
-      if i is not None:
-        out.append(super().decode([i]))
-    return "".join(out)
-
-
-def _valid(data: bytearray) -> bool:
-  try:
-    data.decode("utf-8")
-    return True
-  except UnicodeDecodeError:
-    return False
 
 
 CHARS = [TEXT_BASE + ord(c) for c in "abcdefgh XYZ\n"]

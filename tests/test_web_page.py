@@ -12,7 +12,6 @@ sampling. Skipped where Chromium, its driver or Selenium is missing (CI installs
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -29,7 +28,7 @@ from pasta_jax.decode.thread_text import ThreadText
 from pasta_jax.methods import generate, registry
 from pasta_jax.serve.engine import Engine, ServeConfig, Update
 from tests.test_serve_http import KEY, error_of, post, serving
-from tests.tiny import TEXT_BASE, CharTokenizer, tiny_model
+from tests.tiny import TEXT_BASE, CharTokenizer, biased_model_fn, tiny_model
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -141,18 +140,7 @@ def forking_server():
   model = tiny_model()
   bias, original = jnp.asarray(tag_writing_logits(model.config.vocab_size)), api.model_fn
 
-  @functools.cache
-  def bent(config, dtype, attention="xla", head_dtype=None):
-    apply = original(config, dtype, attention, head_dtype)
-
-    def call(params, tokens, *args, **kwargs):
-      out = apply(params, tokens, *args, **kwargs)
-      if out.logits is None:
-        return out
-      rows = kwargs.get("logit_rows")  # the prefill's: each prompt's last token
-      inputs = tokens if rows is None else jnp.take_along_axis(tokens, rows, axis=1)
-      return dataclasses.replace(out, logits=0.02 * out.logits + bias[inputs])
-    return call
+  bent = biased_model_fn(original, bias)
 
   # (fewer programs to compile: no lane buckets, and every chunk of the same two steps)
   with pytest.MonkeyPatch.context() as patch:

@@ -45,3 +45,47 @@ def tiny_model(name: str = "tiny-gemma3", seed: int = 0, **overrides) -> LoadedM
   params = Gemma(config).init(jax.random.key(seed), tokens, tokens, jnp.ones((1, 4, 4), bool))
   label = "".join(f",{k}={v}" for k, v in overrides.items())
   return LoadedModel(config, params, CharTokenizer(), f"random:{name}:{seed}{label}")
+
+
+BYTE_BASE = 300  # in BytePieces, id BYTE_BASE + b is the byte b (a byte-fallback piece)
+
+
+class BytePieces(CharTokenizer):
+  """CharTokenizer plus byte pieces, decoded as Hugging Face's ByteFallback decodes them: consecutive bytes as one
+  UTF-8 string, or one replacement mark per byte where they are not valid UTF-8. So ids decoded together can read
+  differently from the same ids decoded apart, and a later id can change how earlier ones read."""
+
+  def decode(self, ids) -> str:
+    out, pending = [], bytearray()
+    for i in [*ids, None]:
+      if i is not None and BYTE_BASE <= i < BYTE_BASE + 256:
+        pending.append(i - BYTE_BASE)
+        continue
+      if pending:
+        try:
+          out.append(pending.decode("utf-8"))
+        except UnicodeDecodeError:
+          out.append("\ufffd" * len(pending))
+        pending = bytearray()
+      if i is not None:
+        out.append(super().decode([i]))
+    return "".join(out)
+
+
+def biased_model_fn(model_fn, bias):
+  """`api.model_fn` with `bias[input token]` added to the model's logits (scaled down), cached as model_fn is: a
+  tiny random model that writes what the bias favours after each token (tags, in the streaming tests)."""
+
+  @functools.cache
+  def bent(config, dtype, attention="xla", head_dtype=None):
+    apply = model_fn(config, dtype, attention, head_dtype)
+
+    def call(params, tokens, *args, **kwargs):
+      out = apply(params, tokens, *args, **kwargs)
+      if out.logits is None:
+        return out
+      rows = kwargs.get("logit_rows")  # the prefill's: each prompt's last token
+      inputs = tokens if rows is None else jnp.take_along_axis(tokens, rows, axis=1)
+      return dataclasses.replace(out, logits=0.02 * out.logits + bias[inputs])
+    return call
+  return bent
