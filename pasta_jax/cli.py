@@ -24,6 +24,9 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--distinct-topics", action=argparse.BooleanOptionalAction, default=None,
                       help="PASTA: main may not close a promise on a topic it already used, so sibling blocks do "
                            "not start alike (default: the model's generation.json, else off)")
+  parser.add_argument("--fork-bias", type=float, default=0.0, metavar="X",
+                      help="PASTA's speed/quality knob: X is added to the logit of the token that opens a promise, "
+                           "where main may open one (> 0: more forks, faster; < 0: fewer; 0 = off, the default)")
 
 
 def build_parser() -> argparse.ArgumentParser:

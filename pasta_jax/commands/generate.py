@@ -21,7 +21,8 @@ def _sampling(args) -> SamplingConfig:
   try:
     return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                           repetition_penalty=1.0 if args.repetition_penalty is None else args.repetition_penalty,
-                          distinct_topics=bool(getattr(args, "distinct_topics", None)))
+                          distinct_topics=bool(getattr(args, "distinct_topics", None)),
+                          fork_bias=getattr(args, "fork_bias", 0.0))
   except ValueError as err:
     raise PastaError(str(err)) from None
 
@@ -94,7 +95,9 @@ def run_generate(args) -> int:
   if not args.prompt.strip():
     raise PastaError("empty prompt: give some text to continue")
   sampling = _sampling(args)
-  _given_method(args)  # a bad method flag is said before the model loads
+  given = _given_method(args)  # a bad method flag is said before the model loads
+  if given is not None and sampling.biases_forks:  # and a fork bias it has no promise for
+    given.check_request(sampling=sampling, runtime=Runtime(), forced=False)
   runtime = Runtime(dtype=args.dtype, mesh=_mesh(args), certify_head=args.certify_head)
   model = load_model(args.model)
   print(f"[model: {model.describe()}]", file=sys.stderr)

@@ -59,6 +59,21 @@ def constrain(logits: jax.Array, allowed: jax.Array) -> jax.Array:
   return jnp.where(allowed, logits, -jnp.inf)
 
 
+def fork_open_ids(vocab: TagVocab) -> tuple[int, ...]:
+  """The tokens that open a promise: PASTA-LANG's PROMISE, and the scoped form's `<promise/>` (each form's
+  constraints ban the other's)."""
+  return (vocab.promise, vocab.bare_promise)
+
+
+def bias_fork_open(logits: jax.Array, bias: jax.Array, vocab: TagVocab) -> jax.Array:
+  """logits [B, Q, V] with each request's fork bias (bias [B], `SamplingConfig.fork_bias`) added at the tokens that
+  open a promise. The offset counts only where the rules let a promise open: their constraint then sets the token
+  to -inf everywhere else (a PASTA fork, main inside a promise's topic), and -inf plus a finite bias stays -inf.
+  One elementwise add that fuses with the constraint's select; a row at 0 keeps every logit (x + 0.0 == x)."""
+  opens = jnp.isin(jnp.arange(logits.shape[-1]), jnp.asarray(fork_open_ids(vocab), jnp.int32))
+  return logits + jnp.where(opens, bias[:, None, None], 0.0).astype(logits.dtype)
+
+
 # Two 32-bit polynomial hashes of a topic's tokens (with its length): topics that differ collide with
 # probability ~2^-64 per pair.
 _TOPIC_HASH_BASES = (1_000_003, 998_244_353)

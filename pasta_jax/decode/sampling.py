@@ -7,12 +7,18 @@ is static, the config's `SamplingConfig.envelope()`: a greedy-only program never
 without a penalty never reads what a row sees; inside the envelope each row chooses by its own values (a row
 at temperature 0 takes the argmax), and a step skips the sampling, truncation or penalty work (`lax.cond`)
 when none of its rows needs it.
+
+`fork_bias` is PASTA's speed/quality knob, a per-row value like the others: a logit offset on the tokens that
+open a promise (`decode.constraints.bias_fork_open`, added in the step after the penalty), so a positive bias makes
+main fork more often and a negative one less. A method without promises refuses a non-zero bias
+(`methods.base.Method.check_request`). 0 is off: a program whose rows all leave it at 0 has no bias path at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -35,16 +41,23 @@ class SamplingConfig:
   # forbidden until the topic differs). Forks see only their promise's topic, so siblings with one topic write
   # the same block under greedy decoding (lang.tokens.repeats_earlier_topic). Static: a program's, not a row's.
   distinct_topics: bool = False
+  # PASTA: added to the logit of the token that opens a promise wherever the rules let one open (main outside a
+  # promise), after the repetition penalty; > 0 forks more, < 0 less; 0 = off (decode.constraints.bias_fork_open).
+  fork_bias: float = 0.0
 
   def __post_init__(self):
     if (not self.temperature >= 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or not self.repetition_penalty > 0
-        or not 0 <= self.seed < SEED_LIMIT):
+        or not 0 <= self.seed < SEED_LIMIT or not math.isfinite(self.fork_bias)):
       raise ValueError(f"bad sampling settings {self}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
-                       "repetition_penalty > 0, 0 <= seed < 2**32")
+                       "repetition_penalty > 0, 0 <= seed < 2**32, a finite fork_bias")
 
   @property
   def penalizes(self) -> bool:
     return self.repetition_penalty != 1.0
+
+  @property
+  def biases_forks(self) -> bool:
+    return self.fork_bias != 0.0
 
   @property
   def greedy(self) -> bool:
@@ -55,15 +68,17 @@ class SamplingConfig:
     return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
   def envelope(self) -> SamplingConfig:
-    """The static part: which paths a compiled step has (sampling, truncation, penalty, distinct topics), one
-    canonical config per combination, so every config with the same paths shares a program."""
+    """The static part: which paths a compiled step has (sampling, truncation, penalty, fork bias, distinct
+    topics), one canonical config per combination, so every config with the same paths shares a program."""
     return SamplingConfig(temperature=0.0 if self.greedy else 1.0, top_p=0.5 if self.truncates else 1.0,
-                          repetition_penalty=2.0 if self.penalizes else 1.0, distinct_topics=self.distinct_topics)
+                          repetition_penalty=2.0 if self.penalizes else 1.0, distinct_topics=self.distinct_topics,
+                          fork_bias=1.0 if self.biases_forks else 0.0)
 
   def covers(self, row: SamplingConfig) -> bool:
     """Whether a program compiled for this config's envelope can run a row with `row`'s settings."""
     return ((not self.greedy or row.greedy) and (self.truncates or not row.truncates)
-            and (self.penalizes or not row.penalizes) and self.distinct_topics == row.distinct_topics)
+            and (self.penalizes or not row.penalizes) and (self.biases_forks or not row.biases_forks)
+            and self.distinct_topics == row.distinct_topics)
 
   @staticmethod
   def covering(rows: Sequence[SamplingConfig]) -> SamplingConfig:
@@ -74,10 +89,12 @@ class SamplingConfig:
     return SamplingConfig(temperature=0.0 if all(r.greedy for r in rows) else 1.0,
                           top_p=0.5 if any(r.truncates for r in rows) else 1.0,
                           repetition_penalty=2.0 if any(r.penalizes for r in rows) else 1.0,
+                          fork_bias=1.0 if any(r.biases_forks for r in rows) else 0.0,
                           distinct_topics=topics.pop()).envelope()
 
 
-ANY_SAMPLING = SamplingConfig(temperature=1.0, top_p=0.5, repetition_penalty=2.0)  # every path: a server's batches
+# every path: a server's batches (`serve.batches.batch_key` drops the fork bias for a method without promises)
+ANY_SAMPLING = SamplingConfig(temperature=1.0, top_p=0.5, repetition_penalty=2.0, fork_bias=1.0)
 
 
 @jax.tree_util.register_dataclass
@@ -89,6 +106,7 @@ class RowSampling:
   top_k: jax.Array  # int32, 0: off
   top_p: jax.Array  # float32, 1: off
   penalty: jax.Array  # float32, 1: off
+  fork_bias: jax.Array  # float32 added to the promise-open logit where a promise may open, 0: off
   seed: jax.Array  # uint32
   stream: jax.Array  # int32 the request index folded into its keys (its place in `generate`; 0 in a server)
   first_step: jax.Array  # int32 the batch step the row's own steps count from (its admission)
@@ -101,6 +119,7 @@ class RowSampling:
                        top_k=np.array([r.top_k for r in rows], np.int32),
                        top_p=np.array([r.top_p for r in rows], np.float32),
                        penalty=np.array([r.repetition_penalty for r in rows], np.float32),
+                       fork_bias=np.array([r.fork_bias for r in rows], np.float32),
                        seed=np.array([r.seed for r in rows], np.uint32),
                        stream=np.asarray(streams, np.int32), first_step=np.zeros(len(rows), np.int32))
 

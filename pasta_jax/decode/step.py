@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from pasta_jax.decode import certified_head
 from pasta_jax.decode.config import InterpreterConfig
-from pasta_jax.decode.constraints import language_ids
+from pasta_jax.decode.constraints import bias_fork_open, language_ids
 from pasta_jax.decode.rules.base import bucket_index, lane_buckets
 from pasta_jax.decode.sampling import first_max_index, penalize_repeats
 from pasta_jax.decode.state import CLOSING, InterpState
@@ -49,7 +49,8 @@ def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: Interprete
   """The token of each query row: the rules' choice (`rules.select_tokens`), or the forced script's.
   logits: [B, Q, V]; model_out: the step's model output, its K/V left out, with what else the rules asked the
   model for (`rules.model_extras`); None at prefill.
-  A repetition penalty (`cfg.sampling`) first lowers the logits of what each row already sees.
+  A repetition penalty (`cfg.sampling`) first lowers the logits of what each row already sees; a fork bias then
+  moves the promise-open logit (`constraints.bias_fork_open`).
   Returns (state, tokens [B, Q], [B, Q] rows that had a fork refused by a limit)."""
   if cfg.sampling.penalizes and (not forced or cfg.rules.sample_after_script):  # wherever the rules sample
     penalty = state.sampling.penalty  # [B]: each row's (1: off); a step where no row penalizes skips the work
@@ -57,6 +58,8 @@ def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: Interprete
       seen = seen_tokens(state, rows_lane, logits.shape[-1], cfg.vocab)
       return penalize_repeats(logits, seen, penalty[:, None, None].astype(logits.dtype))
     logits = jax.lax.cond(jnp.any(penalty != 1.0), penalized, lambda x: x, logits)
+  if cfg.sampling.biases_forks and (not forced or cfg.rules.sample_after_script):  # PASTA's knob (SamplingConfig)
+    logits = bias_fork_open(logits, state.sampling.fork_bias, cfg.vocab)
   if not forced:
     return cfg.rules.select_tokens(state, rows_lane, row_ok, logits, cfg, model_out=model_out)
   b = jnp.arange(logits.shape[0])[:, None]

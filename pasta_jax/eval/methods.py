@@ -47,6 +47,7 @@ class DecodeSettings:
   distinct_topics: bool = False  # PASTA's main may not reuse a promise topic (decode.sampling)
   head_dtype: str | None = None  # the output head in a narrower dtype (api.check_head_dtype), for every method
   certify_head: bool = False  # greedy choices certified against the float32 head (decode/certified_head.py)
+  fork_bias: float = 0.0  # PASTA's promise-open logit offset (decode.sampling); bench.learned sets it per method
 
   @property
   def runtime(self) -> Runtime:
@@ -59,7 +60,7 @@ class DecodeSettings:
 
   def identity(self) -> dict:
     """What makes two runs comparable; a setting added later is left out at its default, so older runs resume."""
-    added_later = {"distinct_topics": False, "head_dtype": None, "certify_head": False}
+    added_later = {"distinct_topics": False, "head_dtype": None, "certify_head": False, "fork_bias": 0.0}
     # A certified head's narrow copy is part of its timing: name the one this machine compiles (int8 on a CPU,
     # where older runs compiled bfloat16), so a run decoded through another one starts afresh.
     narrow = api.narrow_head_dtype(self.head_dtype, self.certify_head)
@@ -122,7 +123,8 @@ class InterpreterMethod:
   def run(self, record: Mapping[str, str]) -> MethodOutput:
     s = self.settings
     answer, note, budget = self.forced(record) if self.forced is not None else (None, "", s.max_new_tokens)
-    sampling = SamplingConfig(repetition_penalty=s.repetition_penalty, distinct_topics=s.distinct_topics)
+    sampling = SamplingConfig(repetition_penalty=s.repetition_penalty, distinct_topics=s.distinct_topics,
+                              fork_bias=s.fork_bias)
     try:
       [result] = generate(self.model, [record_prompt(record)], self.method, max_new_tokens=budget, chat=s.chat,
                           sampling=sampling, forced_answers=None if answer is None else [answer], runtime=s.runtime)

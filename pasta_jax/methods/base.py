@@ -151,6 +151,9 @@ class Method(abc.ABC):
     if sampling.distinct_topics and caps.promises and not caps.distinct_topics:
       raise PastaError(f"distinct_topics is PASTA's flat-promise rule; method={self.name!r} does not implement it "
                        "(methods without promises ignore it)")
+    if sampling.biases_forks and not caps.promises:
+      raise PastaError(f"fork_bias={sampling.fork_bias:g} moves the logit of the token that opens a PASTA promise; "
+                       f"method={self.name!r} opens no promises (give 0, or a method with promises such as pasta)")
     if not sampling.greedy and not caps.sample:
       raise PastaError(f"method={self.name!r} searches deterministically: it takes no temperature, top-k or top-p")
 

@@ -3,8 +3,8 @@ how each request gets its new text after a chunk.
 
 A batch is keyed by its method value and the sampling paths its program has (`BatchKey`): every sampling
 path, or greedy only where a certified head chooses. Each request's temperature, top-p, top-k, repetition
-penalty and seed are its row's own values (`decode.sampling.RowSampling`), so requests with any settings share
-one batch and one compiled program.
+penalty, fork bias and seed are its row's own values (`decode.sampling.RowSampling`), so requests with any settings
+share one batch and one compiled program.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from pasta_jax.serve.metrics import ServeMetrics
 from pasta_jax.serve.propd import OnlineLatency
 from pasta_jax.serve.requests import Request, Update
 
-GREEDY_ONLY = SamplingConfig(repetition_penalty=2.0).envelope()  # a certified head's batch: argmax and a penalty
+# a certified head's batch: argmax, a penalty and a fork bias (a per-token offset: the certificate still holds)
+GREEDY_ONLY = SamplingConfig(repetition_penalty=2.0, fork_bias=1.0).envelope()
 
 
 class BatchKey(NamedTuple):
@@ -42,7 +43,9 @@ def batch_key(method: Method, sampling: SamplingConfig, certify_head: bool) -> B
   its head, on a server that does (`ServeConfig.certify_head`), goes to the method's greedy batch instead."""
   certified = certify_head and sampling.greedy and method.capabilities.certify_head
   paths = GREEDY_ONLY if certified or not method.capabilities.sample else ANY_SAMPLING
-  return BatchKey(method, dataclasses.replace(paths, distinct_topics=sampling.distinct_topics), certified)
+  fork_bias = paths.fork_bias if method.capabilities.promises else 0.0  # no promise, no bias path
+  return BatchKey(method, dataclasses.replace(paths, distinct_topics=sampling.distinct_topics, fork_bias=fork_bias),
+                  certified)
 
 
 @dataclasses.dataclass

@@ -8,8 +8,10 @@ log-probabilities; several choices except from superposed decoding's drafts) are
 their neutral value. `temperature`, `top_p` and `seed` (0 <= seed < 2**32; a sampled request without one gets a
 fresh one) are OpenAI's; `top_k` (0: off) and `repetition_penalty` are vLLM's extra sampling fields. Ours:
 `method` (the decoding method; unset: the model's generation.json, else pasta), `return_trace` (the thread trace of
-the answer), `timeout` (seconds; a non-streaming request not answered by then is cancelled and answered 504) and
-`pasta_threads` (a stream's chunks also carry each thread's new text: `serve/shapes.py`).
+the answer), `timeout` (seconds; a non-streaming request not answered by then is cancelled and answered 504),
+`pasta_threads` (a stream's chunks also carry each thread's new text: `serve/shapes.py`) and `fork_bias` (PASTA's
+speed/quality knob: a logit offset on the token that opens a promise, in [-100, 100]; > 0 forks more, < 0 less;
+0, the default, is off; a method without promises refuses any other value; `decode.sampling.SamplingConfig`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class _Body(pydantic.BaseModel):
   return_trace: bool = False
   timeout: float | None = pydantic.Field(default=None, gt=0.0)  # seconds (non-streaming only; `pasta serve` caps it)
   pasta_threads: bool = False  # streaming only: chunks with each thread's new text (`shapes.Shape.thread_events`)
+  # the promise-open token's logit offset, this request's own (a batch mixes rows with any values in one program)
+  fork_bias: float = pydantic.Field(default=0.0, ge=-100.0, le=100.0)
 
   def unsupported(self) -> str | None:
     """The first OpenAI field given a value this server cannot honour, or None."""
@@ -119,6 +123,9 @@ def parse_body(kind: type[_Body], payload: Any, default_method: str = "pasta") -
   if body.method not in served:
     raise ApiError(400, f"method: unknown or unserved method {body.method!r}; use one of {', '.join(served)}",
                    param="method")
+  if body.fork_bias != 0 and not registry.METHODS[body.method].capabilities.promises:
+    raise ApiError(400, f"fork_bias: method {body.method!r} opens no promises, so it has no fork to bias; give 0 "
+                   "or leave it out", param="fork_bias")
   bad = body.unsupported()
   if bad:
     raise ApiError(400, f"{bad}: not supported by this server (leave it out or at its default)", param=bad)

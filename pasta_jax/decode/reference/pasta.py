@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pasta_jax.decode.constraints import fork_open_ids
 from pasta_jax.decode.sampling import SamplingConfig, lane_key, sample
 from pasta_jax.lang import schema
 from pasta_jax.lang.tags import TagVocab, reserved_span
@@ -82,16 +83,20 @@ def constraint_mask(vocab: TagVocab, vocab_size: int, is_main: bool, in_promise:
 
 def penalized_row(row: np.ndarray, entries, visible_slots, sampling: SamplingConfig, vocab: TagVocab) -> np.ndarray:
   """The row under CTRL's repetition penalty over the tokens of the slots it sees (tags and end ids left out):
-  seen logits > 0 are divided by the penalty, the others multiplied by it."""
-  if not sampling.penalizes:
-    return row
-  language = vocab.tag_ids | set(vocab.eos_ids)
-  seen = np.zeros(row.shape[-1], bool)
-  for k in visible_slots:
-    token = entries[k][0]  # (token, thread, position)
-    seen[token] = token not in language
-  p = sampling.repetition_penalty
-  return np.where(seen, np.where(row > 0, row / p, row * p), row).astype(np.float32)
+  seen logits > 0 are divided by the penalty, the others multiplied by it. Then the request's fork bias is added
+  at the promise-open tokens (`constraints.bias_fork_open`: the constraint keeps it only where a promise may open)."""
+  if sampling.penalizes:
+    language = vocab.tag_ids | set(vocab.eos_ids)
+    seen = np.zeros(row.shape[-1], bool)
+    for k in visible_slots:
+      token = entries[k][0]  # (token, thread, position)
+      seen[token] = token not in language
+    p = sampling.repetition_penalty
+    row = np.where(seen, np.where(row > 0, row / p, row * p), row).astype(np.float32)
+  if sampling.biases_forks:
+    row = np.array(row, np.float32)
+    row[[t for t in fork_open_ids(vocab) if t < row.shape[-1]]] += np.float32(sampling.fork_bias)
+  return row
 
 
 def constrain_logits(logits, allowed: np.ndarray) -> jax.Array:
