@@ -24,7 +24,7 @@ from pasta_jax.data.tfds_builders import data_source
 from pasta_jax.lang.tags import tag_vocab_for
 from pasta_jax.model.load import load_model
 from pasta_jax.paths import is_remote, run_path
-from pasta_jax.training.distributed import is_main_process, maybe_initialize_distributed
+from pasta_jax.training.distributed import batch_slice, is_main_process, maybe_initialize_distributed
 from pasta_jax.training.plots import plot_loss_curve
 from pasta_jax.training.trainer import Trainer
 from train.common import add_config_flags, model_path, run_main, train_config
@@ -102,8 +102,9 @@ def main(argv=None) -> int:
   vocab = tag_vocab_for(model.tokenizer, config.position_mode)
   encode = EncodeConfig(seq_len=config.seq_len, num_threads=config.num_threads, position_mode=config.position_mode,
                         objective=config.objective)
+  shard_index, shard_count = batch_slice(config.mesh)  # replicas across hosts feed the same examples
   dataset = layout_dataset(train, model.tokenizer, vocab, encode, batch_size=config.batch_size, seed=config.seed,
-                           epochs=config.epochs, shard_index=jax.process_index(), shard_count=jax.process_count())
+                           epochs=config.epochs, shard_index=shard_index, shard_count=shard_count)
   annotated = sum(bool(r.get(annotation_field(args.objective))) for r in train)
   print(f"data: {len(train)} records ({annotated} annotated); {dataset.report.summary()}; {len(dataset)} steps")
   out = run_path(args.out)

@@ -23,6 +23,7 @@ from pasta_jax.decode.step import ModelFn, choice_input, choose_from_model, cut_
 from pasta_jax.errors import PastaError
 from pasta_jax.lang import schema
 from pasta_jax.model.gemma import KVPool
+from pasta_jax.model.partitioning import gather_to_host
 from pasta_jax.visibility import HIDDEN, UNBOUNDED, ThreadMask
 
 
@@ -285,11 +286,14 @@ def row_sampling(sampling, batch: int) -> RowSampling:
   return jax.tree.map(jnp.asarray, RowSampling.of([sampling] * batch))
 
 
+def host_state(final: InterpState) -> InterpState:
+  """The final state on this host (numpy), without its pool: no result reads the K/V, which is most of the state.
+  On a mesh over several hosts every host gathers the rest whole (each holds only its devices' requests)."""
+  return gather_to_host(dataclasses.replace(final, pool=None))
+
+
 def unpack(final: InterpState, cfg: InterpreterConfig) -> list[RunOutput]:
-  if not all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(final)):
-    from jax.experimental import multihost_utils  # a mesh over several hosts: every host gets the whole state
-    final = multihost_utils.process_allgather(final, tiled=True)
-  final = jax.device_get(final)
+  final = host_state(final)
   outputs = []
   for b in range(final.records.shape[0]):
     n = int(final.num_records[b])

@@ -115,6 +115,15 @@ def _shapes(tree) -> dict[str, tuple[int, ...]]:
   return {jax.tree_util.keystr(k): tuple(np.shape(v)) for k, v in flat}
 
 
+def _restore_here(checkpointer, directory):
+  """The saved arrays whole on this process's first device, whatever devices wrote them: Orbax alone refuses a
+  checkpoint saved from another topology (a model trained on several hosts, each writing its shards)."""
+  here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  saved = checkpointer.metadata(directory).item_metadata
+  return checkpointer.restore(directory, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here),
+                                                      saved))
+
+
 def restore_checkpoint(path: str | os.PathLike, config: GemmaConfig | None = None,
                        dtype: Any = None) -> tuple[GemmaConfig, dict]:
   """(config, params) of a checkpoint. With `config`, it must be the checkpoint's own (ConfigError if not).
@@ -130,7 +139,7 @@ def restore_checkpoint(path: str | os.PathLike, config: GemmaConfig | None = Non
   if not (path / PARAMS_DIR).is_dir():
     raise WeightsError(f"checkpoint {path} has no {PARAMS_DIR}/ directory")
   try:
-    params = ocp.StandardCheckpointer().restore(path / PARAMS_DIR)
+    params = _restore_here(ocp.StandardCheckpointer(), path / PARAMS_DIR)
   except Exception as e:  # Orbax/tensorstore raise assorted types for torn files
     first_line = (str(e).splitlines() or [""])[0]
     raise WeightsError(f"cannot restore {path / PARAMS_DIR}: {type(e).__name__}: {first_line}") from None

@@ -127,3 +127,12 @@ def batch_spec(ndim: int) -> PartitionSpec:
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   return NamedSharding(mesh, batch_spec(ndim))
+
+
+def gather_to_host(tree):
+  """Every leaf whole on this host (numpy). Arrays that span several processes are gathered from all of them: a
+  collective, so every process must call it, even one that then discards the result."""
+  if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)):
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+  return multihost_utils.process_allgather(tree, tiled=True)

@@ -15,8 +15,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import jax
-
 from pasta_jax import runfiles
 from pasta_jax.data.encode import EncodeConfig
 from pasta_jax.model.load import load_model
@@ -25,6 +23,7 @@ from pasta_jax.preference.config import PreferenceConfig
 from pasta_jax.preference.dataset import pair_dataset
 from pasta_jax.preference.reference import add_reference_logprobs
 from pasta_jax.training.config import TrainConfig
+from pasta_jax.training.distributed import batch_slice
 from pasta_jax.training.trainer import Trainer, TrainResult
 
 BONBON_LEARNING_RATE = 5e-7  # the later paper's BoNBoN learning rate
@@ -48,9 +47,10 @@ def train_bonbon(pairs: Sequence[dict], model, config: TrainConfig, out_dir, *, 
                  progress: bool = True) -> TrainResult:
   """BoNBoN on pairs that carry reference log-probs; the policy starts from `model`."""
   config = config.replace(objective="bonbon")
+  shard_index, shard_count = batch_slice(config.mesh)  # replicas across hosts feed the same pairs
   dataset = pair_dataset(pairs, model.tokenizer, model.tokenizer.tag_vocab(), encode_config(config),
                          batch_size=config.batch_size, seed=config.seed, epochs=config.epochs,
-                         shard_index=jax.process_index(), shard_count=jax.process_count())
+                         shard_index=shard_index, shard_count=shard_count)
   if progress:
     print(f"pairs: {dataset.report.summary()}; {len(dataset)} steps")
   return Trainer(config, model, dataset, out_dir, progress=progress).run(stop_after)

@@ -33,11 +33,12 @@ from pasta_jax.model import lora
 from pasta_jax.model.gemma import Gemma
 from pasta_jax.model.load import LoadedModel, base_reference
 from pasta_jax.model.mesh import make_mesh
-from pasta_jax.model.partitioning import param_shardings
+from pasta_jax.model.partitioning import gather_to_host, param_shardings
 from pasta_jax.paths import run_path
 from pasta_jax.training import step as step_lib
 from pasta_jax.training.checkpoints import TrainCheckpoints
 from pasta_jax.training.config import TrainConfig
+from pasta_jax.training.distributed import batch_slice
 from pasta_jax.training.losses import sft_kl_loss_sum, sft_loss_sum
 from pasta_jax.training.metrics_log import MetricsLog, train_flops_per_token
 from pasta_jax.training.optimizer import learning_rate_schedule, make_optimizer
@@ -45,7 +46,8 @@ from pasta_jax.training.state import create_sharded_state, init_state
 
 
 class StepDataset(Protocol):
-  """Random access by optimizer step: `ds[k]` is this host's slice of global batch k (numpy leaves)."""
+  """Random access by optimizer step: `ds[k]` is this host's slice of global batch k (numpy leaves): slice `index`
+  of `count` equal slices, `distributed.batch_slice(mesh)`."""
 
   def __len__(self) -> int: ...
 
@@ -100,6 +102,7 @@ class Trainer:
     self.out_dir = run_path(out_dir)
     self.progress = progress and jax.process_index() == 0
     self.mesh = make_mesh(config.mesh, devices)
+    self.batch_slices = _check_host_batch(config, dataset[0], self.mesh)
     if check_memory:
       _check_plan(config, model)
     self.total_steps = min(len(dataset), config.max_steps) if config.max_steps > 0 else len(dataset)
@@ -171,9 +174,9 @@ class Trainer:
     self.state, metrics = self.step_fn(self.state, batch, *frozen)
     values = {k: float(v) for k, v in metrics.items()}  # float() waits for the step
     seconds = time.perf_counter() - began
-    tokens = int(np.prod(np.shape(jax.tree.leaves(host_batch)[0]))) * jax.process_count()
+    tokens = int(np.prod(np.shape(jax.tree.leaves(host_batch)[0]))) * self.batch_slices  # the global batch's
     values.update(step_seconds=seconds, tokens_per_s=tokens / seconds,
-                  valid_tokens_per_s=_valid_tokens(host_batch) * jax.process_count() / seconds,
+                  valid_tokens_per_s=_valid_tokens(host_batch) * self.batch_slices / seconds,
                   mfu=self._mfu(tokens, seconds))
     if (step + 1) % self.config.log_every == 0 or step == 0:
       self.log.write(step, values)
@@ -196,7 +199,7 @@ class Trainer:
     _sync("export: temporary folder ready")
     if self.adapter is not None:
       extra = {"step": int(self.state.step), "train": self.config.to_dict()}
-      params = jax.device_get(self.state.params)
+      params = gather_to_host(self.state.params)  # every host takes part in the gather; one writes
       if primary:
         lora.save_adapter(tmp, params, self.adapter, base=base_reference(self.model), extra=extra)
     else:
@@ -228,9 +231,23 @@ def adapter_config(config: TrainConfig, model: LoadedModel) -> lora.AdapterConfi
   if own is not None and own != wanted and dataclasses.replace(own, row_ids=wanted.row_ids) == wanted:
     # Going on training a model's adapter: its own embedding rows (the tag vocabulary may have grown since it
     # was trained; its new tags were never in its data)
-    print(f"trainer: the model's adapter trains rows {own.row_ids}, not {wanted.row_ids}: keeping its rows")
+    if jax.process_index() == 0:
+      print(f"trainer: the model's adapter trains rows {own.row_ids}, not {wanted.row_ids}: keeping its rows")
     return own
   return wanted
+
+
+def _check_host_batch(config: TrainConfig, host_batch, mesh) -> int:
+  """The number of distinct batch slices the processes feed. With several processes, refuses a host batch of
+  another size than this process's slice: a dataset sharded by process on a mesh whose batch axes do not span the
+  processes would feed replicas different examples, and JAX would silently keep one process's."""
+  index, count = batch_slice(mesh)
+  rows = int(np.shape(jax.tree.leaves(host_batch)[0])[0])
+  if jax.process_count() > 1 and (config.batch_size % count or rows != config.batch_size // count):
+    raise ConfigError(f"the dataset yields {rows} examples per step on this process; on mesh {dict(mesh.shape)} it "
+                      f"must feed slice {index} of {count} of each global batch of {config.batch_size}, "
+                      f"{config.batch_size / count:g} examples (shard the data with distributed.batch_slice)")
+  return count
 
 
 def _truncate_metrics(out_dir, resume_step: int) -> None:
