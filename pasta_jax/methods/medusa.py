@@ -29,7 +29,7 @@ def speculation_result(run, seconds, tokenizer, vocab, method, base):
 class Medusa(Method):
   name = "medusa"
   summary = "Medusa: token-tree speculation on the model's Medusa heads, a fixed tree (lossless greedy; streams)"
-  capabilities = Capabilities(stream=True)
+  capabilities = Capabilities(stream=True, shard=True)
 
   tree_size: int = dataclasses.field(default=speculation.FIXED_TREE, metadata=option_help("the tree's nodes"))
   heads: Any = dataclasses.field(default=None, metadata=HEADS)
@@ -71,7 +71,7 @@ class Medusa(Method):
 class Propd(Medusa):
   name = "propd"
   summary = "ProPD: Medusa with a dynamic tree size from measured step times, and early pruning (streams)"
-  capabilities = Capabilities(learns_latency=True)  # served, its text is handed out at the end
+  capabilities = Capabilities(shard=True, learns_latency=True)  # served, its text is handed out at the end
   dynamic = True
 
   tree_size: int | None = dataclasses.field(default=None, metadata=option_help(

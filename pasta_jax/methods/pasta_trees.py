@@ -15,7 +15,7 @@ from pasta_jax.methods.medusa import CHOICES, HEADS, speculation_result
 class PastaTrees(Threaded):
   name = "pasta+medusa"
   summary = "PASTA x trees: PASTA's threads, every live one speculating with its own Medusa tree (thread chart)"
-  capabilities = Capabilities(stream=True, promises=True, threads=True)
+  capabilities = Capabilities(stream=True, shard=True, promises=True, threads=True)
 
   tree_size: int = dataclasses.field(default=speculation.THREAD_TREE, metadata=option_help("each thread's tree"))
   heads: Any = dataclasses.field(default=None, metadata=HEADS)

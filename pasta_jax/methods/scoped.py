@@ -17,7 +17,7 @@ from pasta_jax.methods.base import Capabilities, Layout, Threaded
 class Scoped(Threaded):
   name = "pasta-v0"
   summary = "the earlier PASTA's scoped tags: <scope> and <promise/> fork nested threads (thread chart)"
-  capabilities = Capabilities(replay=True, promises=True, threads=True, annotates=True)
+  capabilities = Capabilities(replay=True, shard=True, promises=True, threads=True, annotates=True)
   annotation_field = "scoped"
 
   max_depth: int = dataclasses.field(default=3, metadata=MAX_DEPTH)  # of scopes and of fork nesting

@@ -17,7 +17,7 @@ from pasta_jax.methods.base import Capabilities, Layout, Threaded
 class Sot(Threaded):
   name = "sot"
   summary = "Skeleton-of-Thought: an outline, then every point expanded in its own lane (served in two stages)"
-  capabilities = Capabilities(replay=True, needs_scripts=True)
+  capabilities = Capabilities(replay=True, shard=True, needs_scripts=True)
 
 
   def layout(self, model, scripts) -> Layout:

@@ -22,7 +22,7 @@ def parse_ngram(text: str) -> str | None:
 class Superposed(Method):
   name = "superposed"
   summary = "Superposed Decoding: k drafts from one decode, n-gram smoothed (the best draft is the answer)"
-  capabilities = Capabilities(sample=False, certify_head=False, drafts=True)
+  capabilities = Capabilities(sample=False, shard=True, certify_head=False, drafts=True)
 
   drafts: int = dataclasses.field(default=3, metadata=option_help("how many drafts (k)"))
   ngram: str | NgramIndex | None = dataclasses.field(
