@@ -12,7 +12,11 @@ answer tokens) decoded by
             does not prune and this row equals the next);
   - propd-line  with --latency-model buckets,line: ProPD again, its table on the paper's line (its own calibration);
   - propd-unpruned  the same without early pruning (its own calibration), to show what pruning gives (only with
-            an early head: without one, ProPD does not prune and this row would repeat the last).
+            an early head: without one, ProPD does not prune and this row would repeat the last);
+  - propd-never-hit  with --never-hit: where no tree pays, ProPD's floor. Its heads rank only tokens the model never
+            writes (`never_hit_drafter`), so no guess is ever right, while its prior is the shipped heads' (it has to
+            find out by probing); ProPD's step-time table, and its tree compiled (the calibration's timed tree, even
+            where ProPD itself would compile none), so that it runs its own program and should match plain decoding.
 Every program is compiled and run once before timing; figures are medians of --runs rounds, each of which runs
 every method once in turn on each prompt group (a slow spell of the machine then lands on every method alike).
 Tree decoding is lossless, so every method writes the same tokens (checked: mismatches are printed and counted) and the
@@ -20,13 +24,15 @@ tokens/s ratios are time ratios. Accepted length = tokens per step; per-head acc
 top-1 (and its top-k list) held the right token when its depth was reached.
 
   python -m bench.medusa [--batches 1,8] [--limit 8] [--limit-b1 4] [--runs 3] [--heads DIR] [--certify-head]
+                         [--never-hit]
 Last line: RESULT propd_b1=... propd_b8=... medusa_b1=... accept_len_b1=... unpruned_b1=... unpruned_b8=...
-(tokens/s over plain's).
+propd_never_hit_b1=... propd_never_hit_b8=... (tokens/s over plain's; nan: not timed).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import jax
@@ -38,7 +44,7 @@ from bench.common import held_out_prompt_ids
 from pasta_jax.decode import api
 from pasta_jax.decode.latency import calibrate_latency
 from pasta_jax.decode.runtime import Runtime
-from pasta_jax.decode.speculation import LATENCY_MODELS, load_drafter
+from pasta_jax.decode.speculation import LATENCY_MODELS, Drafter, load_drafter
 from pasta_jax.methods import Medusa, Method, Propd, Sequential, prepare_run
 from pasta_jax.model.load import load_model
 
@@ -64,11 +70,31 @@ def parse_args(argv=None):
   parser.add_argument("--certify-head", action="store_true",
                       help="every method's greedy choices certified against the float32 head at a narrow head's "
                            "cost (int8 on a CPU; decode/certified_head.py): the same tokens, cheaper tree steps")
+  parser.add_argument("--never-hit", action="store_true",
+                      help="also time ProPD whose heads never guess right (row propd-never-hit): no tree pays, and "
+                           "ProPD should decode as fast as plain decoding")
   args = parser.parse_args(argv)
   unknown = set(args.latency_model.split(",")) - set(LATENCY_MODELS)
   if unknown:  # before the model loads
     parser.error(f"--latency-model: unknown {sorted(unknown)}; choose from {', '.join(LATENCY_MODELS)}")
   return args
+
+
+NEVER_WRITTEN = 6000  # <unused6000>, ...: reserved tokens past every tag (Pred-1x's run to <unused570>), never written
+
+
+def never_hit_drafter(model, drafter: Drafter) -> Drafter:
+  """`drafter` with a draft vocabulary of top-k reserved tokens the model never writes (<unused6000>, ...): its heads
+  run as they do (the same weights and shapes), and their every guess is wrong. The prior hit rates stay the shipped
+  heads', so ProPD believes trees may pay until its probes show otherwise."""
+  ids = [model.tokenizer.token_to_id(f"<unused{NEVER_WRITTEN + i}>") for i in range(drafter.top_k)]
+  if None in ids:
+    raise SystemExit(f"--never-hit: the tokenizer of {model.source} lacks <unused{NEVER_WRITTEN}> ... "
+                     f"<unused{NEVER_WRITTEN + drafter.top_k - 1}>")
+  heads = {**drafter.heads, "vocab": jnp.asarray(ids, jnp.int32)}
+  if "out" in heads:  # own head rows per Medusa head: as many as the draft vocabulary
+    heads["out"] = heads["out"][:, :len(ids)]
+  return dataclasses.replace(drafter, heads=heads, source=f"{drafter.source} (never-hit)")
 
 
 def timed(model, groups, runs: int, methods: dict[str, Method], **kw) -> dict[str, dict]:
@@ -137,6 +163,10 @@ def bench_batch(model, drafter, ids, batch: int, args) -> dict:
                                            prune=prune)
     methods[name] = Propd(tree_size=calibrations[name]["tree_size"], heads=drafter,
                           latency=calibrations[name]["table"], prune=prune)
+  if args.never_hit:  # the step times do not depend on what the heads guess: ProPD's own table
+    cal = calibrations["propd"]
+    methods["propd-never-hit"] = Propd(tree_size=cal["timed_tree"], heads=never_hit_drafter(model, drafter),
+                                       latency=cal["table"], prune=False)
   drop_programs()  # the calibrations'
   rows = timed(model, groups, args.runs, methods, max_new_tokens=args.new_tokens, runtime=runtime)
   for name, calibration in calibrations.items():
@@ -155,10 +185,13 @@ def report(batch: int, rows: dict) -> None:
     for s in r["stats"]:
       for k, v in s["tree_sizes"].items():
         sizes[k] = sizes.get(k, 0) + v
-    chosen = " ".join(f"{k}:{v}" for k, v in sorted(sizes.items()) if v) if isinstance(r["method"], Propd) else ""
+    chosen = ""
+    if isinstance(r["method"], Propd):
+      plain_steps = sum(s["plain_steps"] for s in r["stats"])
+      chosen = " ".join(f"{k}:{v}" for k, v in sorted(sizes.items()) if v) + f" (plain decoding's step: {plain_steps})"
     print(f"{name:>14} {r['tok_s']:9.2f} {r['tok_s'] / plain:8.3f} {r['accept']:7.2f} "
           f"{mismatches(rows['plain'], r):8d} {pruned:7.1%}  {chosen}")
-  for name in (n for n, r in rows.items() if isinstance(r["method"], Propd)):
+  for name in (n for n, r in rows.items() if isinstance(r["method"], Propd) and "calibration" in r):
     cal = rows[name]["calibration"]
     times = lambda c: " ".join(f"T({s})={t * 1e3:.1f}ms" for s, t in zip(c["sizes"], c["seconds"]))
     if cal.get("first_pass"):
@@ -172,6 +205,11 @@ def report(batch: int, rows: dict) -> None:
   top1, topk = head_rates(rows[medusa_key]["stats"])
   print(f"per-head acceptance ({medusa_key}): top-1 " + " ".join(f"{x:.3f}" for x in top1)
         + " | top-k " + " ".join(f"{x:.3f}" for x in topk))
+  if "propd-never-hit" in rows:
+    r = rows["propd-never-hit"]
+    top1, topk = head_rates(r["stats"])
+    print(f"propd-never-hit: {r['method'].tree_size}-node tree compiled; head 0 checked on "
+          f"{sum(s['head_trials'][0] for s in r['stats'])} probes, top-k right {topk[0]:.3f}")
 
 
 def main(argv=None) -> None:
@@ -203,7 +241,8 @@ def main(argv=None) -> None:
   accept = results[1]["propd"]["accept"] if 1 in results else float("nan")
   print(f"RESULT propd_b1={ratio(1, 'propd'):.3f} propd_b8={ratio(8, 'propd'):.3f} "
         f"medusa_b1={ratio(1, f'medusa-{args.tree}'):.3f} accept_len_b1={accept:.2f} "
-        f"unpruned_b1={ratio(1, 'propd-unpruned'):.3f} unpruned_b8={ratio(8, 'propd-unpruned'):.3f}")
+        f"unpruned_b1={ratio(1, 'propd-unpruned'):.3f} unpruned_b8={ratio(8, 'propd-unpruned'):.3f} "
+        f"propd_never_hit_b1={ratio(1, 'propd-never-hit'):.3f} propd_never_hit_b8={ratio(8, 'propd-never-hit'):.3f}")
 
 
 if __name__ == "__main__":

@@ -298,6 +298,8 @@ def test_propd_picks_sizes_by_its_latency_model_and_stays_lossless():
   assert all(set(k for k, v in r.speculation["tree_sizes"].items() if v) <= {1} for r in dear)
   for r in dear:  # no tree planned: the heads ran only on probe steps, whose next plain token checks head 0 alone
     assert r.speculation["head_trials"][0] > 0 and r.speculation["head_trials"][1:] == [0, 0]
+    # and every step after the first (a tree step, which finds no tree worth it) was plain decoding's own
+    assert r.speculation["plain_steps"] == r.speculation["tree_steps"] - 1 > 0
   assert all(min(r.speculation["head_trials"]) > 0 for r in cheap)
   assert all(r.speculation["tree_sizes"][16] > 0 for r in cheap)
   assert fit_latency([1, 2, 4], [3.0, 5.0, 9.0]) == pytest.approx((2.0, 1.0))
@@ -337,6 +339,7 @@ def test_propd_takes_trees_up_again_when_its_heads_start_to_hit():
   assert_same_greedy(plain_greedy(), runs)
   assert any(sum(v for k, v in r.speculation["tree_sizes"].items() if k > 1) > 0 for r in runs)
   assert max(r.speculation["accept_length"] for r in runs) > 1.2
+  assert all(r.speculation["plain_steps"] > 0 for r in runs)  # it left plain decoding's steps for trees
 
 
 def test_propd_picks_one_size_for_the_batch_from_its_live_requests():

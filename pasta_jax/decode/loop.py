@@ -158,13 +158,27 @@ def initial_state(pool, last, prompt_tokens, lengths, script, script_len, sampli
 
 def run_loop(model_fn: ModelFn, params, state: InterpState, limit, cfg: InterpreterConfig, forced: bool,
              vocab_size: int) -> InterpState:
-  """`decode_step` until step `limit`, or until no request is live."""
+  """`decode_step` until step `limit`, or until no request is live. Where the rules have a cheaper step
+  (`rules.cheaper_steps`: ProPD's plain step while no tree is planned), each of their steps is followed by a loop
+  of the cheaper step while it holds: a loop, not a conditional, so that it writes the KV pool in place."""
   length_table = jnp.asarray(cfg.vocab.length_table(vocab_size))
 
   def cond(s: InterpState):
     return (s.step < limit) & jnp.any(s.live)
 
-  return jax.lax.while_loop(cond, lambda s: decode_step(model_fn, params, s, cfg, length_table, forced), state)
+  def step(s: InterpState, cfg: InterpreterConfig = cfg) -> InterpState:
+    return decode_step(model_fn, params, s, cfg, length_table, forced)
+
+  cheaper = None if forced else cfg.rules.cheaper_steps(cfg)
+  if cheaper is None:
+    return jax.lax.while_loop(cond, step, state)
+
+  def then_cheaper(s: InterpState) -> InterpState:
+    inner = jax.lax.while_loop(lambda v: cond(v) & cheaper.holds(v), functools.partial(step, cfg=cheaper.cfg),
+                               cheaper.enter(s))
+    return cheaper.leave(s, inner)
+
+  return jax.lax.while_loop(cond, lambda s: then_cheaper(step(s)), state)
 
 
 def finish(state: InterpState) -> InterpState:

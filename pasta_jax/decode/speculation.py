@@ -143,8 +143,8 @@ def paying_size(tree: TokenTree, table: dict[int, float]) -> int:
   """The largest size in ProPD's step-time `table` ({size: seconds}, size 1 included) that can beat a plain step:
   a prefix of s nodes of `tree` accepts at most its depth + 1 tokens a step, so a size with T(s) >= (depth + 1)
   T(1) never wins, whatever the hit rates. ProPD should compile its tree only up to that size (at least 2 nodes):
-  every lane of the compiled tree costs bookkeeping on every step, a plain one included (at batch 8 on a 2-core
-  CPU, a size-1 step of a 64-node ProPD cost 1.21x a plain step, of a 16-node one 0.96x)."""
+  every lane of the compiled tree costs bookkeeping on every tree step (a step where no request plans a tree is
+  plain decoding's, whatever the tree: `MedusaRules.cheaper_steps`)."""
   depth = tree.depth
   paying = [s for s, t in table.items() if 1 < s <= tree.size and t < (depth[:s].max() + 1) * table[1]]
   return max(paying, default=min(tree.size, 2))
@@ -154,9 +154,9 @@ def tree_pays(tree: TokenTree, table: dict[int, float], hit_rates: np.ndarray, r
   """Whether ProPD could ever pick a tree of `tree`'s prefixes over a plain step: some size s > 1 in its step-time
   `table` whose expected tokens over T(s) beat 1 / T(1) at hit rates `room` times the calibrated `hit_rates`
   (capped at 1): heads hitting that much more often than on the calibration set. When none can, ProPD's choice is
-  size 1 on every step, which is plain decoding: it then runs plain decoding's program (`api.prepare_tree`), with
-  none of the tree's bookkeeping (at batch 8 on a 2-core CPU a 4-node ProPD choosing size 1 throughout ran 0.83x
-  plain, bench.medusa)."""
+  size 1 on every step, which is plain decoding: it then runs plain decoding's program (`methods.Propd.layout`), with
+  no tree step and no probe (ProPD's own program takes plain decoding's step while it plans no tree, but its first
+  step is a tree step and head 0 runs on one step in `probe_every`)."""
   optimistic = np.minimum(np.asarray(hit_rates, np.float64) * room, 1.0)
   expected = np.cumsum(node_probabilities(tree, optimistic))  # [N] E(prefix of i + 1 nodes)
   return any(expected[s - 1] / t > 1.0 / table[1] for s, t in table.items() if 1 < s <= tree.size)
@@ -165,8 +165,8 @@ def tree_pays(tree: TokenTree, table: dict[int, float], hit_rates: np.ndarray, r
 def compiled_size(tree: TokenTree, table: dict[int, float], hit_rates: np.ndarray) -> int:
   """The tree ProPD compiles: up to twice the size its calibrated prior would choose (one lane bucket of room
   for a run whose heads hit more often than the calibration set's), never past the sizes that can pay
-  (`paying_size`), at least 2 nodes. A lane compiled and never used still costs bookkeeping every step (at batch 1
-  on a 2-core CPU, a 64-node ProPD ran 3% slower than a fixed 4-node tree choosing the same size)."""
+  (`paying_size`), at least 2 nodes. A lane compiled and never used still costs bookkeeping every tree step (at
+  batch 1 on a 2-core CPU, a 64-node ProPD ran 3% slower than a fixed 4-node tree choosing the same size)."""
   expected = np.cumsum(node_probabilities(tree, hit_rates))  # [N] E(prefix of i + 1 nodes)
   best = max((s for s in table if s <= tree.size), key=lambda s: expected[s - 1] / table[s])
   return max(min(tree.size, 2), min(paying_size(tree, table), 2 * best))

@@ -14,7 +14,9 @@ object says only what differs, as array functions over the [B, T] thread table:
   select_tokens how the logits become each row's token: a constrained sample (the default), or a
                 method's own search over its `state.rule_state` (Superposed Decoding's drafts);
   script_end    what a forced thread writes once its script has run out;
-  after_model   how sampled tokens become pending tokens: closes, releases, finishes.
+  after_model   how sampled tokens become pending tokens: closes, releases, finishes;
+  cheaper_steps optionally, a cheaper step the loop takes for stretches where the rules' own would do no more
+                (ProPD: plain decoding's step while no request plans a tree).
 
 A rule that keeps state of its own (drafts, scores) makes it in `init_rule_state`; the driver carries it
 through the loop as `state.rule_state` and hands it to the host through `host_outputs`. Arrays a rule
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import jax
@@ -82,6 +85,18 @@ class StepFeed:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheaperSteps:
+  """A cheaper step the loop takes instead of the rules' own while `holds` (`Rules.cheaper_steps`): the step of
+  `cfg` (its rules and lanes) on `enter(state)`, in a loop of its own, and `leave(state, inner)` puts the result
+  back into the full state. ProPD's: plain decoding's step while no request plans a tree."""
+
+  cfg: Any  # the InterpreterConfig of the cheaper step
+  holds: Callable[[InterpState], jax.Array]  # [] bool, on the cheaper step's state: take it (again)
+  enter: Callable[[InterpState], InterpState]
+  leave: Callable[[InterpState, InterpState], InterpState]
+
+
+@dataclasses.dataclass(frozen=True)
 class Rules(abc.ABC):
   """Base of every method's rules. Subclasses are frozen dataclasses: hashable, so a jit static."""
 
@@ -101,6 +116,12 @@ class Rules(abc.ABC):
     """(max_steps, max_content) of a free run of `new_tokens` whose pool leaves room for `pool_steps` steps:
     by default the pool bounds the steps and the answer's content tokens end the run."""
     return pool_steps, new_tokens
+
+  def cheaper_steps(self, cfg: InterpreterConfig) -> CheaperSteps | None:
+    """A cheaper step the loop may take instead of this one for stretches of steps (`CheaperSteps`); None (the
+    default): every step is the rules' own."""
+    del cfg
+    return None
 
   def max_records(self, cfg: InterpreterConfig) -> int:
     """Records one request can make: every record but the last per lane becomes a pool write, and one

@@ -21,10 +21,13 @@ length from the heads' top-k hit rates (a calibrated prior, updated online from 
 request's own steps), and T(s) the step time of size s, measured in a calibration run on the device and batch
 size (`rule_inputs["latency"]`, `speculation.step_times`): the loop runs on device, so times are measured between
 host calls.
-Size 1 is the root alone, a plain step: when no request of the batch plans a tree for its next step, the
-heads do not run either (`lax.cond`), so T(1) is a plain step's time and ProPD falls back to plain decoding
-where no tree pays for itself. Every `probe_every`-th step the heads run anyway, and the next plain token checks
-head 0's candidates, so the hit rates keep moving and ProPD takes trees up again when the heads start to hit.
+Size 1 is the root alone, a plain step, and while no request of the batch plans a tree ProPD runs plain decoding's
+own step (`cheaper_steps`, `PlainSteps`, in a loop of its own inside the tree steps' loop): main's lane alone, one
+row per request, its K/V written in place, no lane-count switch, of the tree's bookkeeping a few counters. So T(1) is
+a plain step's time and ProPD falls back to plain decoding where no tree pays for itself. Every `probe_every`-th
+step head 0 runs anyway (in a conditional), and the next plain token checks its candidates, so the hit rates keep
+moving and ProPD takes trees up again when the heads start to hit: the plain step that finds a tree worth it runs
+every head, and the loop goes back to tree steps.
 
 ProPD's early pruning (`prune=EarlyPrune(...)`, `rules/pruning.py`): after a few layers an early head lists
 each node's likely successors; nodes not on their parent's list, and their subtrees, leave the model call, so
@@ -43,7 +46,8 @@ import numpy as np
 
 from pasta_jax.decode.pool import lowest_free_slots, usable_slots, write_slots
 from pasta_jax.decode.rules import pruning
-from pasta_jax.decode.rules.base import InterpreterConfig, Rules, StepFeed, lane_buckets
+from pasta_jax.decode.rules.base import CheaperSteps, InterpreterConfig, Rules, StepFeed, lane_buckets
+from pasta_jax.decode.rules.pasta_tree import LANE_FIELDS
 from pasta_jax.decode.rules.sequential import SequentialRules
 from pasta_jax.decode.state import DONE, FREE, RUNNING, InterpState
 from pasta_jax.decode.tree import TokenTree
@@ -71,6 +75,7 @@ class TreeState:
   written: jax.Array  # [B] int32 tokens those steps wrote (accept length summed)
   size_counts: jax.Array  # [B, n_sizes] int32 how often each tree size was chosen
   tree_nodes: jax.Array  # [B] int32 nodes fed past the root (candidates)
+  plain_steps: jax.Array  # [B] int32 of the steps that fed, those that ran plain decoding's step (`PlainSteps`)
   pruned: jax.Array  # [B] int32 of those, nodes early pruning cut before the deep layers
   inputs: dict  # read-only: heads, prior hit rates [H, k], latency [n_sizes] (ProPD)
 
@@ -135,6 +140,7 @@ class MedusaRules(SequentialRules):
                      written=jnp.zeros((batch,), jnp.int32),
                      size_counts=jnp.zeros((batch, len(self.sizes)), jnp.int32),
                      tree_nodes=jnp.zeros((batch,), jnp.int32), pruned=jnp.zeros((batch,), jnp.int32),
+                     plain_steps=jnp.zeros((batch,), jnp.int32),
                      inputs={**rule_inputs, "rates": jnp.asarray(rates, jnp.float32)})
 
   def model_extras(self, state: InterpState, cfg: InterpreterConfig, num_q: int) -> dict:
@@ -203,12 +209,23 @@ class MedusaRules(SequentialRules):
     sees[:, 0] = UNBOUNDED
     return jnp.asarray(sees)
 
+  def next_step(self, state: InterpState, cfg: InterpreterConfig):
+    """(running, at_end, usable) of the next step: [B] main runs, [B] its pending token (the next root) is an end id,
+    [B, S] the free slots it may write."""
+    running = state.live & (state.status[:, 0] == RUNNING)
+    at_end = running & jnp.isin(state.rule_state.root_token, jnp.asarray(cfg.vocab.eos_ids))
+    return running, at_end, usable_slots(state)
+
+  def next_sizes(self, state: InterpState, cfg: InterpreterConfig) -> jax.Array:
+    """[B] the nodes each request feeds next step (as many as the pool has room for)."""
+    running, at_end, usable = self.next_step(state, cfg)
+    return jnp.minimum(self.tree_size(state.rule_state, running & ~at_end), usable.sum(axis=1))
+
   def before_model(self, state: InterpState, cfg: InterpreterConfig, length_table: jax.Array):
     d: TreeState = state.rule_state
-    running = state.live & (state.status[:, 0] == RUNNING)
-    at_end = running & jnp.isin(d.root_token, jnp.asarray(cfg.vocab.eos_ids))
-    free = usable_slots(state).sum(axis=1)
-    size = jnp.minimum(self.tree_size(d, running & ~at_end), free)
+    running, at_end, usable = self.next_step(state, cfg)
+    free = usable.sum(axis=1)
+    size = self.next_sizes(state, cfg)
     out_of_room = running & ~at_end & (free == 0)
     lanes = jnp.arange(cfg.lanes)
     feed = (running & ~at_end)[:, None] & (lanes[None, :] < size[:, None])
@@ -254,29 +271,68 @@ class MedusaRules(SequentialRules):
         tree_steps=d.tree_steps + fed, written=d.written + jnp.where(fed, depth[last] + 1, 0),
         tree_nodes=d.tree_nodes + jnp.sum(row_ok[:, 1:], axis=1), pruned=d.pruned + jnp.sum(row_ok & ~kept, axis=1))
     new = self.count_hits(new, d, node_token, on_path, depth, chosen[b[:, 0], last], depth[last], fed)
-    fresh = fed
-    if self.dynamic:  # no request will feed a tree next step: the heads do not run (the step costs a plain one)
-      fresh = fed & (jnp.any(self.planned_size(new, fed) > 1) | self.probing(state.step))
-    candidates = jax.lax.cond(jnp.any(fresh), lambda: self.last_node_candidates(d, hidden, last, new.root_token),
-                              lambda: d.candidates)
-    new = dataclasses.replace(new, candidates=jnp.where(fresh[:, None, None], candidates, d.candidates),
-                              have_candidates=jnp.where(fed, fresh, d.have_candidates))
+    new = self.next_candidates(new, hidden[b[:, 0], last], new.root_token, fed, state.step)
     return dataclasses.replace(state, rule_state=new), chosen, refused
 
+  def next_candidates(self, new: TreeState, hidden, root, fed, step) -> TreeState:
+    """`new` with the heads' candidates for the next step, read at each request's last path node (hidden [B, D];
+    root [B]: the base model's choice there, the next root). Medusa: every step. ProPD: every head when some request
+    plans a tree for its next step; head 0 alone on a probe step (`probing`), whose next step is a plain one and
+    observes head 0's guess only (`count_hits`); no head otherwise, so that the step costs a plain one."""
+    if not self.dynamic:
+      heads = jax.lax.cond(jnp.any(fed), lambda: self.top_tokens(new.inputs, hidden, root), lambda: new.candidates)
+      fresh = fed
+    else:
+      plans = jnp.any(self.planned_size(new, fed) > 1)
+      probe = self.probing(step) & ~plans
+      branches = (lambda: new.candidates, lambda: self.probe_tokens(new, hidden, root),
+                  lambda: self.top_tokens(new.inputs, hidden, root))
+      heads = jax.lax.switch(jnp.where(plans, 2, probe.astype(jnp.int32)), branches)
+      fresh = fed & (plans | probe)
+    return dataclasses.replace(new, candidates=jnp.where(fresh[:, None, None], heads, new.candidates),
+                               have_candidates=jnp.where(fed, fresh, new.have_candidates))
+
   def probing(self, step: jax.Array) -> jax.Array:
-    """Whether the heads run this step although no tree is planned. Their candidates then wait for a plain step,
-    whose token is head 0's target (`count_hits`): without these probes a batch that once found trees not worth
-    their cost would never observe its heads again, and so never find out that they started to hit (a list, a
-    repeated phrase). One probe in `probe_every` steps costs the heads' share of those steps."""
+    """Whether head 0 runs this step although no tree is planned. Its candidates then wait for a plain step, whose
+    token is head 0's target (`count_hits`): without these probes a batch that once found trees not worth their
+    cost would never observe its heads again, and so never find out that they started to hit (a list, a repeated
+    phrase). One probe in `probe_every` steps costs a quarter of one head's pass (of the output head's rows in the
+    draft vocabulary) a step; the other heads would observe nothing on a plain step."""
     if self.probe_every <= 0:
       return jnp.zeros((), bool)
     return step % self.probe_every == 0
 
-  def last_node_candidates(self, d: TreeState, hidden, last, root) -> jax.Array:
-    """[B, H, k] the heads' top tokens at each request's last path node (hidden [B, Q, D] of the tree's rows;
-    root [B]: the base model's choice there, the next tree's root)."""
-    at_last = hidden[jnp.arange(last.shape[0]), last]
-    return medusa.rule_top_tokens(d.inputs, at_last, root, self.top_k, self.softcap)
+  def top_tokens(self, inputs: dict, hidden, root) -> jax.Array:
+    """[B, H, k] the heads' top tokens at a path node (hidden [B, D]; root [B]: the base model's choice there)."""
+    return medusa.rule_top_tokens(inputs, hidden, root, self.top_k, self.softcap)
+
+  def probe_tokens(self, d: TreeState, hidden, root) -> jax.Array:
+    """[B, H, k] `d.candidates` with head 0's top tokens at a path node in place of its own (the others unchanged)."""
+    first = {name: w if name == "vocab" else w[:1] for name, w in d.inputs["heads"].items()}  # head 0's weights
+    return d.candidates.at[:, :1].set(self.top_tokens({**d.inputs, "heads": first}, hidden, root))
+
+  # --- while no request plans a tree: plain decoding's step ------------------------------------------
+  def cheaper_steps(self, cfg: InterpreterConfig) -> CheaperSteps | None:
+    """ProPD: plain decoding's step (`PlainSteps`, on main's lane alone) while every request's next step is the
+    root alone. Medusa feeds its whole tree every step: none."""
+    if not self.dynamic:
+      return None
+    plain = dataclasses.replace(cfg, lanes=1, rules=PlainSteps(ignore_eos=self.ignore_eos, speculation=self))
+    return CheaperSteps(plain, lambda view: ~jnp.any(self.next_sizes(view, cfg) > 1), self.main_lane, self.all_lanes)
+
+  @staticmethod
+  def main_lane(state: InterpState) -> InterpState:
+    """The state plain decoding's step sees: main's lane alone, its pending token and position the next root."""
+    d: TreeState = state.rule_state
+    view = dataclasses.replace(state, **{f: getattr(state, f)[:, :1] for f in LANE_FIELDS})
+    return dataclasses.replace(view, token=d.root_token[:, None], position=d.root_pos[:, None])
+
+  @staticmethod
+  def all_lanes(state: InterpState, view: InterpState) -> InterpState:
+    """`view` (main's lane, after plain steps) put back into `state`'s lanes; every lane of a request that ended is
+    done, as a tree step leaves them."""
+    merged = dataclasses.replace(view, **{f: getattr(state, f).at[:, :1].set(getattr(view, f)) for f in LANE_FIELDS})
+    return dataclasses.replace(merged, status=jnp.where(view.status[:, :1] == DONE, DONE, merged.status))
 
   def accepted_nodes(self, state, node_token, chosen, logits, row_ok, depth, parent, cfg) -> jax.Array:
     """[B, Q] bool: nodes whose whole path is accepted (the root always is)."""
@@ -347,4 +403,47 @@ class MedusaRules(SequentialRules):
             "head_topk": [float(h) for h in hits.sum(axis=1) / np.maximum(trials, 1)],
             "head_trials": [int(t) for t in trials],
             "tree_sizes": dict(zip(self.sizes, (int(c) for c in np.asarray(d.size_counts[request])))),
+            "plain_steps": int(d.plain_steps[request]),
             "prune_rate": int(d.pruned[request]) / max(int(d.tree_nodes[request]), 1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainSteps(SequentialRules):
+  """ProPD's step while no request plans a tree (`MedusaRules.cheaper_steps`): plain decoding's, on main's lane alone
+  (one row per request, its K/V written in place: no lane-count switch), in the lowest free pool slot (tree steps
+  free slots), and of the tree's work only its counters and, in a conditional, the heads on a probe step or where a
+  tree is planned for the next step (`MedusaRules.next_candidates`)."""
+
+  name: ClassVar[str] = "propd-plain"
+  speculation: MedusaRules = MedusaRules(dynamic=True)
+
+  def before_model(self, state: InterpState, cfg: InterpreterConfig, length_table: jax.Array):
+    running, at_end, usable = self.speculation.next_step(state, cfg)
+    room = jnp.any(usable, axis=1)
+    feed = (running & ~at_end & room)[:, None]
+    slots = jnp.where(feed, jnp.argmax(usable, axis=1)[:, None], cfg.pool_slots).astype(jnp.int32)
+    state = write_slots(state, feed, slots)
+    batch = feed.shape[0]
+    none = (jnp.zeros((batch, 0, 5), jnp.int32), jnp.zeros((batch, 0), bool))
+    return state, StepFeed(feed, slots, *none, (at_end, running & ~at_end & ~room))
+
+  def model_extras(self, state: InterpState, cfg: InterpreterConfig, num_q: int) -> dict:
+    del state, cfg, num_q
+    return {"return_hidden": True}  # read by the heads on probe steps only
+
+  def select_tokens(self, state: InterpState, rows_lane, row_ok, logits, cfg: InterpreterConfig,
+                    model_out: ModelOutput | None = None):
+    """Plain decoding's choice; then the counts a size-1 tree step keeps, and the heads when they are due."""
+    state, chosen, refused = super().select_tokens(state, rows_lane, row_ok, logits, cfg)
+    d: TreeState = state.rule_state
+    fed, token = row_ok[:, 0] & state.live, chosen[:, 0]
+    steps = fed.astype(jnp.int32)
+    new = dataclasses.replace(
+        d, root_token=jnp.where(fed, token, d.root_token), root_pos=d.root_pos + steps,
+        tree_steps=d.tree_steps + steps, written=d.written + steps, size_counts=d.size_counts.at[:, 0].add(steps),
+        plain_steps=d.plain_steps + steps)
+    root_only = jnp.zeros((1,), jnp.int32)
+    new = self.speculation.count_hits(new, d, token[:, None], fed[:, None], root_only, token,
+                                      jnp.zeros_like(steps), fed)
+    new = self.speculation.next_candidates(new, model_out.head_input[:, 0], token, fed, state.step)
+    return dataclasses.replace(state, rule_state=new), chosen, refused
