@@ -58,7 +58,7 @@ def check(report: dict, kv_heads: int, tolerance: float = LOGIT_TOL["tiny"]) -> 
 
 # 8 query heads on every tiny model. KV heads: split 8 ways on tensor 8 (Gemma 3: every method), split 4 ways on
 # data 2 x tensor 4 (Gemma 2, GQA 8:4), replicated (Gemma 1, MQA). The suite runs Gemma 3 on tensor 8 with the
-# worker's DEFAULT cases, in one process: sequential greedy and sampled, PASTA sampled and forced, APAR forced, and one
+# worker's DEFAULT cases, in one process: sequential greedy, PASTA sampled and forced, APAR forced, and one
 # brief greedy case of each other method (SoT's fan-out, Superposed without an n-gram index, the scoped mode forced,
 # Medusa and ProPD on 2-node trees, PASTA x trees writing a fork under a fork-writing bias). With PASTA_HEAVY_TESTS=1
 # (to keep the suite within CI's time): every case on data 2 x tensor 4 ("heavy": also sampled SoT and scoped runs,
