@@ -40,7 +40,7 @@ def calibrate_latency(model, ids, drafter: Drafter, *, tree_size: int = DEFAULT_
   81 ms in a 128-slot pool and 89 ms in a 256-slot one). latency_model: `speculation.step_times`' model.
 
   When that is fewer nodes than `tree_size`, the sizes that remain are timed again in the program of that
-  smaller tree, the one ProPD then runs: every compiled lane costs bookkeeping on every step, so the big
+  smaller tree, the one ProPD then runs: every compiled lane costs bookkeeping on every tree step, so the big
   program's times overstate a small step's and understate what a tree adds to it (at batch 8 on a 2-core CPU,
   a size-1 step of the 64-node program cost 1.21x plain, of an 8-node one 0.96x). `first_pass` keeps the
   big program's figures. When no tree of that program can pay even with heads hitting `speculation.RATE_ROOM`
