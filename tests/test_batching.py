@@ -113,6 +113,36 @@ def test_chunks_of_short_requests_attend_over_a_prefix_of_the_pool():
   assert batch.slots_to_run() == POOL  # a long request's budget needs the whole pool
 
 
+def test_chunks_at_a_steady_load_run_in_place(monkeypatch):
+  """The batch is held at the prefix of rows and slots its chunks run on: the first chunk after an admission copies
+  it out of the whole batch, the next chunks copy nothing, and the next admission copies it back first; each
+  request still decodes as alone."""
+  copies = []
+  for name in ("take_part", "put_part"):
+    real = getattr(batching, name)
+    monkeypatch.setattr(batching, name, lambda *a, _real=real, _name=name, **k: copies.append(_name) or _real(*a, **k))
+  cfg = InterpreterConfig(vocab=VOCAB, lanes=4, max_threads=16, pool_slots=POOL)
+  batch = row_batch(cfg)
+  requests = [([71, 80, 95], 6), ([90, 101, 77, 88], 6)]
+  budgets = [batching.row_budgets(batch.cfg, len(p), new) for p, new in requests]
+  first = batch.admit([requests[0][0]], budgets[:1])
+  for _ in range(3):
+    batch.run(1)
+  assert copies == ["take_part"] and batch.held() == (1, POOL // 4)
+  before = batch.peek()
+  second = batch.admit([requests[1][0]], budgets[1:])
+  assert copies == ["take_part", "put_part"] and batch.held() == (BATCH, POOL)
+  after = batch.peek()  # what the held rows did is back in the whole batch
+  assert after.step == before.step == 3
+  np.testing.assert_array_equal(batch.output(after, first[0]).records, batch.output(before, first[0]).records)
+  for _ in range(12):
+    batch.run(1)
+  assert copies == ["take_part", "put_part", "take_part"] and batch.held() == (2, POOL // 4)
+  view = batch.peek()
+  for row, (prompt, _), budget in zip(first + second, requests, budgets, strict=True):
+    np.testing.assert_array_equal(batch.output(view, row).records, alone(prompt, budget, cfg).records)
+
+
 def test_compiled_shapes_cover_every_chunk_and_admission():
   """After `compile_shapes`, any load (rows prefix, admission group, prompt bucket, chunk length) runs compiled
   programs only, and the warm-up changed no row: requests still decode as alone."""
@@ -120,7 +150,7 @@ def test_compiled_shapes_cover_every_chunk_and_admission():
   batch = row_batch(cfg, rows=5)
   assert batch.row_buckets() == [1, 2, 4, 5] and batch.slot_buckets() == [32, 128]
   assert batch.compile_shapes((16, 32)) == 4 * (2 + 2)  # rows prefixes x (slot prefixes + prompt buckets)
-  compiled = (batching.run_chunk._cache_size(), batching.admit._cache_size())
+  compiled = batching.decode_programs()
   rng = np.random.default_rng(1)
   requests = [([int(t) for t in rng.integers(70, 120, size=n)], 24) for n in (5, 20, 3, 14, 9, 30, 2)]
   for chunk, admit_per_chunk in [(3, 5), (2, 1)]:
@@ -128,7 +158,7 @@ def test_compiled_shapes_cover_every_chunk_and_admission():
     for (prompt, new), got in zip(requests, outs, strict=True):
       want = alone(prompt, batching.row_budgets(batching.batch_config(cfg, 64), len(prompt), new), cfg)
       np.testing.assert_array_equal(got.records, want.records)
-  assert (batching.run_chunk._cache_size(), batching.admit._cache_size()) == compiled
+  assert batching.decode_programs() == compiled  # chunks, admissions, releases and the copies that hold a prefix
 
 
 def test_budgets_equal_what_generate_sizes():

@@ -146,45 +146,40 @@ def _take_slots(state: InterpState, slots: int) -> InterpState:
   return dataclasses.replace(state, pool=jax.tree.map(lambda x: x[:, :, :slots], state.pool), **changes)
 
 
-def _put_slots(state: InterpState, head: InterpState) -> InterpState:
-  """`head` (run on the first slots) with the slots past them as `state` had them."""
-  pool = jax.tree.map(lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, axis=2), state.pool,
-                      head.pool)
-  changes = {name: jax.lax.dynamic_update_slice_in_dim(getattr(state, name), getattr(head, name), 0, axis=1)
-             for name in SLOT_FIELDS}
-  return dataclasses.replace(head, pool=pool, **changes)
+@functools.partial(jax.jit, static_argnames=("rows", "slots", "shared"))
+def take_part(whole: InterpState, *, rows: int, slots: int, shared: tuple[str, ...] = ()) -> InterpState:
+  """A copy of the first `rows` rows and `slots` slots of the batch (`RowBatch.hold`)."""
+  return _take_slots(_take_rows(whole, rows, shared), slots)
 
 
-@functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "vocab_size", "rows", "slots", "forced"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("shared",), donate_argnames=("whole",))
+def put_part(whole: InterpState, part: InterpState, *, shared: tuple[str, ...] = ()) -> InterpState:
+  """`whole` with `take_part`'s prefix replaced by `part` (written in place: every leaf of `part` is a prefix of
+  `whole`'s in every axis); the rule state's `shared` fields (no request axis) are `part`'s."""
+  def put(full, prefix):
+    return jax.lax.dynamic_update_slice(full, prefix.astype(full.dtype), (0,) * full.ndim)
+  merged = jax.tree.map(put, dataclasses.replace(whole, rule_state=_per_row(whole.rule_state, shared)),
+                        dataclasses.replace(part, rule_state=_per_row(part.rule_state, shared)))
+  return dataclasses.replace(merged, rule_state=_with_shared(merged.rule_state, part.rule_state, shared))
+
+
+@functools.partial(jax.jit, static_argnames=("model_fn", "cfg", "vocab_size", "forced"), donate_argnames=("state",))
 def run_chunk(model_fn, params, state: InterpState, steps, *, cfg: InterpreterConfig, vocab_size: int,
-              rows: int, slots: int | None = None, forced: bool = False) -> InterpState:
-  """Up to `steps` steps (traced: every chunk length runs one program) of the first `rows` rows in one device
-  call (every live row must be among them: rows past them are free, and a free row never changes), over the first
-  `slots` slots of the pool (None: all; every live row's slot limit must be within them: a slot past every row's
-  limit is never written and hidden from every row, so attending over it costs time and changes nothing). The
-  batch's step counter runs on across requests (each row stops at its own `step_limit`), so it is not bounded by
-  cfg.max_steps."""
-  if slots is not None and slots < cfg.pool_slots:
-    head = _run_rows(model_fn, params, _take_slots(state, slots), steps, dataclasses.replace(cfg, pool_slots=slots),
-                     vocab_size, rows, forced)
-    return _put_slots(state, head)
-  return _run_rows(model_fn, params, state, steps, cfg, vocab_size, rows, forced)
-
-
-def _run_rows(model_fn, params, state: InterpState, steps, cfg: InterpreterConfig, vocab_size: int, rows: int,
-              forced: bool) -> InterpState:
-  if rows == state.finished.shape[0]:
-    return loop.run_loop(model_fn, params, state, state.step + steps, cfg, forced, vocab_size)
-  shared = cfg.rules.shared_state
-  head = loop.run_loop(model_fn, params, _take_rows(state, rows, shared), state.step + steps, cfg, forced, vocab_size)
-  return dataclasses.replace(_put_rows(state, head, jnp.arange(rows), shared), step=head.step)
+              forced: bool = False) -> InterpState:
+  """Up to `steps` steps (traced: every chunk length runs one program) of every row of `state` in one device call,
+  over its `cfg.pool_slots` slots: the batch's whole state, or a prefix of it that holds every live row and every
+  slot a live row may write (`RowBatch.hold`: rows past it are free, and a free row never changes; a slot past
+  every row's limit is never written and hidden from every row, so attending over it costs time and changes
+  nothing). The batch's step counter runs on across requests (each row stops at its own `step_limit`), so it is
+  not bounded by cfg.max_steps."""
+  return loop.run_loop(model_fn, params, state, state.step + steps, cfg, forced, vocab_size)
 
 
 def decode_programs() -> int:
-  """The batch programs this process holds compiled: chunks (one per rows prefix) and admissions (group size x
-  prompt bucket), over every batch. New sampling values never add one: they are traced."""
-  return admit._cache_size() + run_chunk._cache_size()
+  """The batch programs this process holds compiled: chunks (one per rows and slots prefix), admissions (group
+  size x prompt bucket), releases and the copies that hold a batch at a prefix, over every batch. New sampling
+  values never add one: they are traced."""
+  return sum(f._cache_size() for f in (admit, run_chunk, release, take_part, put_part))
 
 
 def empty_batch(model_fn, params, batch: int, *, cfg: InterpreterConfig, vocab_size: int,
@@ -250,6 +245,13 @@ class RowBatch:
   only log2(B) admission shapes per prompt bucket compile); a row's records count steps from its admission.
   `script_len` > 0: every row brings per-thread scripts of up to that many tokens (SoT's point prompts,
   which its threads read before they sample: `rules.sample_after_script`); 0: free decoding.
+
+  `state` is held at the rows and slots the next chunk runs on (`hold`), so a chunk runs on it in place: the
+  smallest power-of-two prefix of rows that holds every busy row, over the smallest slot bucket that holds their
+  slot budgets. The rest of the batch waits in `whole` unchanged (free rows, slots no row may write). Holding
+  another prefix copies the held one back and the new one out; it happens when the load changes (an admission,
+  which runs on the whole batch, or rows leaving), not on every chunk: copying a quarter of a 512-slot pool of 16
+  rows out and back costs about 50 ms on a 2-core CPU, a sixth of a step.
   """
 
   def __init__(self, model_fn, params, cfg: InterpreterConfig, *, batch: int, vocab_size: int, pool_spec: tuple,
@@ -261,8 +263,24 @@ class RowBatch:
     self.pool_spec = pool_spec
     self.state = empty_batch(model_fn, params, batch, pool_spec=pool_spec, rule_inputs=rule_inputs, cfg=cfg,
                              vocab_size=vocab_size, script_len=max(script_len, 1))
+    self.whole: InterpState | None = None  # the whole batch while `state` holds a prefix of it; None: `state` is
     self.admitted_at: list[int | None] = [None] * batch  # the batch step at each row's admission; None: free
     self.slot_limits = [0] * batch  # each busy row's slot budget (`RowBudget.slots`)
+
+  def held(self) -> tuple[int, int]:
+    """The rows and slots `state` holds."""
+    return self.state.finished.shape[0], self.state.slot_valid.shape[1]
+
+  def hold(self, rows: int, slots: int) -> None:
+    """Holds `state` at the first `rows` rows and `slots` slots of the batch (all of them: the whole batch)."""
+    if (rows, slots) == self.held():
+      return
+    shared = self.cfg.rules.shared_state
+    if self.whole is not None:
+      self.state, self.whole = put_part(self.whole, self.state, shared=shared), None
+    if (rows, slots) != (self.batch, self.cfg.pool_slots):
+      self.whole = self.state
+      self.state = take_part(self.whole, rows=rows, slots=slots, shared=shared)
 
   def free_rows(self) -> list[int]:
     return [r for r, at in enumerate(self.admitted_at) if at is None]
@@ -275,7 +293,10 @@ class RowBatch:
     """Prefills `prompts` into free rows (as many as there are), with their per-thread `scripts` when the
     batch takes scripts, and each its own `sampling` (default: greedy; each within the batch's envelope,
     `cfg.sampling`); returns their rows, in order."""
+    if not prompts:
+      return []
     rows = self.free_rows()[: len(prompts)]
+    self.hold(self.batch, self.cfg.pool_slots)  # admissions are compiled for the whole batch
     if len(rows) < len(prompts):
       raise PastaError(f"{len(prompts)} requests for {len(rows)} free rows")
     sampling = list(sampling or [SamplingConfig(distinct_topics=self.cfg.sampling.distinct_topics)] * len(prompts))
@@ -320,8 +341,12 @@ class RowBatch:
     """`steps` steps of the busy rows: only the smallest power-of-two prefix of rows that holds them all is
     computed (rows are admitted lowest first), over the smallest slot bucket that holds their slot budgets, so a
     lightly loaded batch of short requests costs what a small batch with a small pool does."""
-    self.state = run_chunk(self.model_fn, self.params, self.state, jnp.int32(steps), rows=self.rows_to_run(),
-                           slots=self.slots_to_run(), **self.run_args)
+    self._run_held(self.rows_to_run(), self.slots_to_run(), steps)
+
+  def _run_held(self, rows: int, slots: int, steps: int) -> None:
+    self.hold(rows, slots)
+    self.state = run_chunk(self.model_fn, self.params, self.state, jnp.int32(steps),
+                           **{**self.run_args, "cfg": dataclasses.replace(self.cfg, pool_slots=slots)})
 
   def slot_buckets(self) -> list[int]:
     """The pool prefixes a chunk may attend over (`slots_to_run`): a quarter of the pool (at least MIN_SLOT_BUCKET
@@ -343,17 +368,19 @@ class RowBatch:
     return sorted({min(1 << i, self.batch) for i in range(self.batch.bit_length() + 1)})
 
   def compile_shapes(self, prompt_buckets=(16, 32, 64)) -> int:
-    """Compiles every chunk program (one per rows prefix) and every admission (group size x prompt bucket)
-    ahead of use, so a batch whose load changes never stops mid-serving to compile. No row changes: the
-    chunks run on free rows (no step) and the admissions' rows are all padding. Returns the programs run."""
+    """Compiles every chunk program (one per rows and slots prefix, with the copies that hold it and its release)
+    and every admission (group size x prompt bucket) ahead of use, so a batch whose load changes never stops
+    mid-serving to compile. No row changes: the chunks run on free rows (no step), the releases release none and
+    the admissions' rows are all padding. Returns the chunk and admission programs run."""
     if self.busy_rows():
       raise PastaError("compile_shapes runs on an idle batch")
     threads = self.cfg.max_threads
     script = jnp.zeros((1, threads, max(self.script_len, 1)), jnp.int32)
     for rows in self.row_buckets():
       for slots in self.slot_buckets():
-        self.state = run_chunk(self.model_fn, self.params, self.state, jnp.int32(0), rows=rows, slots=slots,
-                               **self.run_args)
+        self._run_held(rows, slots, 0)
+        self.state = release(self.state, jnp.zeros((rows,), bool))
+      self.hold(self.batch, self.cfg.pool_slots)
       for prompt in (b for b in prompt_buckets if b < self.cfg.pool_slots):
         zeros = jnp.zeros((rows,), jnp.int32)
         self.state = admit(self.model_fn, self.params, self.state, jnp.ones((rows, prompt), jnp.int32),
@@ -378,7 +405,7 @@ class RowBatch:
   def release(self, rows: list[int]) -> None:
     if not rows:
       return
-    mask = np.zeros((self.batch,), bool)
+    mask = np.zeros((self.held()[0],), bool)  # busy rows are within the held ones
     mask[rows] = True
     self.state = release(self.state, jnp.asarray(mask))
     for row in rows:
