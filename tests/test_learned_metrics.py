@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import jax
@@ -147,3 +148,32 @@ def test_quality_pareto_plots_every_model_and_the_baseline(tmp_path):
   assert _short("pasta:runs/a/bonbon_l1/round_1/train/model") == "a/bonbon_l1" and _short("pasta:b") == "b"
   with pytest.raises(ValueError, match="no models"):
     plot_quality_pareto({}, tmp_path / "q.png")
+
+
+def _learned_json(path, n: int, rows: dict) -> str:
+  base = {"rouge_l": 0.13, "logprob": -0.9, "truncated": 0.4, "duplicate_rate": 0.0}
+  figures = {name: {"n": n, "realized": realized, "theoretical": realized + 0.1, "fork_bias": bias, "baseline": base,
+                    "pasta": {"rouge_l": 0.12, "logprob": logprob, "truncated": 0.1, "duplicate_rate": 0.02}}
+             for name, (realized, bias, logprob) in rows.items()}
+  path.write_text(json.dumps(figures))
+  return str(path)
+
+
+def test_pareto_merges_the_base_scored_run_and_plots_every_series(tmp_path):
+  """bench.pareto: each run a series; a second reading of a run under the base model becomes its own panel's
+  values (row by row); the table lists every point; runs over different prompt counts are refused."""
+  from bench import pareto
+  sweep = _learned_json(tmp_path / "a.json", 4, {"pasta:l0": (1.6, 0.0, -1.3), "pasta:l8": (1.2, 0.0, -1.0)})
+  under_base = _learned_json(tmp_path / "a_base.json", 4, {"pasta:l0": (1.6, 0.0, -1.7), "pasta:l8": (1.2, 0.0, -1.4)})
+  knob = _learned_json(tmp_path / "k.json", 4, {"pasta:d": (1.5, 0.0, -1.1), "pasta:d@fork_bias=8": (1.4, 8.0, -1.2)})
+  out = tmp_path / "plot" / "p.png"
+  assert pareto.main(["--out", str(out), "--run", f"sweep={sweep},{under_base}", "--run", f"knob={knob}"]) == 0
+  assert out.read_bytes()[:4] == b"\x89PNG"
+  rows = {line.split("|")[2].strip(): line for line in out.with_suffix(".md").read_text().splitlines()[4:]}
+  assert "-1.700" in rows["`pasta:l0`"] and "-1.300" in rows["`pasta:l0`"]  # log p under the scorer, the base
+  assert rows["`pasta:d@fork_bias=8`"].split("|")[3].strip() == "8" and rows["`pasta:d`"].endswith("| - |")
+  other = _learned_json(tmp_path / "o.json", 5, {"pasta:x": (1.1, 0.0, -1.0)})
+  with pytest.raises(SystemExit, match="different prompt counts"):
+    pareto.main(["--out", str(out), "--run", f"sweep={sweep}", "--run", f"other={other}"])
+  with pytest.raises(SystemExit, match="lacks rows"):
+    pareto.main(["--out", str(out), "--run", f"knob={knob},{under_base}"])
