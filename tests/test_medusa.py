@@ -586,3 +586,26 @@ def test_eval_methods_use_the_models_heads_and_name_a_missing_one():
   for name in ("medusa", "propd"):
     with pytest.raises(PastaError, match="no Medusa heads for random:tiny-gemma3"):
       eval_methods()[name](MethodSpec(name), MODEL, DecodeSettings())
+
+
+def test_propd_probes_thin_out_while_head_0_misses_and_come_back_after_a_hit():
+  """`probe_schedule`: while no tree is planned, probes come `probe_every` steps apart, twice as far after each
+  probe that head 0 misses, up to `probe_max`; a hit of head 0 (`count_hits`) brings the next probe to the next
+  step and the gap back to `probe_every`."""
+  from types import SimpleNamespace
+  rules, inputs = rules_and_inputs(drafter(top_k=4), tree_size=4, dynamic=True, latency={1: 1.0, 2: 1.4, 4: 1.9})
+  rules = dataclasses.replace(rules, probe_every=4, probe_max=16)
+  d = rules.init_rule_state(jnp.zeros((1, 4), jnp.int32), jnp.array([4]), inputs, SimpleNamespace(lanes=4))
+  d = dataclasses.replace(d, have_candidates=jnp.array([True]))
+  fed, root_only = jnp.array([True]), jnp.zeros((1,), jnp.int32)
+  probed = []
+  for step in range(80):
+    if step == 41:  # the plain token after the probe at step 40 is head 0's first candidate: a hit
+      d = rules.count_hits(d, d, d.candidates[:, 0, :1], fed[:, None], root_only, d.candidates[:, 0, 0],
+                           jnp.zeros((1,), jnp.int32), fed)
+    probe = rules.probing(d, jnp.int32(step), fed)
+    if bool(probe):
+      probed.append(step)
+    d = rules.probe_schedule(d, jnp.int32(step), fed & probe)
+  assert probed == [0, 4, 12, 28, 41, 45, 53, 69]  # gaps 4, 8, 16, 16 (the cap); the hit; 4, 8, 16
+  assert int(d.probes[0]) == len(probed)

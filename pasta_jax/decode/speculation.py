@@ -156,7 +156,7 @@ def tree_pays(tree: TokenTree, table: dict[int, float], hit_rates: np.ndarray, r
   (capped at 1): heads hitting that much more often than on the calibration set. When none can, ProPD's choice is
   size 1 on every step, which is plain decoding: it then runs plain decoding's program (`methods.Propd.layout`), with
   no tree step and no probe (ProPD's own program takes plain decoding's step while it plans no tree, but its first
-  step is a tree step and head 0 runs on one step in `probe_every`)."""
+  step is a tree step and head 0 runs on its probe steps)."""
   optimistic = np.minimum(np.asarray(hit_rates, np.float64) * room, 1.0)
   expected = np.cumsum(node_probabilities(tree, optimistic))  # [N] E(prefix of i + 1 nodes)
   return any(expected[s - 1] / t > 1.0 / table[1] for s, t in table.items() if 1 < s <= tree.size)

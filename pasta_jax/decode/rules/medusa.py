@@ -24,10 +24,11 @@ host calls.
 Size 1 is the root alone, a plain step, and while no request of the batch plans a tree ProPD runs plain decoding's
 own step (`cheaper_steps`, `PlainSteps`, in a loop of its own inside the tree steps' loop): main's lane alone, one
 row per request, its K/V written in place, no lane-count switch, of the tree's bookkeeping a few counters. So T(1) is
-a plain step's time and ProPD falls back to plain decoding where no tree pays for itself. Every `probe_every`-th
-step head 0 runs anyway (in a conditional), and the next plain token checks its candidates, so the hit rates keep
-moving and ProPD takes trees up again when the heads start to hit: the plain step that finds a tree worth it runs
-every head, and the loop goes back to tree steps.
+a plain step's time and ProPD falls back to plain decoding where no tree pays for itself. Now and then head 0 runs
+anyway (a probe, in a conditional), and the next plain token checks its candidates, so the hit rates keep moving and
+ProPD takes trees up again when the heads start to hit: the plain step that finds a tree worth it runs every head,
+and the loop goes back to tree steps. Probes come `probe_every` steps apart, twice as far apart after each miss of
+head 0 (up to `probe_max`), and at once after a hit (`probe_schedule`).
 
 ProPD's early pruning (`prune=EarlyPrune(...)`, `rules/pruning.py`): after a few layers an early head lists
 each node's likely successors; nodes not on their parent's list, and their subtrees, leave the model call, so
@@ -76,6 +77,9 @@ class TreeState:
   size_counts: jax.Array  # [B, n_sizes] int32 how often each tree size was chosen
   tree_nodes: jax.Array  # [B] int32 nodes fed past the root (candidates)
   plain_steps: jax.Array  # [B] int32 of the steps that fed, those that ran plain decoding's step (`PlainSteps`)
+  probes: jax.Array  # [B] int32 probe steps (head 0 alone, no tree planned) among them
+  probe_gap: jax.Array  # [B] int32 steps from the next probe to the one after it (`probe_schedule`)
+  next_probe: jax.Array  # [B] int32 the step of the request's next probe
   pruned: jax.Array  # [B] int32 of those, nodes early pruning cut before the deep layers
   inputs: dict  # read-only: heads, prior hit rates [H, k], latency [n_sizes] (ProPD)
 
@@ -94,7 +98,8 @@ class MedusaRules(SequentialRules):
   typical_delta: float = 0.3  # Medusa's posterior alpha (sqrt of epsilon)
   dynamic: bool = False  # ProPD: pick the tree prefix each step (needs rule_inputs["latency"])
   prior_weight: float = 20.0  # pseudo-steps behind the calibrated hit rates (ProPD's online estimate)
-  probe_every: int = 4  # ProPD: while no tree is planned, the heads still run every this many steps (0: never)
+  probe_every: int = 4  # ProPD: while no tree is planned, head 0 still runs after this many steps (0: never)...
+  probe_max: int = 32  # ...and after twice as many for each probe in a row that head 0 misses, up to this many
   softcap: float | None = None  # the model's final logit soft cap, which the heads' logits take too
   prune: pruning.EarlyPrune | None = None  # ProPD's early pruning (None: every node runs every layer)
 
@@ -140,7 +145,9 @@ class MedusaRules(SequentialRules):
                      written=jnp.zeros((batch,), jnp.int32),
                      size_counts=jnp.zeros((batch, len(self.sizes)), jnp.int32),
                      tree_nodes=jnp.zeros((batch,), jnp.int32), pruned=jnp.zeros((batch,), jnp.int32),
-                     plain_steps=jnp.zeros((batch,), jnp.int32),
+                     plain_steps=jnp.zeros((batch,), jnp.int32), probes=jnp.zeros((batch,), jnp.int32),
+                     probe_gap=jnp.full((batch,), self.probe_every, jnp.int32),
+                     next_probe=jnp.zeros((batch,), jnp.int32),
                      inputs={**rule_inputs, "rates": jnp.asarray(rates, jnp.float32)})
 
   def model_extras(self, state: InterpState, cfg: InterpreterConfig, num_q: int) -> dict:
@@ -284,23 +291,34 @@ class MedusaRules(SequentialRules):
       fresh = fed
     else:
       plans = jnp.any(self.planned_size(new, fed) > 1)
-      probe = self.probing(step) & ~plans
+      probe = self.probing(new, step, fed) & ~plans
       branches = (lambda: new.candidates, lambda: self.probe_tokens(new, hidden, root),
                   lambda: self.top_tokens(new.inputs, hidden, root))
       heads = jax.lax.switch(jnp.where(plans, 2, probe.astype(jnp.int32)), branches)
       fresh = fed & (plans | probe)
+      new = self.probe_schedule(new, step, fed & probe)
     return dataclasses.replace(new, candidates=jnp.where(fresh[:, None, None], heads, new.candidates),
                                have_candidates=jnp.where(fed, fresh, new.have_candidates))
 
-  def probing(self, step: jax.Array) -> jax.Array:
-    """Whether head 0 runs this step although no tree is planned. Its candidates then wait for a plain step, whose
-    token is head 0's target (`count_hits`): without these probes a batch that once found trees not worth their
-    cost would never observe its heads again, and so never find out that they started to hit (a list, a repeated
-    phrase). One probe in `probe_every` steps costs a quarter of one head's pass (of the output head's rows in the
-    draft vocabulary) a step; the other heads would observe nothing on a plain step."""
+  def probing(self, d: TreeState, step: jax.Array, fed: jax.Array) -> jax.Array:
+    """Whether head 0 runs this step although no tree is planned: when a fed request's next probe is due. Its
+    candidates then wait for a plain step, whose token is head 0's target (`count_hits`): without these probes a
+    batch that once found trees not worth their cost would never observe its heads again, and so never find out
+    that they started to hit (a list, a repeated phrase). The other heads would observe nothing on a plain step."""
     if self.probe_every <= 0:
       return jnp.zeros((), bool)
-    return step % self.probe_every == 0
+    return jnp.any(fed & (step >= d.next_probe))
+
+  def probe_schedule(self, d: TreeState, step: jax.Array, probed: jax.Array) -> TreeState:
+    """After a probe of the `probed` [B] requests: the next in `probe_gap` steps, and the gap after it doubled (up
+    to `probe_max`); a hit of head 0 brings it back to `probe_every` (`count_hits`). Where no tree pays and the
+    heads keep missing, probes thin out from one step in `probe_every` to one in `probe_max` (head 0's pass over
+    the draft vocabulary's rows then costs next to nothing), and a run of hits still finds trees again in a few
+    steps."""
+    return dataclasses.replace(
+        d, probes=d.probes + probed, next_probe=jnp.where(probed, step + d.probe_gap, d.next_probe),
+        probe_gap=jnp.where(probed, jnp.minimum(2 * d.probe_gap, max(self.probe_max, self.probe_every)),
+                            d.probe_gap))
 
   def top_tokens(self, inputs: dict, hidden, root) -> jax.Array:
     """[B, H, k] the heads' top tokens at a path node (hidden [B, D]; root [B]: the base model's choice there)."""
@@ -364,7 +382,10 @@ class MedusaRules(SequentialRules):
     target = jnp.where(heads[None, :] < last_depth[:, None], path_token, bonus[:, None])
     seen = (heads[None, :] <= last_depth[:, None]) & (fed & old.have_candidates)[:, None]  # [B, H]
     hit = (old.candidates == target[:, :, None]) & seen[:, :, None]
-    return dataclasses.replace(new, hits=new.hits + hit, trials=new.trials + seen)
+    first_hit = jnp.any(hit[:, 0], axis=1)  # head 0 right: probe again at once, and then soon (`probe_schedule`)
+    return dataclasses.replace(new, hits=new.hits + hit, trials=new.trials + seen,
+                               probe_gap=jnp.where(first_hit, self.probe_every, new.probe_gap),
+                               next_probe=jnp.where(first_hit, 0, new.next_probe))
 
   # --- after: records and the pool -----------------------------------------------------------------
   def after_model(self, state: InterpState, step: StepFeed, sampled, cfg: InterpreterConfig, length_table):
@@ -403,7 +424,7 @@ class MedusaRules(SequentialRules):
             "head_topk": [float(h) for h in hits.sum(axis=1) / np.maximum(trials, 1)],
             "head_trials": [int(t) for t in trials],
             "tree_sizes": dict(zip(self.sizes, (int(c) for c in np.asarray(d.size_counts[request])))),
-            "plain_steps": int(d.plain_steps[request]),
+            "plain_steps": int(d.plain_steps[request]), "probes": int(d.probes[request]),
             "prune_rate": int(d.pruned[request]) / max(int(d.tree_nodes[request]), 1)}
 
 
