@@ -187,8 +187,9 @@ def report(batch: int, rows: dict) -> None:
         sizes[k] = sizes.get(k, 0) + v
     chosen = ""
     if isinstance(r["method"], Propd):
-      plain_steps = sum(s["plain_steps"] for s in r["stats"])
-      chosen = " ".join(f"{k}:{v}" for k, v in sorted(sizes.items()) if v) + f" (plain decoding's step: {plain_steps})"
+      plain_steps, probes = (sum(s.get(key, 0) for s in r["stats"]) for key in ("plain_steps", "probes"))
+      chosen = (" ".join(f"{k}:{v}" for k, v in sorted(sizes.items()) if v)
+                + f" (plain decoding's step: {plain_steps}; probes: {probes})")
     print(f"{name:>14} {r['tok_s']:9.2f} {r['tok_s'] / plain:8.3f} {r['accept']:7.2f} "
           f"{mismatches(rows['plain'], r):8d} {pruned:7.1%}  {chosen}")
   for name in (n for n, r in rows.items() if isinstance(r["method"], Propd) and "calibration" in r):
