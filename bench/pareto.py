@@ -28,10 +28,10 @@ COLUMNS = (("fork rate", "fork_rate", 2), ("well-formed", "well_formed", 2), ("d
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="bench.pareto", description=__doc__.split("\n\n")[0])
-  parser.add_argument("--run", action="append", required=True, metavar="LABEL=LEARNED[,BASE_SCORED]",
+  parser.add_argument("--run", action="append", default=[], metavar="LABEL=LEARNED[,BASE_SCORED]",
                       help="a series: a bench.learned run's learned.json (or folder), and the same run scored by "
                            "the base model")
-  parser.add_argument("--out", required=True, help="the PNG to write (the table goes beside it, .md)")
+  parser.add_argument("--out", default="runs/pareto/pareto.png", help="the PNG to write (the table goes beside it, .md)")
   parser.add_argument("--title", default="")
   return parser.parse_args(argv)
 
@@ -81,6 +81,8 @@ def table(series: dict[str, dict]) -> list[str]:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if not args.run:
+    raise SystemExit("bench.pareto: name at least one --run LABEL=LEARNED[,BASE_SCORED]")
   series = dict(load_series(spec) for spec in args.run)
   counts = {label: {f["n"] for f in figures.values()} for label, figures in series.items()}
   if len(set().union(*counts.values())) != 1:
