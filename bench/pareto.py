@@ -31,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--run", action="append", default=[], metavar="LABEL=LEARNED[,BASE_SCORED]",
                       help="a series: a bench.learned run's learned.json (or folder), and the same run scored by "
                            "the base model")
-  parser.add_argument("--out", default="runs/pareto/pareto.png", help="the PNG to write (the table goes beside it, .md)")
+  parser.add_argument("--out", default="runs/pareto/pareto.png", help="the PNG (the table goes beside it, .md)")
   parser.add_argument("--title", default="")
   return parser.parse_args(argv)
 
