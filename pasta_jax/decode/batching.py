@@ -263,7 +263,7 @@ class RowBatch:
     self.pool_spec = pool_spec
     self.state = empty_batch(model_fn, params, batch, pool_spec=pool_spec, rule_inputs=rule_inputs, cfg=cfg,
                              vocab_size=vocab_size, script_len=max(script_len, 1))
-    self.whole: InterpState | None = None  # the whole batch while `state` holds a prefix of it; None: `state` is
+    self.whole: InterpState | None = None  # the whole batch while `state` holds a prefix of it (None: `state` is it)
     self.admitted_at: list[int | None] = [None] * batch  # the batch step at each row's admission; None: free
     self.slot_limits = [0] * batch  # each busy row's slot budget (`RowBudget.slots`)
 
