@@ -16,8 +16,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from pasta_jax import cli, runfiles
+from pasta_jax import cli
 from pasta_jax.errors import PastaError
+from pasta_jax.model import runfiles
 
 SETTINGS_FIELDS = ("prompts", "model", "method", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "chat")
 

@@ -1,5 +1,5 @@
 """One resumable stage on a tiny model, in its own process, so tests/test_kill_resume.py can SIGKILL it at a chosen
-write ($PASTA_KILL_AT, `pasta_jax.runfiles.kill_due`) and run it again until it finishes.
+write ($PASTA_KILL_AT, `pasta_jax.model.runfiles.kill_due`) and run it again until it finishes.
 
   python -m tests.kill_worker STAGE OUT_DIR      (STAGE: records, sft, bonbon, medusa)
 

@@ -21,7 +21,7 @@ from pasta_jax.endpoint import MALFORMED_RETRIES, ChatClient, EndpointConfig, En
 from pasta_jax.errors import PastaError
 from pasta_jax.judges import CachedJudge, HttpJudge, Verdict, factory
 from pasta_jax.judges.factory import VERDICTS_FILE, make_judge
-from pasta_jax.runfiles import read_rows
+from pasta_jax.model.runfiles import read_rows
 from tests.test_judges_http import KEY, reply
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -10,12 +10,11 @@ import types
 
 import pytest
 
-from pasta_jax import runfiles
 from pasta_jax.cli import main
 from pasta_jax.data import sources
 from pasta_jax.errors import PastaError, WeightsError
 from pasta_jax.eval import methods as M
-from pasta_jax.model import checkpoint, load, lora, medusa, weights
+from pasta_jax.model import checkpoint, load, lora, medusa, runfiles, weights
 
 GOOD = json.dumps({"id": "1", "instruction": "Hi", "output": "Hello."}).encode() + b"\n"
 DEEP = b"[" * 100_000 + b"]" * 100_000

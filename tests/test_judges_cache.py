@@ -10,7 +10,7 @@ import pytest
 
 from pasta_jax.judges import CachedJudge, Verdict, judge_both_orders
 from pasta_jax.judges.cache import RAW_CHARS, pair_key
-from pasta_jax.runfiles import read_rows
+from pasta_jax.model.runfiles import read_rows
 
 PAIRS = [("q1", "a", "b"), ("q1", "b", "a"), ("q2", "x", "y"), ("q3", "long answer", "short"), ("q4", "ü", "€")]
 

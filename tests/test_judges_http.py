@@ -18,7 +18,7 @@ from pasta_jax.endpoint import MALFORMED_RETRIES, ChatClient, EndpointConfig, En
 from pasta_jax.judges import CachedJudge, HttpJudge
 from pasta_jax.judges.factory import VERDICTS_FILE, make_judge
 from pasta_jax.judges.prompt import PROMPT_VERSION, parse_choice
-from pasta_jax.runfiles import read_rows
+from pasta_jax.model.runfiles import read_rows
 
 KEY = "sk-secret-test-key-123"
 

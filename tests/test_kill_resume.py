@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pasta_jax import runfiles
+from pasta_jax.model import runfiles
 from tests import kill_worker
 from tests.marks import HEAVY
 

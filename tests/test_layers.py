@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A module's layer is that of the longest prefix listed here.
 LAYERS = (
-    ("pasta_jax.errors", "pasta_jax.paths", "pasta_jax.visibility", "pasta_jax.runfiles", "pasta_jax.endpoint"),
+    ("pasta_jax.errors", "pasta_jax.paths", "pasta_jax.visibility", "pasta_jax.endpoint"),
     ("pasta_jax.lang",),
     ("pasta_jax.model",),
     ("pasta_jax.decode",),

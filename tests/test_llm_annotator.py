@@ -15,7 +15,7 @@ from pasta_jax.data import llm_annotator as A
 from pasta_jax.endpoint import ChatClient, Completion, EndpointError
 from pasta_jax.lang.tags import round_length
 from pasta_jax.lang.text import Promise, parse, strip_tags
-from pasta_jax.runfiles import read_rows
+from pasta_jax.model.runfiles import read_rows
 from tests.test_judges_http import reply, serve  # noqa: F401  (the loopback server fixture)
 
 ANSWER = "Tips:\n- Keep a fixed bedtime every single day.\n- Avoid screens for an hour before bed.\nSleep well."

@@ -19,13 +19,13 @@ from pasta_jax.judges.base import Verdict
 from pasta_jax.lang import metrics
 from pasta_jax.methods import Pasta, generate_ids
 from pasta_jax.model.gemma import Gemma
+from pasta_jax.model.runfiles import read_rows
 from pasta_jax.preference import scoring
 from pasta_jax.preference.build import PAIRS, SAMPLES, SCORES, Samplers, build_pairs
 from pasta_jax.preference.config import PreferenceConfig
 from pasta_jax.preference.dataset import encode_pair, pair_dataset
 from pasta_jax.preference.reference import add_reference_logprobs
 from pasta_jax.preference.sampling import sample_answers, to_sample
-from pasta_jax.runfiles import read_rows
 from pasta_jax.training.losses import sequence_logprob
 from tests.tiny import tiny_model
 from tests.training_data import ENCODE

@@ -1,5 +1,5 @@
-"""pasta_jax.runfiles: torn JSONL lines cut before appending, whole-file and whole-folder replacement that a failure
-(or a kill) leaves undone, and resumes under changed settings refused by name."""
+"""pasta_jax.model.runfiles: torn JSONL lines cut before appending, whole-file and whole-folder replacement that a
+failure (or a kill) leaves undone, and resumes under changed settings refused by name."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from pasta_jax import runfiles
 from pasta_jax.errors import ConfigError, PastaError
+from pasta_jax.model import runfiles
 
 
 def test_a_torn_last_line_is_cut_before_the_next_append(tmp_path):

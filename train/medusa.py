@@ -27,8 +27,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pasta_jax import runfiles
-from pasta_jax.model import medusa
+from pasta_jax.model import medusa, runfiles
 from pasta_jax.model.load import load_model
 from pasta_jax.training.medusa import distill, early, heads
 from train.common import run_main

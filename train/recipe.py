@@ -6,7 +6,7 @@
 Stages (each one is skipped when its output is complete, and a stage cut off mid-way resumes from its last
 Orbax checkpoint when the same command runs again, also after a restart or a kill at any moment: every file
 is written whole under a temporary name and renamed, a model folder is complete once its marker, written
-last, exists; `pasta_jax.runfiles`):
+last, exists; `pasta_jax.model.runfiles`):
   records        annotate the training pools structurally (`lima`, `alpaca_gpt4_1k`, `alpaca_5k`), keep
                  the answers with lists whose PASTA layout fits --seq-len, optionally keep only what the
                  model-verified filter accepts (--verify), then fork only the items that save main at
@@ -35,9 +35,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pasta_jax import runfiles
 from pasta_jax.data.sources import shared_data_dir
 from pasta_jax.errors import PastaError
+from pasta_jax.model import runfiles
 from pasta_jax.preference.config import QUALITY_MEASURES, SPEED_MEASURES, PreferenceConfig
 from train.common import run_main
 

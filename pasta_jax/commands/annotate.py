@@ -73,7 +73,7 @@ def _promise_rows(records, args, out: Path) -> list[dict]:
   progress_file = out.with_suffix(".progress.jsonl")  # resumable: one row per record id
   counts = llm_annotator.annotate_file(records, client, progress_file, count, concurrency=args.concurrency)
   print(f"LLM annotator: {counts}")
-  from pasta_jax.runfiles import read_rows
+  from pasta_jax.model.runfiles import read_rows
   done = {row["id"]: row for row in read_rows(progress_file)}
   return [{**r, "annotated": done[str(r["id"])]["annotated"], "reason": done[str(r["id"])]["reason"]}
           for r in records]

@@ -28,10 +28,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pasta_jax import runfiles
 from pasta_jax.endpoint import ChatClient, EndpointConfig, EndpointError
 from pasta_jax.errors import TagError
 from pasta_jax.lang import text as T
+from pasta_jax.model import runfiles
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pasta_jax import runfiles
 from pasta_jax.errors import PastaError
+from pasta_jax.model import runfiles
 
 FIELDS = ("id", "instruction", "input", "output")
 OPTIONAL_FIELDS = ("reference", "annotated")

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import jax
 
-from pasta_jax import runfiles
-from pasta_jax.model import user_cache
+from pasta_jax.model import runfiles, user_cache
 
 MAX_PROGRAMS = 48  # the oldest beyond this are removed (a program is a few MB compressed)
 SUFFIX = ".program"

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from pasta_jax import runfiles
 from pasta_jax.eval.methods import MethodOutput
-from pasta_jax.runfiles import RunDirError  # noqa: F401  (re-exported: callers catch it from here)
+from pasta_jax.model import runfiles
+from pasta_jax.model.runfiles import RunDirError  # noqa: F401  (re-exported: callers catch it from here)
 
 RUN_FILE = "run.json"
 PARTIAL_FILE = "partial.jsonl"

@@ -15,9 +15,9 @@ import math
 import threading
 from pathlib import Path
 
-from pasta_jax import runfiles
 from pasta_jax.errors import PastaError
 from pasta_jax.judges.base import Judge, Verdict
+from pasta_jax.model import runfiles
 
 RAW_CHARS = 500  # enough of the judge's reply to audit it, without bloating the file
 

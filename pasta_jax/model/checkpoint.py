@@ -55,7 +55,7 @@ def save_checkpoint(path: str | os.PathLike, params: dict, config: GemmaConfig, 
   """
   import orbax.checkpoint as ocp
 
-  from pasta_jax import runfiles
+  from pasta_jax.model import runfiles
   from pasta_jax.paths import run_path, save_folder
   final = run_path(path)  # local (absolute, as Orbax requires) or remote (gs://)
   if final.exists() and any(final.iterdir()):

@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pasta_jax import runfiles
-from pasta_jax.model import user_cache
+from pasta_jax.model import runfiles, user_cache
 from pasta_jax.model.gemma import narrow_head, output_head
 from pasta_jax.model.head_plan import FIXED, HeadPlan, choose
 from pasta_jax.model.int8_head import int8_logits, quantize_head

@@ -21,9 +21,8 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from pasta_jax import runfiles
 from pasta_jax.errors import WeightsError
-from pasta_jax.model import checkpoint, folded_cache, gguf_loader, lora, weights
+from pasta_jax.model import checkpoint, folded_cache, gguf_loader, lora, runfiles, weights
 from pasta_jax.model.config import GemmaConfig
 from pasta_jax.model.tokenizer import Tokenizer, has_tokenizer_files
 

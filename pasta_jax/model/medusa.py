@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pasta_jax import runfiles
 from pasta_jax.errors import WeightsError
+from pasta_jax.model import runfiles
 
 CONFIG_FILE = "heads.json"
 WEIGHTS_FILE = "heads.safetensors"

@@ -31,11 +31,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pasta_jax import runfiles
 from pasta_jax.data.encode import record_prompt
 from pasta_jax.errors import PastaError
 from pasta_jax.judges.base import Judge
 from pasta_jax.lang.metrics import block_texts
+from pasta_jax.model import runfiles
 from pasta_jax.preference import scoring
 from pasta_jax.preference.config import PreferenceConfig
 from pasta_jax.preference.sampling import Sample, greedy_answers, sample_answers

@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from pasta_jax import runfiles
 from pasta_jax.data.encode import EncodeConfig
 from pasta_jax.data.sources import DataError
 from pasta_jax.lang.layout import stack_layouts
 from pasta_jax.lang.tags import tag_vocab_for
+from pasta_jax.model import runfiles
 from pasta_jax.model.gemma import Gemma
 from pasta_jax.preference.dataset import encode_pair
 from pasta_jax.training.losses import sequence_logprob

@@ -15,8 +15,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pasta_jax import runfiles
 from pasta_jax.data.encode import EncodeConfig
+from pasta_jax.model import runfiles
 from pasta_jax.model.load import load_model
 from pasta_jax.preference.build import PAIRS, BuildSummary, Samplers, build_pairs
 from pasta_jax.preference.config import PreferenceConfig

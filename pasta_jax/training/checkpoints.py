@@ -16,8 +16,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from pasta_jax import runfiles
 from pasta_jax.errors import ConfigError
+from pasta_jax.model import runfiles
 from pasta_jax.model.checkpoint import describe_difference
 from pasta_jax.model.config import GemmaConfig, config_from_dict, config_to_dict
 from pasta_jax.paths import run_path

@@ -11,8 +11,8 @@ import dataclasses
 import os
 from typing import Any, Literal
 
-from pasta_jax import runfiles
 from pasta_jax.errors import ConfigError
+from pasta_jax.model import runfiles
 from pasta_jax.model.mesh import MeshConfig
 
 Objective = Literal["sft", "baseline_sft", "apar_sft", "scoped_sft", "bonbon"]

@@ -11,7 +11,7 @@ import json
 import os
 import time
 
-from pasta_jax import runfiles
+from pasta_jax.model import runfiles
 from pasta_jax.model.config import GemmaConfig
 from pasta_jax.paths import is_remote, run_path
 

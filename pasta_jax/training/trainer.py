@@ -26,10 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from pasta_jax import runfiles
 from pasta_jax.errors import ConfigError
 from pasta_jax.lang.tags import tag_vocab_for
-from pasta_jax.model import lora
+from pasta_jax.model import lora, runfiles
 from pasta_jax.model.gemma import Gemma
 from pasta_jax.model.load import LoadedModel, base_reference
 from pasta_jax.model.mesh import make_mesh

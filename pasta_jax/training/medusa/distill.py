@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pasta_jax import runfiles
 from pasta_jax.data.sources import read_records
 from pasta_jax.errors import PastaError
+from pasta_jax.model import runfiles
 
 POOLS = ("lima", "alpaca_gpt4_1k", "alpaca_5k")  # training pools; alpaca_eval_805 stays held out
 

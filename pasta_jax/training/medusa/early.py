@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pasta_jax import runfiles
-from pasta_jax.model import medusa
+from pasta_jax.model import medusa, runfiles
 from pasta_jax.training.medusa.distill import padded_batches
 
 

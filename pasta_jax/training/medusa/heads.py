@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pasta_jax import runfiles
 from pasta_jax.data.sources import read_records
-from pasta_jax.model import medusa
+from pasta_jax.model import medusa, runfiles
 from pasta_jax.training.medusa.distill import POOLS, padded_batches
 
 
