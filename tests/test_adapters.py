@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ from pasta_jax.errors import ConfigError, WeightsError
 from pasta_jax.model import lora
 from pasta_jax.model.checkpoint import save_checkpoint
 from pasta_jax.model.gemma import Gemma
-from pasta_jax.model.load import load_model
+from pasta_jax.model.load import generation_defaults, load_model
 from pasta_jax.model.partitioning import param_specs
 from pasta_jax.training.config import TrainConfig
 from pasta_jax.training.trainer import Trainer, adapter_config
@@ -110,6 +112,11 @@ def test_adapter_export_loads_folded_and_resumes(tmp_path):
   for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
   assert lora.adapter_bytes(loaded.adapter.tree) < 0.5 * sum(x.size * 4 for x in jax.tree.leaves(model.params))
+  # a PASTA model says how it is decoded: the interpreter, in the position mode it was trained in
+  assert generation_defaults(loaded) == {"method": "pasta", "position_mode": "pred"}
+  fixed = _adapter_trainer(tmp_path / "fixed", steps=1, position_mode="fixed")
+  fixed.model = fixed.model._replace(source=str(base_dir))
+  assert generation_defaults(load_model(fixed.run().model_dir, with_tokenizer=False))["position_mode"] == "fixed"
 
 
 def test_a_run_goes_on_training_a_models_adapter_with_its_rows(tmp_path):
@@ -248,6 +255,22 @@ def test_pasta_generate_decodes_with_the_method_the_models_folder_names(tmp_path
   (tmp_path / "generation.json").write_text('{"method": "telepathy"}')
   with pytest.raises(PastaError, match="generation.json: unknown method 'telepathy'"):
     _method(args, model)
+
+
+def test_pasta_decodes_a_model_in_the_position_mode_its_folder_names_unless_told(tmp_path):
+  from pasta_jax.errors import PastaError
+  from pasta_jax.methods import Pasta, Setup
+  from pasta_jax.model.load import LoadedModel
+
+  model = LoadedModel(None, {}, None, str(tmp_path))
+  assert Pasta().setup(model, Setup()).position_mode == "pred"  # no folder setting: the paper's Pred-10x
+  for mode in ("fixed", "pred-1x"):
+    (tmp_path / "generation.json").write_text(json.dumps({"method": "pasta", "position_mode": mode}))
+    assert Pasta().setup(model, Setup()).position_mode == mode
+  assert Pasta(position_mode="pred").setup(model, Setup()).position_mode == "pred"  # given: kept
+  (tmp_path / "generation.json").write_text('{"position_mode": "sideways"}')
+  with pytest.raises(PastaError, match="generation.json: unknown position_mode 'sideways'"):
+    Pasta().setup(model, Setup())
 
 
 def test_the_shipped_pasta_adapters_name_the_interpreter_and_the_baseline_does_not():

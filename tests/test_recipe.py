@@ -56,6 +56,7 @@ def test_ship_replaces_adapter_files_keeps_heads_and_never_deletes_what_it_ships
     (run / rel).mkdir(parents=True)
     for file in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
       (run / rel / file).write_text(f"new {rel}")
+  (run / "pasta_sft/model/generation.json").write_text('{"method": "pasta", "position_mode": "pred"}')
   recipe.stage_ship(recipe.parse_args(["--out", str(run), "--ship-lambda", "1"]), run)
   assert (shipped / "baseline-sft" / lora.WEIGHTS_FILE).read_text() == "old baseline-sft"
   assert (shipped / "pasta-sft" / lora.WEIGHTS_FILE).read_text() == "new pasta_sft/model"
@@ -71,3 +72,8 @@ def test_ship_replaces_adapter_files_keeps_heads_and_never_deletes_what_it_ships
                                                                                  "method": "pasta"}
   assert json.loads((shipped / "pasta-bon" / "generation.json").read_text()) == {"method": "pasta"}
   assert not (shipped / "baseline-sft" / "generation.json").exists()
+  # a model trained in another position mode ships with it, so it is decoded in it
+  (run / "bonbon_l1/round_2/train/model/generation.json").write_text('{"method": "pasta", "position_mode": "fixed"}')
+  recipe.stage_ship(recipe.parse_args(["--out", str(run), "--ship-lambda", "1", "--bonbon-rounds", "2"]), run)
+  assert json.loads((shipped / "pasta-bon" / "generation.json").read_text()) == {"method": "pasta",
+                                                                                 "position_mode": "fixed"}

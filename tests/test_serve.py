@@ -345,7 +345,9 @@ def test_a_newcomers_first_text_streams_after_a_short_chunk():
 def test_a_chunk_lasts_about_chunk_seconds(monkeypatch):
   """A chunk's steps are at most `chunk_seconds` over the batch's last measured step time (a request that arrives
   mid-chunk waits for its end): with a target below any step's time, every chunk after the first is one step;
-  with 0, every chunk is `chunk_steps` after the short first one. The answers stay `generate`'s."""
+  with 0, every chunk is `chunk_steps` after the short first one; and so is every chunk of a full batch with nobody
+  waiting (no newcomer can be admitted after it, and each chunk is a device call and a host visit). The answers
+  stay `generate`'s."""
   import queue
 
   from pasta_jax.decode import batching
@@ -354,9 +356,9 @@ def test_a_chunk_lasts_about_chunk_seconds(monkeypatch):
   run = batching.RowBatch.run
   monkeypatch.setattr(batching.RowBatch, "run", lambda self, steps: (chunks.append(steps), run(self, steps)))
   want = reference("Tea?", "sequential", 24, chat=False)
-  for seconds, later in ((1e-6, {1}), (0.0, {8})):
+  for rows, seconds, later in ((2, 1e-6, {1}), (2, 0.0, {8}), (1, 1e-6, {8})):
     chunks.clear()
-    engine = Engine(MODEL, ServeConfig(batch=2, pool_slots=256, chunk_steps=8, first_chunk_steps=4,
+    engine = Engine(MODEL, ServeConfig(batch=rows, pool_slots=256, chunk_steps=8, first_chunk_steps=4,
                                        chunk_seconds=seconds, max_tokens=24)).start()
     try:
       done: queue.Queue = queue.Queue()

@@ -104,6 +104,23 @@ def test_greedy_and_seeded_rows_answer_as_generate_alone_while_sharing_a_batch(e
   assert served[1] != tokens_alone(PROMPTS[1], "pasta", dataclasses.replace(settings[1], seed=8))  # seeds matter
 
 
+def test_a_burst_of_requests_is_admitted_in_one_prefill(engine, monkeypatch):
+  """Requests that arrive a few milliseconds apart (clients that start together) are admitted together: the engine
+  waits for the burst to end (`admit_quiet_s`, at most `admit_wait_s`) instead of prefilling its first request alone
+  and the rest a moment later, which cost a 16-client burst on the shipped default a second prefill."""
+  groups = []
+  admit = batching.RowBatch.admit
+  monkeypatch.setattr(batching.RowBatch, "admit", lambda self, prompts, *a, **k: groups.append(len(prompts)) or
+                      admit(self, prompts, *a, **k))
+  pending = []
+  for prompt in PROMPTS:
+    pending.append(ask(engine, prompt))
+    time.sleep(0.01)
+  answers = [collect(updates)[-1] for updates in pending]
+  assert groups == [len(PROMPTS)]
+  assert [a.result.text for a in answers] == [alone(p, "sequential", GREEDY) for p in PROMPTS]
+
+
 def test_generate_takes_one_sampling_per_prompt():
   """Per-prompt settings in one run: each row equals that row of a run where every prompt has its settings."""
   a, b = SamplingConfig(temperature=0.8, seed=3), SamplingConfig(temperature=1.5, top_p=0.7, seed=9)

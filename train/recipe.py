@@ -234,17 +234,21 @@ def stage_ship(args, out: Path) -> None:
     for file in (lora.WEIGHTS_FILE, lora.CONFIG_FILE):  # each whole; the config (what loading reads first) last
       runfiles.save_atomic(target / file, lambda tmp, src=source / file: shutil.copy2(src, tmp))
     if name != "baseline-sft":
-      _recommend_pasta(target)
+      _recommend_pasta(target, source)
     print(f"shipped {source} as {name} ({(target / lora.WEIGHTS_FILE).stat().st_size / 2**20:.1f} MiB)")
 
 
-def _recommend_pasta(folder: Path) -> None:
+def _recommend_pasta(folder: Path, source: Path) -> None:
   """A PASTA adapter's generation.json names method pasta (its promised blocks only the interpreter writes), so
-  `pasta generate` decodes it with the interpreter by default; the file's other settings stay."""
+  `pasta generate` decodes it with the interpreter by default, and the position mode it was trained in (from the
+  trained model's own generation.json) where that is not pred; the file's other settings stay."""
   from pasta_jax.model.load import GENERATION_FILE
-  path = folder / GENERATION_FILE
+  path, trained = folder / GENERATION_FILE, source / GENERATION_FILE
   values = json.loads(path.read_text()) if path.is_file() else {}
-  runfiles.write_atomic(path, json.dumps({**values, "method": "pasta"}, indent=1) + "\n")
+  mode = json.loads(trained.read_text()).get("position_mode", "pred") if trained.is_file() else "pred"
+  values = {k: v for k, v in values.items() if k != "position_mode"}
+  values.update({"method": "pasta"}, **({"position_mode": mode} if mode != "pred" else {}))
+  runfiles.write_atomic(path, json.dumps(values, indent=1) + "\n")
 
 
 def _done(out: Path, stage: str) -> bool:

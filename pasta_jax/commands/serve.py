@@ -28,6 +28,9 @@ def add_serve_parser(subparsers) -> None:
   serve.add_argument("--chunk-seconds", type=float, default=0.5,
                      help="a chunk's steps are at most this over the batch's measured step time, so a request that "
                           "arrives mid-chunk waits about this long to be admitted (0: always --chunk steps)")
+  serve.add_argument("--admit-wait", type=float, default=0.25,
+                     help="seconds a burst of requests may take to arrive before the engine admits it in one prefill "
+                          "(it admits as soon as none has arrived for 20 ms; 0: at once)")
   serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
   serve.add_argument("--max-tokens", type=int, default=512, help="the largest max_tokens a request may ask")
   serve.add_argument("--warmup", default="pasta,sequential",
@@ -90,6 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
     methods = tuple(apply_to_all(names(serve=True), args).values())
     cfg = ServeConfig(batch=args.batch, pool_slots=args.pool, chunk_steps=args.chunk,
                       first_chunk_steps=args.first_chunk, chunk_seconds=args.chunk_seconds,
+                      admit_wait_s=args.admit_wait,
                       max_queue=args.max_queue, max_tokens=args.max_tokens, dtype=args.dtype, methods=methods,
                       certify_head=args.certify_head)
   except ValueError as err:

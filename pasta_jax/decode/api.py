@@ -24,7 +24,7 @@ import numpy as np
 from pasta_jax.decode import certified_head, layout_store, loop, program_store
 from pasta_jax.decode.apar_text import encode_apar_text
 from pasta_jax.decode.config import InterpreterConfig
-from pasta_jax.decode.loop import RunOutput, bucket, pool_size
+from pasta_jax.decode.loop import RunOutput, bucket
 from pasta_jax.decode.program_store import ProgramStore
 from pasta_jax.decode.result import PastaResult, Result, ThreadTrace, content_ids, pasta_result
 from pasta_jax.decode.rules import PastaRules, Rules
@@ -217,6 +217,7 @@ class Prepared:
   build_result: Callable[..., Result] = pasta_result
   method: str = "pasta"  # the name its results carry
   sampling: RowSampling | None = None  # each request's sampling values (host arrays [B]); None: cfg.sampling's
+  limits: loop.RowLimits | None = None  # each request's own budgets (host arrays [B]); None: cfg's for every row
 
 
 def per_prompt_sampling(sampling: SamplingConfig | Sequence[SamplingConfig], prompts: int) -> list[SamplingConfig]:
@@ -273,13 +274,16 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, max_ne
   if not ids or any(len(p) == 0 for p in ids):
     raise PastaError("empty prompt: give at least one token of prompt")
   prompt_len = bucket(max(len(p) for p in ids))
-  slots = pool_size(prompt_len, new, lanes)
   free = scripts is None
   # The content budget (free decoding) or the end of the scripts (forced) ends a run; every step writes
   # at least one token, so the pool's room bounds the steps. Bounding them by the pool, not by each
   # script's length, keeps one compiled loop per pool bucket for every forced answer that fits it.
-  steps, content_budget = rules.budgets(new, slots - prompt_len)
-  slots = max(slots, pool_size(prompt_len, pool_tokens or 0, lanes))  # wider, with the budgets of `new`
+  slots, steps, content_budget = loop.free_budget(prompt_len, new, lanes, rules, pool_tokens or 0)
+  limits = None
+  if free and len(ids) > 1:  # each answer gets the budgets it gets alone, whatever it is batched with
+    own = np.array([loop.free_budget(len(p), new, lanes, rules, pool_tokens or 0) for p in ids], np.int32)
+    steps, content_budget = int(own[:, 1].max()), int(own[:, 2].max())
+    limits = loop.RowLimits(content=own[:, 2], steps=own[:, 1], slots=own[:, 0])
   content_budget = content_budget if free else 0
   try:
     cfg = InterpreterConfig(vocab=vocab, lanes=lanes, max_threads=max_threads, pool_slots=slots, max_steps=steps,
@@ -299,7 +303,8 @@ def prepare(model, ids: Sequence[Sequence[int]], *, rules: Rules = PASTA, max_ne
   return Prepared(cfg, model_fn(model.config, dtype, runtime.attention, head_dtype), converted,
                   model.config.vocab_size,
                   pool_spec(model.config, dtype), tokens, lengths, script, script_len, scripts is not None, vocab,
-                  rules.bind_inputs(rule_inputs, converted), build_result, rules.name, RowSampling.of(rows_sampling))
+                  rules.bind_inputs(rule_inputs, converted), build_result, rules.name, RowSampling.of(rows_sampling),
+                  limits)
 
 
 class CompileCache:
@@ -360,8 +365,10 @@ def dynamic_args(prep: Prepared) -> tuple:
   shared = (prep.rule_inputs,)
   sharding = prep.cfg.sharding
   if sharding is None:
-    return (prep.params, *jax.tree.map(jnp.asarray, requests), *jax.tree.map(jnp.asarray, shared))
-  return (prep.params, *sharding.put_requests(requests), *sharding.put_replicated(shared))
+    return (prep.params, *jax.tree.map(jnp.asarray, requests), *jax.tree.map(jnp.asarray, shared),
+            jax.tree.map(jnp.asarray, prep.limits))
+  limits = None if prep.limits is None else sharding.put_requests((prep.limits,))[0]
+  return (prep.params, *sharding.put_requests(requests), *sharding.put_replicated(shared), limits)
 
 
 def run_prepared(prep: Prepared, runner=loop.prefill_and_run) -> tuple[list[RunOutput], float]:

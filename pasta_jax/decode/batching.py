@@ -51,11 +51,10 @@ def row_budgets(cfg: InterpreterConfig, prompt_len: int, max_new_tokens: int, sc
   per-thread `scripts` (replayed whole; then the pool's room, not a content budget, ends the run)."""
   padded = bucket(prompt_len)
   new = max_new_tokens if scripts is None else max(max_new_tokens, sum(map(len, scripts)) + 2 * len(scripts))
-  slots = loop.pool_size(padded, new, cfg.lanes)
   if padded >= cfg.pool_slots:
     raise PastaError(f"a prompt of {prompt_len} tokens (padded to {padded}) does not fit a pool of "
                      f"{cfg.pool_slots} slots")
-  slots = min(slots, cfg.pool_slots)
+  slots = min(loop.pool_size(padded, new, cfg.lanes), cfg.pool_slots)
   steps, content = cfg.rules.budgets(new, slots - padded)
   return RowBudget(content=content if scripts is None else 0, steps=steps, slots=slots)
 
@@ -84,10 +83,12 @@ def _with_shared(rule_state, source, shared: tuple[str, ...]):
 def _put_rows(running: InterpState, new: InterpState, rows: jax.Array, shared: tuple[str, ...] = ()) -> InterpState:
   """`running` with rows `rows` [n] replaced by `new`'s n rows (index B: a padding row, dropped); the rule
   state's `shared` fields stay `running`'s."""
-  def put(axis):
-    index = (slice(None),) * axis + (rows,)
+  def put(axis, slots=None):
+    index = (slice(None),) * axis + (rows,) + (() if slots is None else (slice(0, slots),))
     return lambda old, upd: old.at[index].set(upd.astype(old.dtype), mode="drop")
-  changes = {"pool": jax.tree.map(put(1), running.pool, new.pool)}  # [layers, B, S, K, hd]
+  # [layers, B, S, K, hd]: the newcomers' pool may hold only their prompts' first P slots (`prompt_pool`); the slots
+  # past them keep what an earlier request wrote there, invalid in the new slot table, so never read
+  changes = {"pool": jax.tree.map(put(1, new.pool.k.shape[2]), running.pool, new.pool)}
   for field in dataclasses.fields(InterpState):
     if field.name not in SHARED_FIELDS + ("pool", "rule_state"):
       changes[field.name] = jax.tree.map(put(0), getattr(running, field.name), getattr(new, field.name))
@@ -108,7 +109,7 @@ def admit(model_fn, params, state: InterpState, tokens, lengths, rows, content_b
   from now) and sampling values (`RowSampling`, leaves [n]: within cfg.sampling's envelope; their keys count
   steps from now, so a seeded request draws what it draws alone)."""
   new = loop.start_state(model_fn, params, tokens, lengths, script, script_len, sampling, rule_inputs, cfg=cfg,
-                         forced=forced, vocab_size=vocab_size, pool_spec=pool_spec)
+                         forced=forced, vocab_size=vocab_size, pool_spec=pool_spec, prompt_pool=True)
   offset = state.step
   # The prefill cut at the batch's compiled budget (cfg.max_content); the rows' own budgets replace it (a row
   # budget of 0 means none: Superposed Decoding's drafts end by steps)

@@ -35,6 +35,27 @@ def bucket(n: int, minimum: int = 16) -> int:
 POOL_MARGIN = 1.25  # pool room per content token of the budget: tags, topics and `<async>`/`</async>` take slots too
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RowLimits:
+  """Each request's own budgets in a batch (every leaf [B] int32): what a run of it alone would be given
+  (`free_budget`), so that its answer does not depend on the prompts it is batched with."""
+
+  content: jax.Array  # content tokens (0: none)
+  steps: jax.Array  # steps (from the run's start)
+  slots: jax.Array  # pool slots it may write
+
+
+def free_budget(prompt_len: int, new_tokens: int, lanes: int, rules, pool_tokens: int = 0) -> tuple[int, int, int]:
+  """(pool slots, max steps, max content) of a free run of one prompt alone: its pool holds the bucketed prompt
+  and the content budget with a margin (widened to hold `pool_tokens` new tokens, with the budgets of
+  `new_tokens`), and the pool's room bounds the steps (`Rules.budgets`)."""
+  padded = bucket(prompt_len)
+  slots = pool_size(padded, new_tokens, lanes)
+  steps, content = rules.budgets(new_tokens, slots - padded)
+  return max(slots, pool_size(padded, pool_tokens, lanes)), steps, content
+
+
 def pool_size(prompt_len: int, new_tokens: int, lanes: int) -> int:
   """The pool of a free run: the (bucketed) prompt, the content budget plus a margin for tags, one slot per lane."""
   return bucket(prompt_len + math.ceil(new_tokens * POOL_MARGIN) + lanes)
@@ -190,27 +211,35 @@ STATIC = ("model_fn", "cfg", "forced", "vocab_size", "pool_spec")
 
 
 def start_state(model_fn, params, prompt_tokens, lengths, script, script_len, sampling: RowSampling, rule_inputs=None,
-                *,
-                cfg: InterpreterConfig, forced: bool, vocab_size: int, pool_spec: tuple) -> InterpState:
+                limits: RowLimits | None = None, *,
+                cfg: InterpreterConfig, forced: bool, vocab_size: int, pool_spec: tuple,
+                prompt_pool: bool = False) -> InterpState:
   """Prefill and main's first token: the state before step 1. sampling: each row's values (`RowSampling`, within
   cfg.sampling's envelope). rule_inputs: read-only arrays the rules use on device (Superposed Decoding's n-gram
-  index), or None."""
+  index), or None. limits: each row's own budgets, within cfg's (None: cfg's for every row). prompt_pool: the
+  state's pool holds only the prompts' P slots (the prefix of the pool they fill), not cfg.pool_slots: for a caller
+  that writes them into a pool of its own (`batching.admit`), without prefilling over, or copying, empty slots."""
   check_runnable(cfg, forced)
-  last, pool = prefill(model_fn, params, prompt_tokens, lengths, cfg.pool_slots, pool_spec, cfg.sharding,
-                       cfg.certify_head)
-  return initial_state(pool, last, prompt_tokens, lengths, script, script_len, sampling, cfg, forced, vocab_size,
-                       rule_inputs, params)
+  slots = prompt_tokens.shape[1] if prompt_pool else cfg.pool_slots
+  last, pool = prefill(model_fn, params, prompt_tokens, lengths, slots, pool_spec, cfg.sharding, cfg.certify_head)
+  state = initial_state(pool, last, prompt_tokens, lengths, script, script_len, sampling, cfg, forced, vocab_size,
+                        rule_inputs, params)
+  if limits is None:
+    return state
+  return cut_at_budget(dataclasses.replace(state, content_budget=limits.content, step_limit=limits.steps,
+                                           slot_limit=limits.slots), cfg)
 
 
 start = jax.jit(start_state, static_argnames=STATIC)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
-def prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, sampling, rule_inputs=None, *,
+def prefill_and_run(model_fn, params, prompt_tokens, lengths, script, script_len, sampling, rule_inputs=None,
+                    limits: RowLimits | None = None, *,
                     cfg: InterpreterConfig, forced: bool, vocab_size: int, pool_spec: tuple) -> InterpState:
   """Prefill, then the whole decode loop on device: one call."""
-  state = start_state(model_fn, params, prompt_tokens, lengths, script, script_len, sampling, rule_inputs, cfg=cfg,
-                      forced=forced, vocab_size=vocab_size, pool_spec=pool_spec)
+  state = start_state(model_fn, params, prompt_tokens, lengths, script, script_len, sampling, rule_inputs, limits,
+                      cfg=cfg, forced=forced, vocab_size=vocab_size, pool_spec=pool_spec)
   return finish(run_loop(model_fn, params, state, cfg.max_steps, cfg, forced, vocab_size))
 
 

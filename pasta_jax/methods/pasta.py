@@ -6,11 +6,13 @@ import dataclasses
 
 from pasta_jax.decode import api
 from pasta_jax.decode.rules import PastaRules
+from pasta_jax.errors import PastaError
 from pasta_jax.lang import schema
 from pasta_jax.lang.tags import tag_vocab_for
 from pasta_jax.lang.text import strip_tags
 from pasta_jax.methods.base import Capabilities, Layout, Threaded, option_help
 from pasta_jax.methods.sequential import Sequential
+from pasta_jax.model.load import GENERATION_FILE, generation_defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,13 +23,21 @@ class Pasta(Threaded):
                               threads=True, annotates=True)
   annotation_field = "annotated"
 
-  position_mode: str = dataclasses.field(
-      default="pred", metadata=option_help("block positions: " + ", ".join(schema.POSITION_MODES),
-                                           cli=False))
+  # None: the mode the model was trained in (its generation.json's `position_mode`, else pred): a model writes the
+  # LENGTH tokens of its own mode, and read in another one its blocks are placed at the wrong distances
+  position_mode: str | None = dataclasses.field(
+      default=None, metadata=option_help("block positions: " + ", ".join(schema.POSITION_MODES) + " (default: the "
+                                         "model's)", cli=False))
 
   def check_options(self) -> None:
     super().check_options()
-    schema.length_step(self.position_mode)  # raises for an unknown mode
+    if self.position_mode is not None:
+      schema.length_step(self.position_mode)  # raises for an unknown mode
+
+  def setup(self, model, setup) -> Pasta:
+    if self.position_mode is not None:
+      return self
+    return dataclasses.replace(self, position_mode=trained_position_mode(model))
 
   def layout(self, model, scripts) -> Layout:
     return Layout(PastaRules(), self.lanes, self.max_threads)
@@ -47,3 +57,13 @@ class Pasta(Threaded):
     lang, vocab = api.LangTokenizer(model.tokenizer), tag_vocab_for(model.tokenizer, self.position_mode)
     return [api.forced_scripts(a, lang, vocab, f"forced answer {i}: ", self.position_mode)
             for i, a in enumerate(answers)]
+
+
+def trained_position_mode(model) -> str:
+  """The position mode `model` was trained in: its generation.json's `position_mode` (the trainer writes it for
+  a PASTA model), else pred."""
+  mode = generation_defaults(model).get("position_mode", "pred")
+  if mode not in schema.POSITION_MODES:
+    raise PastaError(f"{model.source}/{GENERATION_FILE}: unknown position_mode {mode!r}; use one of "
+                     f"{', '.join(schema.POSITION_MODES)}")
+  return mode

@@ -169,8 +169,9 @@ def base_reference(model: LoadedModel) -> str:
 
 GENERATION_FILE = "generation.json"  # decoding defaults shipped with a model, as Hugging Face's generation_config
 # "method" names the decoding method that keeps the format the model was trained to write (plain text, PASTA tags,
-# the earlier paper's scoped tags); its users check the name against the method registry
-GENERATION_KEYS = ("repetition_penalty", "distinct_topics", "method")
+# the earlier paper's scoped tags); its users check the name against the method registry. "position_mode": the block
+# positions a PASTA model was trained to write (`lang.schema.POSITION_MODES`; the trainer writes it)
+GENERATION_KEYS = ("repetition_penalty", "distinct_topics", "method", "position_mode")
 
 
 def generation_defaults(model: LoadedModel) -> dict:
@@ -185,6 +186,14 @@ def generation_defaults(model: LoadedModel) -> dict:
   if unknown:
     raise WeightsError(f"{path}: unknown keys {unknown}; known: {', '.join(GENERATION_KEYS)}")
   return {k: values[k] for k in GENERATION_KEYS if k in values}
+
+
+def write_generation_file(folder: str | os.PathLike, values: dict) -> None:
+  """Writes `values` (GENERATION_KEYS, and a "why") as `folder`'s generation.json, whole or not at all."""
+  unknown = sorted(set(values) - set(GENERATION_KEYS) - {"why"})
+  if unknown:
+    raise WeightsError(f"{GENERATION_FILE}: unknown keys {unknown}; known: {', '.join(GENERATION_KEYS)}")
+  runfiles.write_atomic(Path(folder) / GENERATION_FILE, json.dumps(values, indent=1) + "\n")
 
 
 def _load_with_adapter(folder: Path, dtype, with_tokenizer: bool, cache_dir) -> LoadedModel:

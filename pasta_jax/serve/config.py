@@ -20,6 +20,11 @@ class ServeConfig:
   first_chunk_steps: int = 2
   # a chunk's steps are at most chunk_seconds / the batch's measured step time (at least 1); 0: chunk_steps always
   chunk_seconds: float = 0.5
+  # a burst of requests is admitted in one prefill: before admitting, the engine waits until no request has arrived
+  # for admit_quiet_s, at most admit_wait_s after the oldest waiting one arrived (a prefill costs its padded group's
+  # rows, so a burst admitted in two parts pays about twice; a request that waited through a chunk waits no more)
+  admit_quiet_s: float = 0.02
+  admit_wait_s: float = 0.25
   max_queue: int = 64  # waiting requests before 429
   max_tokens: int = 512  # the largest max_tokens a request may ask
   default_max_tokens: int | None = None  # for a request without max_tokens (None: min(256, max_tokens))
@@ -46,8 +51,9 @@ class ServeConfig:
       object.__setattr__(self, "default_max_tokens", min(256, self.max_tokens))
     if not self.stall_s > 0:
       raise ValueError(f"stall_s must be positive, got {self.stall_s}")
-    if self.chunk_seconds < 0:
-      raise ValueError(f"chunk_seconds must be at least 0, got {self.chunk_seconds}")
+    for name in ("chunk_seconds", "admit_quiet_s", "admit_wait_s"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
     for name in ("batch", "pool_slots", "chunk_steps", "first_chunk_steps", "max_queue", "max_tokens",
                  "default_max_tokens", "max_batches"):
       if getattr(self, name) < 1:

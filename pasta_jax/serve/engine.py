@@ -105,6 +105,7 @@ class Engine(SotStages):
       if len(self.waiting) >= self.cfg.max_queue:
         self.metrics.rejected.labels("queue_full").inc()
         raise QueueFull(f"the queue is full ({self.cfg.max_queue} waiting)")
+      request.queued_at = time.perf_counter()
       self.waiting.append(request)
       self.metrics.queue.set(len(self.waiting))
       self.lock.notify()
@@ -236,13 +237,14 @@ class Engine(SotStages):
         if self.stopping and (idle or time.perf_counter() > self.drain_deadline):
           break
       self.programs.check()
+      self._let_burst_arrive()
       self._admit_waiting()
       for i, key in enumerate(list(self.batches)):
         if i:  # between batches too: a newcomer waits for one batch's chunk, not for a whole turn of them
           self._admit_waiting()
         entry = self.batches.get(key)
         if entry is not None and entry.holders:
-          self._guarded(entry, batches.run_chunk, entry, self.cfg, self.lang, self.metrics)
+          self._guarded(entry, batches.run_chunk, entry, self.cfg, self.lang, self.metrics, bool(self.waiting))
     self._end_everyone(Update("", True, "length", note="cut: the server shut down"), "shutdown")
 
   def _guarded(self, entry: MethodBatch, work, *args) -> bool:
@@ -278,6 +280,21 @@ class Engine(SotStages):
 
   def batch_key(self, request: Request) -> BatchKey:
     return batches.batch_key(request.method, request.sampling, self.cfg.certify_head)
+
+  def _let_burst_arrive(self) -> None:
+    """Waits while requests are still arriving (one came less than `admit_quiet_s` ago), at most until the oldest
+    waiting one has waited `admit_wait_s`, so that a burst is admitted in one prefill, not in parts."""
+    with self.lock:
+      while self.waiting and not self.stopping:
+        now = time.perf_counter()
+        arrived = [r.queued_at for r in self.waiting if r.queued_at is not None]
+        if not arrived:
+          return
+        quiet_in = max(arrived) + self.cfg.admit_quiet_s - now
+        limit_in = min(arrived) + self.cfg.admit_wait_s - now
+        if quiet_in <= 0 or limit_in <= 0:
+          return
+        self.lock.wait(timeout=min(quiet_in, limit_in))
 
   def _admit_waiting(self) -> None:
     with self.lock:

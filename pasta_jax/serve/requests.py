@@ -50,6 +50,7 @@ class Request:
   sink: Callable[[Update], None]
   sampling: SamplingConfig = SamplingConfig()  # this request's own: a batch row samples by it
   created: float = dataclasses.field(default_factory=time.perf_counter)
+  queued_at: float | None = None  # when the engine queued it (`Engine.submit`)
   id: str = dataclasses.field(default_factory=lambda: f"cmpl-{next(_IDS)}")
   cancelled: bool = False  # set by the client side; the engine drops the request at its next visit
   sent: str = ""  # settled text already handed out

@@ -30,7 +30,7 @@ from pasta_jax.errors import ConfigError
 from pasta_jax.lang.tags import tag_vocab_for
 from pasta_jax.model import lora, runfiles
 from pasta_jax.model.gemma import Gemma
-from pasta_jax.model.load import LoadedModel, base_reference
+from pasta_jax.model.load import LoadedModel, base_reference, write_generation_file
 from pasta_jax.model.mesh import make_mesh
 from pasta_jax.model.partitioning import gather_to_host, param_shardings
 from pasta_jax.paths import run_path
@@ -42,6 +42,8 @@ from pasta_jax.training.losses import sft_kl_loss_sum, sft_loss_sum
 from pasta_jax.training.metrics_log import MetricsLog, train_flops_per_token
 from pasta_jax.training.optimizer import learning_rate_schedule, make_optimizer
 from pasta_jax.training.state import create_sharded_state, init_state
+
+PASTA_OBJECTIVES = ("sft", "bonbon")  # objectives whose model writes PASTA tags
 
 
 class StepDataset(Protocol):
@@ -206,6 +208,9 @@ class Trainer:
       tokenizer = self.model.tokenizer if hasattr(self.model.tokenizer, "save") else None
       save_checkpoint(tmp, self.state.params, self.model.config, tokenizer=tokenizer, step=int(self.state.step),
                       extra={"train": self.config.to_dict()}, overwrite=True, atomic=False)  # every host writes
+    if primary and self.config.objective in PASTA_OBJECTIVES:  # decoded in the mode it learned (`methods.Pasta`)
+      write_generation_file(tmp, {"method": "pasta", "position_mode": self.config.position_mode,
+                                  "why": "trained to write PASTA tags with these block positions"})
     _sync("export: written")
     if primary:
       runfiles.publish(tmp, final)
