@@ -54,14 +54,16 @@ class Pasta(Threaded):
     return Sequential()
 
   def scripts(self, answers, model) -> list:
-    lang, vocab = api.LangTokenizer(model.tokenizer), tag_vocab_for(model.tokenizer, self.position_mode)
-    return [api.forced_scripts(a, lang, vocab, f"forced answer {i}: ", self.position_mode)
-            for i, a in enumerate(answers)]
+    mode = self.position_mode or trained_position_mode(model)
+    lang, vocab = api.LangTokenizer(model.tokenizer), tag_vocab_for(model.tokenizer, mode)
+    return [api.forced_scripts(a, lang, vocab, f"forced answer {i}: ", mode) for i, a in enumerate(answers)]
 
 
 def trained_position_mode(model) -> str:
   """The position mode `model` was trained in: its generation.json's `position_mode` (the trainer writes it for
-  a PASTA model), else pred."""
+  a PASTA model), else pred (also for a model built in memory, with no folder)."""
+  if getattr(model, "source", None) is None:
+    return "pred"
   mode = generation_defaults(model).get("position_mode", "pred")
   if mode not in schema.POSITION_MODES:
     raise PastaError(f"{model.source}/{GENERATION_FILE}: unknown position_mode {mode!r}; use one of "
