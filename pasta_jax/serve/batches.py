@@ -93,7 +93,8 @@ def chunk_length(entry: MethodBatch, cfg: ServeConfig, rows: int, metrics: Serve
   newcomer could be admitted after it (the batch has a free row, or requests are `waiting` for one: a newcomer
   waits for the chunk that runs when it arrives), except while ProPD times this bucket's whole chunks. A full batch
   with nobody waiting runs whole chunks: each chunk is a device call and a host visit (a chunk of one step cost
-  20% more per step than one of eight, 16 rows of the shipped default on 2 CPU cores)."""
+  17-22% more per step than one of eight in three of four measurements, 16 rows of the shipped default on 2 CPU
+  cores)."""
   steps = cfg.chunk_steps
   if entry.fresh:
     steps = min(steps, cfg.first_chunk_steps)
