@@ -54,8 +54,7 @@ def row_budgets(cfg: InterpreterConfig, prompt_len: int, max_new_tokens: int, sc
   if padded >= cfg.pool_slots:
     raise PastaError(f"a prompt of {prompt_len} tokens (padded to {padded}) does not fit a pool of "
                      f"{cfg.pool_slots} slots")
-  slots = min(loop.pool_size(padded, new, cfg.lanes), cfg.pool_slots)
-  steps, content = cfg.rules.budgets(new, slots - padded)
+  slots, steps, content = loop.free_budget(prompt_len, new, cfg.lanes, cfg.rules, max_slots=cfg.pool_slots)
   return RowBudget(content=content if scripts is None else 0, steps=steps, slots=slots)
 
 

@@ -46,14 +46,19 @@ class RowLimits:
   slots: jax.Array  # pool slots it may write
 
 
-def free_budget(prompt_len: int, new_tokens: int, lanes: int, rules, pool_tokens: int = 0) -> tuple[int, int, int]:
-  """(pool slots, max steps, max content) of a free run of one prompt alone: its pool holds the bucketed prompt
-  and the content budget with a margin (widened to hold `pool_tokens` new tokens, with the budgets of
-  `new_tokens`), and the pool's room bounds the steps (`Rules.budgets`)."""
+def free_budget(prompt_len: int, new_tokens: int, lanes: int, rules, pool_tokens: int = 0,
+                max_slots: int | None = None) -> tuple[int, int, int]:
+  """(pool slots, max steps, max content) of a run of one prompt alone: its pool holds the bucketed prompt and the
+  content budget with a margin (at most `max_slots`: a serving batch's pool; widened to hold `pool_tokens` new
+  tokens, with the budgets of `new_tokens`), and the pool's room bounds the steps (`Rules.budgets`)."""
   padded = bucket(prompt_len)
   slots = pool_size(padded, new_tokens, lanes)
+  if max_slots is not None:
+    slots = min(slots, max_slots)
   steps, content = rules.budgets(new_tokens, slots - padded)
-  return max(slots, pool_size(padded, pool_tokens, lanes)), steps, content
+  if pool_tokens:
+    slots = max(slots, pool_size(padded, pool_tokens, lanes))
+  return slots, steps, content
 
 
 def pool_size(prompt_len: int, new_tokens: int, lanes: int) -> int:

@@ -35,9 +35,11 @@ class Pasta(Threaded):
       schema.length_step(self.position_mode)  # raises for an unknown mode
 
   def setup(self, model, setup) -> Pasta:
-    if self.position_mode is not None:
-      return self
-    return dataclasses.replace(self, position_mode=trained_position_mode(model))
+    return self if self.position_mode is not None else dataclasses.replace(self, position_mode=self.mode_for(model))
+
+  def mode_for(self, model) -> str:
+    """The position mode this method decodes `model` in: its own, else the one the model was trained in."""
+    return self.position_mode or trained_position_mode(model)
 
   def layout(self, model, scripts) -> Layout:
     return Layout(PastaRules(), self.lanes, self.max_threads)
@@ -54,7 +56,7 @@ class Pasta(Threaded):
     return Sequential()
 
   def scripts(self, answers, model) -> list:
-    mode = self.position_mode or trained_position_mode(model)
+    mode = self.mode_for(model)  # (an unprepared method too: the eval's forced answers)
     lang, vocab = api.LangTokenizer(model.tokenizer), tag_vocab_for(model.tokenizer, mode)
     return [api.forced_scripts(a, lang, vocab, f"forced answer {i}: ", mode) for i, a in enumerate(answers)]
 
