@@ -9,9 +9,9 @@ for each record, the model's greedy answer (under the sampling defaults its fold
 decodes it) in `output`, the record's own answer in `reference`, and where it came from in `answer_source`.
 `python -m train.recipe --pools <out> --stages records,...` then annotates and fits them as any pool.
 
-An answer cut at --max-new-tokens is not kept (a model trained on it would learn to stop mid-sentence); the
-report (`<out>.report.json`) counts them. Each batch is appended when it is done, so a killed run resumes where
-it stopped.
+An answer cut at --max-new-tokens, or an empty one, is not kept (a model trained on a cut one would learn to
+stop mid-sentence); the report (`<out>.report.json`) counts them. Each batch is appended when it is done, so a
+killed run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
       report["cut"] += [row["id"] for row in cut]
       runfiles.write_atomic(report_path, json.dumps({**report, "source": source}, indent=1))
       bar.update(len(batch))
-  print(f"{report['kept']} answers kept, {len(report['cut'])} cut at {args.max_new_tokens} tokens -> {out}")
+  print(f"{report['kept']} answers kept, {len(report['cut'])} cut at {args.max_new_tokens} tokens or empty -> {out}")
   return 0
 
 
