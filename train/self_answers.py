@@ -17,7 +17,6 @@ killed run resumes where it stopped.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -59,7 +58,7 @@ def main(argv=None) -> int:
   records = [value for _, value in runfiles.iter_jsonl(Path(args.records), PastaError)][:args.limit]
   out, report_path = Path(args.out), Path(args.out + ".report.json")
   written = list(runfiles.read_rows(out))  # cuts a torn last line (a kill mid-append): that batch runs again
-  earlier = json.loads(report_path.read_text()) if report_path.is_file() and written else {}
+  earlier = runfiles.read_json_file(report_path) if report_path.is_file() and written else {}
   report = {"kept": len(written), "cut": earlier.get("cut", [])}
   seen = {row["id"] for row in written} | set(report["cut"])
   todo = [r for r in records if r["id"] not in seen]
@@ -77,7 +76,7 @@ def main(argv=None) -> int:
       runfiles.append_rows(out, kept)
       report["kept"] += len(kept)
       report["cut"] += [row["id"] for row in cut]
-      runfiles.write_atomic(report_path, json.dumps({**report, "source": source}, indent=1))
+      runfiles.write_json(report_path, {**report, "source": source})
       bar.update(len(batch))
   print(f"{report['kept']} answers kept, {len(report['cut'])} cut at {args.max_new_tokens} tokens or empty -> {out}")
   return 0
