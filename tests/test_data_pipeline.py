@@ -153,6 +153,74 @@ def test_geometry_errors(pool):
     dataset(records=None, batch_size=3, shard_count=2)
 
 
+# --- length grouping ---------------------------------------------------------------------------------------
+def lengths_of(ds, step) -> list[int]:
+  return [len(ds.pool.layouts[k].tokens) for k in ds.global_indices(step)]
+
+
+BIG_RECORDS = make_records(48)  # 48 kept: at batch 2, an epoch is two windows (16 batches, then 8)
+
+
+@pytest.fixture(scope="module")
+def big_pool():
+  return encode_pool(BIG_RECORDS, TOKENIZER, VOCAB, ENCODE, progress=False)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 4])
+def test_length_grouping_keeps_every_example_once_a_epoch_padded_to_its_bucket(big_pool, batch_size):
+  from pasta_jax.lang.layout import pad_layout
+  ds = step_batches(big_pool, batch_size=batch_size, seed=5, epochs=2, length_bucket=8)
+  per_epoch = len(ds) // 2
+  assert per_epoch == 48 // batch_size
+  for epoch in range(2):
+    seen = [k for step in range(epoch * per_epoch, (epoch + 1) * per_epoch) for k in ds.kept_indices(step)]
+    assert sorted(seen) == list(range(48))
+  for step in range(0, len(ds), 3):
+    batch, longest = ds[step], max(lengths_of(ds, step))
+    assert batch.tokens.shape == (batch_size, ds.padded_length(step))
+    assert ds.padded_length(step) % 8 == 0 and longest <= ds.padded_length(step) < longest + 8
+    for j, index in enumerate(ds.source_indices(step)):  # each row is its example, only padded less
+      full = encode_example(BIG_RECORDS[index], TOKENIZER, VOCAB, ENCODE)
+      assert_same_layout(row(batch, j), pad_layout(pipeline.compact_layout(full), ds.padded_length(step),
+                                                   ENCODE.num_threads))
+
+
+def test_length_grouping_batches_like_lengths_within_each_window(pool):
+  ds = step_batches(pool, batch_size=1, seed=2, epochs=1, length_bucket=8)  # windows: steps 0-15, 16-23
+  order = ds.plan.example_order()
+  for first, last in ((0, 16), (16, 24)):
+    window = [lengths_of(ds, step)[0] for step in range(first, last)]
+    assert sorted(window) == sorted(len(pool.layouts[int(order[i])].tokens) for i in range(first, last))
+    assert window != sorted(window)  # the window's batches are taken in a seeded order, not shortest first
+  grouped = step_batches(pool, batch_size=4, seed=2, epochs=1, length_bucket=8)
+  spans = sorted((min(lengths_of(grouped, s)), max(lengths_of(grouped, s))) for s in range(len(grouped)))
+  assert all(high <= next_low for (_, high), (next_low, _) in zip(spans, spans[1:]))  # no two batches interleave
+  plain = step_batches(pool, batch_size=4, seed=2, epochs=1)  # the same epoch's examples in random batches
+  random_buckets = [-(-max(lengths_of(plain, s)) // 8) * 8 for s in range(6)]
+  assert sum(map(grouped.padded_length, range(6))) < sum(random_buckets) < sum(map(plain.padded_length, range(6)))
+
+
+@pytest.mark.parametrize("shard_count", [2, 4])
+def test_length_grouping_pads_every_hosts_slice_alike(pool, shard_count):
+  whole = step_batches(pool, batch_size=4, seed=1, epochs=2, length_bucket=8)
+  shards = [step_batches(pool, batch_size=4, seed=1, epochs=2, shard_index=s, shard_count=shard_count,
+                         length_bucket=8) for s in range(shard_count)]
+  for step in range(len(whole)):
+    assert sum((s.kept_indices(step) for s in shards), []) == whole.kept_indices(step)
+    joined = Layout(**{name: np.concatenate([getattr(s[step], name) for s in shards]) for name in FIELDS})
+    assert_same_layout(joined, whole[step])
+
+
+def test_length_grouping_is_a_function_of_the_step_and_the_seed(pool):
+  first, again = (step_batches(pool, batch_size=2, seed=4, epochs=3, length_bucket=16) for _ in range(2))
+  assert all(first.kept_indices(s) == again.kept_indices(s) for s in range(len(first)))
+  other = step_batches(pool, batch_size=2, seed=5, epochs=3, length_bucket=16)
+  assert [first.kept_indices(s) for s in range(12)] != [other.kept_indices(s) for s in range(12)]
+  assert first.padded_length(0) <= ENCODE.seq_len
+  with pytest.raises(ConfigError, match="length_bucket non-negative"):
+    step_batches(pool, batch_size=2, seed=0, epochs=1, length_bucket=-8)
+
+
 def test_from_a_tfds_source(tmp_path):
   tfds_builders = pytest.importorskip("pasta_jax.data.tfds_builders")
   path = tmp_path / "pool.jsonl"

@@ -82,6 +82,32 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     assert np.mean(np.abs(other - params[0]) > 1e-6) < 1e-3
 
 
+def test_batches_padded_to_their_own_bucket_train_as_padded_to_seq_len(tmp_path):
+  """Length grouping pads each batch only to its bucket: the trainer (a program per padded length) must train as
+  on the same examples padded to seq_len."""
+  from pasta_jax.data.encode import encode_example
+  from pasta_jax.data.pipeline import compact_layout
+  from pasta_jax.lang.layout import stack_layouts
+  model = tiny_model()
+  records = training_data.records(12)
+  records[4]["annotated"] += " more"  # the second batch longer than the first
+  layouts = [encode_example(r, model.tokenizer, model.tokenizer.tag_vocab(), training_data.ENCODE) for r in records]
+  groups = [[compact_layout(x) for x in layouts[i:i + 4]] for i in (0, 4, 8)]
+  buckets = [-(-max(x.length for x in group) // 8) * 8 for group in groups]
+  assert len(set(buckets)) > 1 and max(buckets) < training_data.ENCODE.seq_len
+  padded = {"seq_len": [stack_layouts(layouts[i:i + 4]) for i in (0, 4, 8)],
+            "bucket": [stack_layouts(group, length=b, num_threads=4) for group, b in zip(groups, buckets)]}
+  config = TrainConfig(model="tiny", batch_size=4, seq_len=112, num_threads=4, learning_rate=1e-3)
+  losses, params = {}, {}
+  for name, data in padded.items():
+    trainer = Trainer(config, model, data, tmp_path / name, check_memory=False, progress=False)
+    trainer._mfu = lambda tokens, seconds: 0.0
+    losses[name] = trainer.run(stop_after=3).losses
+    params[name] = np.concatenate([np.ravel(x) for x in jax.tree.leaves(trainer.state.params)])
+  np.testing.assert_allclose(losses["bucket"], losses["seq_len"], rtol=1e-5)
+  np.testing.assert_allclose(params["bucket"], params["seq_len"], atol=1e-5)
+
+
 def test_checkpoint_from_another_model_is_refused(tmp_path):
   train_worker.make_trainer(str(tmp_path), 4).run(stop_after=2)
   other = tiny_model("tiny-gemma2")
@@ -107,6 +133,8 @@ def test_loss_goes_down_and_export_loads(tmp_path):
     (dict(batch_size=6, mesh=MeshConfig(data=4)), "does not divide over data x fsdp"),
     (dict(compute_dtype="float16"), "compute_dtype"),
     (dict(objective="dpo"), "unknown objective"),
+    (dict(length_bucket=-8), "length_bucket=-8; use 0"),
+    (dict(seq_len=64, length_bucket=128), r"a bucket in \(0, seq_len=64\]"),
 ])
 def test_bad_training_configs_name_the_problem(fields, message):
   with pytest.raises(ConfigError, match=message):

@@ -18,6 +18,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 OVERRIDES = {  # flag -> (TrainConfig field, type)
   "--batch-size": ("batch_size", int), "--grad-accum": ("grad_accum", int), "--seq-len": ("seq_len", int),
+  "--length-bucket": ("length_bucket", int),
   "--num-threads": ("num_threads", int), "--epochs": ("epochs", int), "--max-steps": ("max_steps", int),
   "--lr": ("learning_rate", float), "--save-every": ("save_every", int), "--seed": ("seed", int),
   "--compute-dtype": ("compute_dtype", str), "--param-dtype": ("param_dtype", str),

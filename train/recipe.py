@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--verify", action="store_true", help="keep only records the model-verified filter accepts")
   parser.add_argument("--epochs", type=int, default=2)
   parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--length-bucket", type=int, default=0,
+                      help="SFT stages: > 0 batches examples of like length, each batch padded to a multiple of "
+                           "this (about half the tokens a step on the recipe's records); 0: padded to --seq-len")
   parser.add_argument("--lr", type=float, default=3e-4)
   parser.add_argument("--warmup-steps", type=int, default=10)
   parser.add_argument("--lora-rank", type=int, default=16, help="0: full fine-tuning")
@@ -171,7 +174,8 @@ def stage_sft(args, out: Path, stage: str) -> None:
            "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
            "--warmup-steps", str(args.warmup_steps), "--lora-rank", str(args.lora_rank),
            "--lora-alpha", str(args.lora_alpha), "--lora-targets", args.lora_targets,
-           "--kl-weight", str(args.kl_weight), "--seed", str(args.seed), "--save-every", "10"]
+           "--kl-weight", str(args.kl_weight), "--seed", str(args.seed), "--save-every", "10",
+           "--length-bucket", str(args.length_bucket)]
   if args.model:
     flags += ["--model", args.model]
   code = sft.main(flags)

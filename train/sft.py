@@ -104,7 +104,8 @@ def main(argv=None) -> int:
                         objective=config.objective)
   shard_index, shard_count = batch_slice(config.mesh)  # replicas across hosts feed the same examples
   dataset = layout_dataset(train, model.tokenizer, vocab, encode, batch_size=config.batch_size, seed=config.seed,
-                           epochs=config.epochs, shard_index=shard_index, shard_count=shard_count)
+                           epochs=config.epochs, shard_index=shard_index, shard_count=shard_count,
+                           length_bucket=config.length_bucket)
   annotated = sum(bool(r.get(annotation_field(args.objective))) for r in train)
   print(f"data: {len(train)} records ({annotated} annotated); {dataset.report.summary()}; {len(dataset)} steps")
   out = run_path(args.out)

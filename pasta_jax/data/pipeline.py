@@ -17,6 +17,13 @@ very batch it would have got):
      example appears at most once per epoch (exactly once when B divides the kept count).
   3. Host `shard_index` of `shard_count` takes the slice [shard_index * B / S, (shard_index + 1) * B / S)
      of every global batch (B is global and must divide by S).
+
+With `length_bucket` > 0 (length grouping), step 2 changes: the epoch's permutation is cut into windows of
+`LENGTH_WINDOW` global batches, each window's examples are sorted by length (ties in shuffled order) and cut
+into batches, and those batches are taken in a seeded order of their own; each batch is padded to the least
+multiple of `length_bucket` that holds its longest example (at most seq_len), not to seq_len. Every example
+still comes once per epoch, and every host pads its slice of a global batch alike. On the recipe's records
+(mean 140 of 320 tokens) a step then reads about half the tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +49,9 @@ from pasta_jax.lang.layout import Layout, stack_layouts
 from pasta_jax.lang.tags import TagVocab
 
 TOO_LONG, BAD_TAGS, INVALID_RECORD = "too_long", "bad_tags", "invalid_record"
+# Length grouping sorts this many global batches together: wide enough that a window's batches are of like
+# length, narrow enough that the batches of every part of an epoch still mix long and short examples.
+LENGTH_WINDOW = 16
 
 
 # --- the encode pass ---------------------------------------------------------------------------------
@@ -131,6 +141,7 @@ class BatchPlan:
   seed: int
   shard_index: int = 0
   shard_count: int = 1
+  length_bucket: int = 0  # > 0: length grouping (see the module doc); 0: random batches padded to seq_len
 
   @property
   def steps_per_epoch(self) -> int:
@@ -152,11 +163,12 @@ class BatchPlan:
     return grain.MapDataset.range(self.num_examples).shuffle(seed=shuffle_seed).repeat(self.epochs)
 
 
-def check_plan(batch_size: int, seed: int, epochs: int, shard_index: int, shard_count: int) -> None:
+def check_plan(batch_size: int, seed: int, epochs: int, shard_index: int, shard_count: int,
+               length_bucket: int = 0) -> None:
   """Geometry errors, raised before the (slow) encode pass."""
-  if batch_size < 1 or epochs < 1 or seed < 0:
-    raise ConfigError(f"batch_size and epochs must be positive and seed non-negative "
-                      f"(got batch_size={batch_size}, epochs={epochs}, seed={seed})")
+  if batch_size < 1 or epochs < 1 or seed < 0 or length_bucket < 0:
+    raise ConfigError(f"batch_size and epochs must be positive and seed and length_bucket non-negative "
+                      f"(got batch_size={batch_size}, epochs={epochs}, seed={seed}, length_bucket={length_bucket})")
   if shard_count < 1 or not 0 <= shard_index < shard_count:
     raise ConfigError(f"shard_index must be in [0, shard_count) (got shard_index={shard_index}, "
                       f"shard_count={shard_count})")
@@ -175,6 +187,7 @@ class StepBatches(grain.MapDataset):
   def __init__(self, pool: EncodedPool, plan: BatchPlan):
     self.pool, self.plan, self.report = pool, plan, pool.report
     self._order = plan.example_order()
+    self._lengths = [len(layout.tokens) for layout in pool.layouts]
     super().__init__(grain.MapDataset.range(plan.num_steps).map(self._batch))
 
   def __len__(self) -> int:
@@ -194,49 +207,71 @@ class StepBatches(grain.MapDataset):
       raise IndexError(f"step {step} is outside the dataset's {len(self)} steps")
     return step
 
+  def global_indices(self, step: int) -> list[int]:
+    """Positions in `pool.layouts` of every host's examples at `step`, in batch order."""
+    plan, size = self.plan, self.plan.batch_size
+    epoch, within = divmod(self._check_step(step), plan.steps_per_epoch)
+    base = epoch * plan.num_examples
+    if not plan.length_bucket:
+      return [int(self._order[base + within * size + j]) for j in range(size)]
+    window, slot = divmod(within, LENGTH_WINDOW)
+    first = window * LENGTH_WINDOW
+    count = min(LENGTH_WINDOW, plan.steps_per_epoch - first)  # batches in this window
+    members = sorted((int(self._order[base + first * size + j]) for j in range(count * size)),
+                     key=lambda k: self._lengths[k])  # stable: like lengths keep their shuffled order
+    batch = int(np.random.default_rng([plan.seed, epoch, window]).permutation(count)[slot])
+    return members[batch * size:(batch + 1) * size]
+
   def kept_indices(self, step: int) -> list[int]:
     """Positions in `pool.layouts` of this host's examples at `step`, in batch order."""
-    plan = self.plan
-    epoch, within = divmod(self._check_step(step), plan.steps_per_epoch)
-    start = epoch * plan.num_examples + within * plan.batch_size + plan.shard_index * plan.shard_size
-    return [int(self._order[start + j]) for j in range(plan.shard_size)]
+    start = self.plan.shard_index * self.plan.shard_size
+    return self.global_indices(step)[start:start + self.plan.shard_size]
 
   def source_indices(self, step: int) -> list[int]:
     """Positions in the source of this host's examples at `step`, in batch order."""
     return [self.pool.source_indices[k] for k in self.kept_indices(step)]
 
+  def padded_length(self, step: int) -> int:
+    """The tokens every row of global batch `step` is padded to: seq_len, or with length grouping the least
+    multiple of `length_bucket` that holds the batch's longest example (every host's slice alike)."""
+    seq_len, bucket = self.pool.encode.seq_len, self.plan.length_bucket
+    if not bucket:
+      return seq_len
+    longest = max(self._lengths[k] for k in self.global_indices(step))
+    return min(seq_len, -(-longest // bucket) * bucket)
+
   def _batch(self, step: int) -> Layout:
-    encode = self.pool.encode
     layouts = [self.pool.layouts[k] for k in self.kept_indices(step)]
-    return stack_layouts(layouts, length=encode.seq_len, num_threads=encode.num_threads)
+    return stack_layouts(layouts, length=self.padded_length(step), num_threads=self.pool.encode.num_threads)
 
 
 def step_batches(pool: EncodedPool, *, batch_size: int, seed: int, epochs: int, shard_index: int = 0,
-                 shard_count: int = 1) -> StepBatches:
+                 shard_count: int = 1, length_bucket: int = 0) -> StepBatches:
   """Batches by step over an already encoded pool (one pool can serve several shards or seeds)."""
-  check_plan(batch_size, seed, epochs, shard_index, shard_count)
+  check_plan(batch_size, seed, epochs, shard_index, shard_count, length_bucket)
   if pool.report.kept == 0:
     raise DataError(f"no example can be trained on: {pool.report.summary()}")
   if pool.report.kept < batch_size:
     raise ConfigError(f"global batch_size {batch_size} is more than the {pool.report.kept} kept examples "
                       f"({pool.report.summary()})")
-  plan = BatchPlan(pool.report.kept, batch_size, epochs, seed, shard_index, shard_count)
+  plan = BatchPlan(pool.report.kept, batch_size, epochs, seed, shard_index, shard_count, length_bucket)
   return StepBatches(pool, plan)
 
 
 def layout_dataset(source: Sequence[Mapping[str, Any]], tokenizer, vocab: TagVocab, encode: EncodeConfig, *,
                    batch_size: int, seed: int, epochs: int, shard_index: int = 0, shard_count: int = 1,
-                   progress: bool = True) -> StepBatches:
+                   length_bucket: int = 0, progress: bool = True) -> StepBatches:
   """A grain MapDataset of training batches by optimizer step (see the module doc).
 
   source: any random-access sequence of records (`tfds_builders.data_source`, a list of dicts).
   batch_size is global; this host gets batch_size / shard_count examples of each batch. The last
   incomplete batch of every epoch is dropped. `ds.report` counts the examples left out, by reason.
+  length_bucket > 0 batches examples of like length, each batch padded to a multiple of it (module doc).
   """
-  check_plan(batch_size, seed, epochs, shard_index, shard_count)
+  check_plan(batch_size, seed, epochs, shard_index, shard_count, length_bucket)
   pool = encode_pool(source, tokenizer, vocab, encode, progress=progress)
   return step_batches(pool, batch_size=batch_size, seed=seed, epochs=epochs, shard_index=shard_index,
-                      shard_count=shard_count)
+                      shard_count=shard_count, length_bucket=length_bucket)
 
 
 # --- annotation --------------------------------------------------------------------------------------

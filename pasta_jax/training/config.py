@@ -35,6 +35,7 @@ class TrainConfig:
   batch_size: int = 8  # global examples per optimizer step
   grad_accum: int = 1  # micro-batches per step (batch_size must divide by it)
   seq_len: int = 1024  # tokens per example, prompt + laid-out answer (longer examples are refused)
+  length_bucket: int = 0  # > 0: examples of like length batched together, padded to a multiple of this
   num_threads: int = 16  # horizon columns per example (main + forks)
   epochs: int = 4
   max_steps: int = 0  # > 0 caps the number of optimizer steps
@@ -66,6 +67,9 @@ class TrainConfig:
 
   def __post_init__(self):
     problems = []
+    if self.length_bucket < 0 or self.length_bucket > self.seq_len:
+      problems.append(f"length_bucket={self.length_bucket}; use 0 (every batch padded to seq_len) or a bucket in "
+                      f"(0, seq_len={self.seq_len}]")
     if self.lora_rank < 0:
       problems.append(f"lora_rank={self.lora_rank}; use 0 (full fine-tuning) or a positive rank")
     if self.kl_weight and not self.lora_rank:
