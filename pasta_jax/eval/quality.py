@@ -47,6 +47,18 @@ def answer_logprob(model, prompt: str, answer: str, chat: bool = True, bucket: i
   return float(logp.sum() / max(count, 1)), count
 
 
+def answer_token_logprobs(model, prompt: str, answer: str, chat: bool = True,
+                          bucket: int = 128) -> tuple[np.ndarray, np.ndarray]:
+  """([N] log p of each token of a tag-free `answer` under `model`, the end token last; [N] the character of
+  `answer` where each token starts, len(answer) for the end token): `answer_logprob` token by token, placed."""
+  batch = answer_layout(model, prompt, answer, chat, bucket)
+  logp = np.asarray(_logprob_fn(model.config)(model.params, batch))[0]
+  loss_mask = np.asarray(batch.loss_mask)[0].astype(bool)
+  targets = np.asarray(batch.targets)[0][loss_mask].tolist()
+  starts = [min(len(model.tokenizer.decode(targets[:k])), len(answer)) for k in range(len(targets) - 1)]
+  return logp[loss_mask], np.asarray(starts + [len(answer)])
+
+
 @functools.lru_cache(maxsize=4)
 def _continuation_fn(config):
   from pasta_jax.model.gemma import causal_mask

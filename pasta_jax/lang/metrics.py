@@ -208,6 +208,25 @@ def block_texts(annotated: str) -> list[str] | None:
   return [s.text for s in segments if isinstance(s, T.Block)]
 
 
+def block_spans(annotated: str) -> tuple[str, list[tuple[int, int]]] | None:
+  """(the clean answer, [start, end) character span of each block in it), or None if the answer does not parse
+  strictly: where in the text a sequential reader meets each fork's block."""
+  from pasta_jax.errors import TagError
+  from pasta_jax.lang import text as T
+  try:
+    segments = T.parse(annotated)
+    T.check_segments(segments)
+  except TagError:
+    return None
+  clean, spans = "", []
+  for segment in segments:
+    if isinstance(segment, T.Block):
+      spans.append((len(clean), len(clean) + len(segment.text)))
+    if isinstance(segment, (T.Text, T.Block)):
+      clean += segment.text
+  return clean, spans
+
+
 def duplicate_block_pairs(blocks: Sequence[str], n: int = DUPLICATE_NGRAM,
                           threshold: float = DUPLICATE_OVERLAP) -> tuple[int, int]:
   """(sibling pairs whose word n-gram overlap exceeds `threshold`, all sibling pairs) of one answer's
