@@ -3,7 +3,7 @@
 Two splits of a `bench.learned` run's results:
   per answer  the answers that fork against those that do not, each beside the baseline's answer to the same
               prompt; and the prompts where the baseline finished against those it ran to the token budget
-              (a greedy answer cut mid-loop is a likely one, so the cut inflate the baseline's side)
+              (a greedy answer cut mid-loop is a likely one: such cuts raise the baseline's side)
   per token   in the answers that fork: main's text, the blocks' text, and each block's first tokens, the seam
               where a block starts without having read its earlier siblings
 
