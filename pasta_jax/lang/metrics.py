@@ -198,14 +198,8 @@ def ngram_overlap(a: str, b: str, n: int = DUPLICATE_NGRAM) -> float:
 
 def block_texts(annotated: str) -> list[str] | None:
   """The block texts of a promise-form answer, or None if it does not parse strictly."""
-  from pasta_jax.errors import TagError
-  from pasta_jax.lang import text as T
-  try:
-    segments = T.parse(annotated)
-    T.check_segments(segments)
-  except TagError:
-    return None
-  return [s.text for s in segments if isinstance(s, T.Block)]
+  parsed = block_spans(annotated)
+  return None if parsed is None else [parsed[0][lo:hi] for lo, hi in parsed[1]]
 
 
 def block_spans(annotated: str) -> tuple[str, list[tuple[int, int]]] | None:
