@@ -1,5 +1,8 @@
 """One Pareto plot from several `bench.learned` runs: realized speedup against every quality proxy, and its table.
 
+--speed theoretical puts the steps' speedup on the x axis instead: the wall time of runs timed on different days
+carries the machine's drift between them, their step counts do not.
+
 Each --run is one series (one colour): a run's learned.json (or its folder), and optionally, after a comma, the
 learned.json of the same run read again with `--scorer base` (only the log p changes: it becomes the "log p under
 the base model" panel). Every run should hold the same prompts, so the points compare: the plot's title says how
@@ -19,7 +22,7 @@ import json
 import math
 from pathlib import Path
 
-from pasta_jax.eval.learned_plot import plot_series
+from pasta_jax.eval.learned_plot import SPEEDS, plot_series
 
 COLUMNS = (("fork rate", "fork_rate", 2), ("well-formed", "well_formed", 2), ("duplicate blocks", "duplicate_rate", 3),
            ("truncated", "truncated", 2), ("ROUGE-L", "rouge_l", 4), ("log p (scorer)", "logprob", 3),
@@ -33,6 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "the base model")
   parser.add_argument("--out", default="runs/pareto/pareto.png", help="the PNG (the table goes beside it, .md)")
   parser.add_argument("--title", default="")
+  parser.add_argument("--speed", choices=SPEEDS, default="realized",
+                      help="the x axis: realized speedup (wall time), or theoretical (steps), by which runs timed "
+                           "on different days still compare")
   return parser.parse_args(argv)
 
 
@@ -90,7 +96,7 @@ def main(argv=None) -> int:
   n = next(iter(next(iter(counts.values()))))
   out = Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  plot_series(series, out, args.title or f"realized speedup against each quality proxy, {n} prompts")
+  plot_series(series, out, args.title or f"{args.speed} speedup against each quality proxy, {n} prompts", args.speed)
   lines = [f"# The trade-off, {n} prompts", "", *table(series), ""]
   out.with_suffix(".md").write_text("\n".join(lines))
   print("\n".join(lines))

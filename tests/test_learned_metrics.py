@@ -150,6 +150,17 @@ def test_quality_pareto_plots_every_model_and_the_baseline(tmp_path):
     plot_quality_pareto({}, tmp_path / "q.png")
 
 
+def test_pareto_points_take_the_asked_speed_and_skip_what_is_not_finite(tmp_path):
+  from pasta_jax.eval.learned_plot import plot_series, series_points
+  figures = {"pasta:a": {"realized": 1.4, "theoretical": 1.6, "fork_bias": 4.0, "pasta": {"rouge_l": 0.12}},
+             "pasta:b": {"realized": 1.1, "theoretical": math.nan, "pasta": {"rouge_l": 0.10}},
+             "pasta:c": {"realized": 1.2, "theoretical": 1.3, "pasta": {"rouge_l": math.nan}}}
+  assert series_points(figures, "rouge_l", "theoretical") == [(1.6, 0.12, "pasta:a", 4.0)]
+  assert series_points(figures, "rouge_l", "realized") == [(1.4, 0.12, "pasta:a", 4.0), (1.1, 0.10, "pasta:b", 0.0)]
+  with pytest.raises(ValueError, match="speed must be one of"):
+    plot_series({"": figures}, tmp_path / "p.png", speed="wall")
+
+
 def _learned_json(path, n: int, rows: dict) -> str:
   base = {"rouge_l": 0.13, "logprob": -0.9, "truncated": 0.4, "duplicate_rate": 0.0}
   figures = {name: {"n": n, "realized": realized, "theoretical": realized + 0.1, "fork_bias": bias, "baseline": base,
@@ -169,6 +180,9 @@ def test_pareto_merges_the_base_scored_run_and_plots_every_series(tmp_path):
   out = tmp_path / "plot" / "p.png"
   assert pareto.main(["--out", str(out), "--run", f"sweep={sweep},{under_base}", "--run", f"knob={knob}"]) == 0
   assert out.read_bytes()[:4] == b"\x89PNG"
+  by_steps = tmp_path / "plot" / "steps.png"
+  assert pareto.main(["--out", str(by_steps), "--speed", "theoretical", "--run", f"knob={knob}"]) == 0
+  assert by_steps.read_bytes()[:4] == b"\x89PNG"
   rows = {line.split("|")[2].strip(): line for line in out.with_suffix(".md").read_text().splitlines()[4:]}
   assert "-1.700" in rows["`pasta:l0`"] and "-1.300" in rows["`pasta:l0`"]  # log p under the scorer, the base
   assert rows["`pasta:d@fork_bias=8`"].split("|")[3].strip() == "8" and rows["`pasta:d`"].endswith("| - |")

@@ -20,6 +20,7 @@ PANELS = (("rouge_l", "ROUGE-L vs reference answer", True),
           ("logprob_base", "log p per token under the base model", True),
           ("duplicate_rate", "duplicate sibling blocks (share)", False),
           ("truncated", "answers cut at the token budget (share)", False))
+SPEEDS = ("realized", "theoretical")
 
 
 def plot_quality_pareto(figures: Mapping[str, Mapping], path: str | os.PathLike, title: str = "") -> str:
@@ -27,9 +28,13 @@ def plot_quality_pareto(figures: Mapping[str, Mapping], path: str | os.PathLike,
   return plot_series({"": figures}, path, title)
 
 
-def plot_series(series: Mapping[str, Mapping[str, Mapping]], path: str | os.PathLike, title: str = "") -> str:
+def plot_series(series: Mapping[str, Mapping[str, Mapping]], path: str | os.PathLike, title: str = "",
+                speed: str = "realized") -> str:
   """series: label -> {row name -> `learned_figures` output}, one colour each; every series' figures must share
-  one baseline run (its point is the first figure's)."""
+  one baseline run (its point is the first figure's). speed: the x axis, "realized" (wall time) or "theoretical"
+  (steps: what runs timed on different days still compare by, since a machine's speed drifts between them)."""
+  if speed not in SPEEDS:
+    raise ValueError(f"speed must be one of {SPEEDS}, got {speed!r}")
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -49,8 +54,8 @@ def plot_series(series: Mapping[str, Mapping[str, Mapping]], path: str | os.Path
       ax.scatter([1.0], [baseline[key]], marker="s", color="black", zorder=3)
       ax.annotate("Baseline-SFT", (1.0, baseline[key]), textcoords="offset points", xytext=(6, -12), fontsize=7)
     for i, (name, figures) in enumerate(series.items()):
-      _plot_one_series(ax, figures, key, name, f"C{i}")
-    ax.set_xlabel("realized speedup vs Baseline-SFT (geo)")
+      _plot_one_series(ax, series_points(figures, key, speed), name, f"C{i}")
+    ax.set_xlabel(f"{speed} speedup vs Baseline-SFT (geo)")
     ax.set_ylabel(label.format(scorer=scorer) + ("" if higher else " (lower is better)"))
     ax.grid(alpha=0.3)
   if len(series) > 1 or next(iter(series)):
@@ -62,9 +67,13 @@ def plot_series(series: Mapping[str, Mapping[str, Mapping]], path: str | os.Path
   return str(path)
 
 
-def _plot_one_series(ax, figures: Mapping[str, Mapping], key: str, label: str, color: str) -> None:
-  points = [(f["realized"], f["pasta"][key], name, f.get("fork_bias", 0.0)) for name, f in figures.items()
-            if math.isfinite(f["pasta"].get(key, math.nan)) and math.isfinite(f["realized"])]
+def series_points(figures: Mapping[str, Mapping], key: str, speed: str) -> list[tuple[float, float, str, float]]:
+  """(speedup, proxy, row name, fork bias) for each row with both figures finite."""
+  return [(f[speed], f["pasta"][key], name, f.get("fork_bias", 0.0)) for name, f in figures.items()
+          if math.isfinite(f["pasta"].get(key, math.nan)) and math.isfinite(f.get(speed, math.nan))]
+
+
+def _plot_one_series(ax, points: list[tuple[float, float, str, float]], label: str, color: str) -> None:
   if not points:
     return
   ax.scatter([p[0] for p in points], [p[1] for p in points], color=color, zorder=3, label=label or None)
