@@ -77,3 +77,23 @@ def test_ship_replaces_adapter_files_keeps_heads_and_never_deletes_what_it_ships
   recipe.stage_ship(recipe.parse_args(["--out", str(run), "--ship-lambda", "1", "--bonbon-rounds", "2"]), run)
   assert json.loads((shipped / "pasta-bon" / "generation.json").read_text()) == {"method": "pasta",
                                                                                  "position_mode": "fixed"}
+
+
+def test_pasta_sft_takes_its_kl_toward_this_runs_baseline_sft_once_that_is_trained(tmp_path, monkeypatch):
+  import pytest
+
+  from pasta_jax.errors import PastaError
+  from train import sft
+  calls = []
+  monkeypatch.setattr(sft, "main", lambda flags: calls.append(flags) or 0)
+  args = recipe.parse_args(["--out", str(tmp_path), "--pasta-kl-to-baseline", "0.5", "--kl-weight", "0.1"])
+  with pytest.raises(PastaError, match="Baseline-SFT first"):
+    recipe.stage_sft(args, tmp_path, "pasta_sft")
+  (tmp_path / "baseline_sft" / "model").mkdir(parents=True)
+  (tmp_path / "baseline_sft" / "model" / "COMPLETE").write_text("complete")
+  recipe.stage_sft(args, tmp_path, "baseline_sft")
+  recipe.stage_sft(args, tmp_path, "pasta_sft")
+  baseline, pasta = calls
+  assert baseline[baseline.index("--kl-weight") + 1] == "0.1" and "--kl-reference" not in baseline
+  assert pasta.count("--kl-weight") == 1 and pasta[pasta.index("--kl-weight") + 1] == "0.5"
+  assert pasta[pasta.index("--kl-reference") + 1] == str(tmp_path / "baseline_sft" / "model")

@@ -27,7 +27,7 @@ OVERRIDES = {  # flag -> (TrainConfig field, type)
   # adapters: --lora-rank 16 trains LoRA factors and tag/chat embedding rows over a frozen base
   "--lora-rank": ("lora_rank", int), "--lora-alpha": ("lora_alpha", float),
   "--lora-targets": ("lora_targets", _names), "--train-rows": ("train_rows", _names),
-  "--kl-weight": ("kl_weight", float), "--attention": ("attention", str),
+  "--kl-weight": ("kl_weight", float), "--kl-reference": ("kl_reference", str), "--attention": ("attention", str),
 }
 
 

@@ -76,7 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--lora-rank", type=int, default=16, help="0: full fine-tuning")
   parser.add_argument("--lora-alpha", type=float, default=16.0)
   parser.add_argument("--lora-targets", default="q,k,v,o,gate,up,down")
-  parser.add_argument("--kl-weight", type=float, default=0.0)
+  parser.add_argument("--kl-weight", type=float, default=0.0, help="SFT stages: KL(tuned || base) per answer token")
+  parser.add_argument("--pasta-kl-to-baseline", type=float, default=0.0, metavar="WEIGHT",
+                      help="pasta_sft: instead, KL(tuned || this run's Baseline-SFT) on the answer's text (tags left "
+                           "out) at this weight, pulling Pasta-SFT's text toward Baseline-SFT's")
   parser.add_argument("--lambdas", default="0,1", help="BoNBoN quality weights, one run each (Pareto)")
   parser.add_argument("--bonbon-prompts", type=int, default=32, help="held-in prompts sampled for BoNBoN")
   parser.add_argument("--samples", type=int, default=4, help="BoNBoN: N answers per prompt")
@@ -174,13 +177,22 @@ def stage_sft(args, out: Path, stage: str) -> None:
            "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
            "--warmup-steps", str(args.warmup_steps), "--lora-rank", str(args.lora_rank),
            "--lora-alpha", str(args.lora_alpha), "--lora-targets", args.lora_targets,
-           "--kl-weight", str(args.kl_weight), "--seed", str(args.seed), "--save-every", "10",
-           "--length-bucket", str(args.length_bucket)]
+           "--seed", str(args.seed), "--save-every", "10", "--length-bucket", str(args.length_bucket),
+           *_kl_flags(args, out, stage)]
   if args.model:
     flags += ["--model", args.model]
   code = sft.main(flags)
   if code:
     raise PastaError(f"{stage} stopped with exit code {code}")
+
+
+def _kl_flags(args, out: Path, stage: str) -> list[str]:
+  if stage == "pasta_sft" and args.pasta_kl_to_baseline > 0:
+    reference = out / "baseline_sft" / "model"
+    if not _done(out, "baseline_sft"):
+      raise PastaError(f"--pasta-kl-to-baseline needs this run's Baseline-SFT first: {reference} is not complete")
+    return ["--kl-weight", str(args.pasta_kl_to_baseline), "--kl-reference", str(reference)]
+  return ["--kl-weight", str(args.kl_weight)]
 
 
 def stage_bonbon(args, out: Path) -> None:

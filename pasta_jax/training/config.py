@@ -63,6 +63,7 @@ class TrainConfig:
   lora_targets: tuple[str, ...] = ("q", "k", "v", "o")  # the earlier paper's choice (rank 16, alpha 16)
   train_rows: tuple[str, ...] = ("tags", "chat")  # embedder rows that train with an adapter
   kl_weight: float = 0.0  # the earlier paper's KL(tuned || base) on answer tokens (it used 0.2)
+  kl_reference: str = ""  # an adapter folder over the same base (e.g. Baseline-SFT) the KL pulls toward; "": the base
   attention: str = "xla"  # "xla" or "pallas": the attention kernel over the thread metadata (model/thread_attention.py)
 
   def __post_init__(self):
@@ -74,6 +75,8 @@ class TrainConfig:
       problems.append(f"lora_rank={self.lora_rank}; use 0 (full fine-tuning) or a positive rank")
     if self.kl_weight and not self.lora_rank:
       problems.append("kl_weight needs an adapter run (lora_rank > 0): the frozen base is the KL's reference")
+    if self.kl_reference and self.kl_weight <= 0:
+      problems.append(f"kl_reference={self.kl_reference!r} does nothing with kl_weight={self.kl_weight}; give both")
     unknown_rows = sorted(set(self.train_rows) - {"tags", "chat"})
     if unknown_rows:
       problems.append(f"unknown train_rows {unknown_rows}; use tags and/or chat")

@@ -8,7 +8,7 @@ interpreter sees at decode time, and positions come from the layout (promise `to
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ from pasta_jax.lang.layout import Layout
 from pasta_jax.model.output import ModelOutput
 
 ApplyFn = Callable[..., ModelOutput]
+EXCLUDED_LOGIT = -1e30  # an excluded token's logit in the KL: probability 0, every term finite
 
 
 def token_logprobs(apply_fn: ApplyFn, params, batch: Layout) -> jax.Array:
@@ -38,21 +39,36 @@ def sft_loss_sum(apply_fn: ApplyFn, params, batch: Layout) -> tuple[jax.Array, j
   return -logp.sum(), batch.loss_mask.sum().astype(jnp.float32)
 
 
-def sft_kl_loss_sum(apply_fn: ApplyFn, base_apply_fn: ApplyFn, params, batch: Layout,
-                    kl_weight: float) -> tuple[jax.Array, jax.Array, dict]:
-  """SFT plus kl_weight x KL(tuned || frozen base) per loss token, as the earlier paper's adapter runs.
+def sft_kl_loss_sum(apply_fn: ApplyFn, reference_apply_fn: ApplyFn, params, reference_params, batch: Layout,
+                    kl_weight: float, excluded_ids: Sequence[int] = ()) -> tuple[jax.Array, jax.Array, dict]:
+  """SFT plus kl_weight x KL(tuned || reference) per loss token, as the earlier paper's adapter runs.
 
-  The base logits come from the same params with the adapter left out (`base_apply_fn` is the
-  adapter-free model), under stop_gradient: only the adapter moves.
+  The reference is the frozen base (`reference_apply_fn` the adapter-free model on the same params) or
+  another adapter over it (e.g. Baseline-SFT), under stop_gradient: only the adapter moves.
+  excluded_ids: tokens the reference never writes (PASTA's tags). Both distributions are renormalized over
+  the other tokens and a position whose target is one of them carries no KL, so the term pulls the text
+  toward the reference's without teaching the model not to fork.
   """
   mask = batch.thread_mask()
   logits = apply_fn(params, batch.tokens, batch.positions, mask).logits  # [B, L, V]
-  base_logits = base_apply_fn(params, batch.tokens, batch.positions, mask).logits
+  reference_logits = reference_apply_fn(reference_params, batch.tokens, batch.positions, mask).logits
   logp = jax.nn.log_softmax(logits, axis=-1)
-  base_logp = jax.lax.stop_gradient(jax.nn.log_softmax(base_logits, axis=-1))
   picked = jnp.take_along_axis(logp, batch.targets[..., None], axis=-1)[..., 0]
-  kl = jnp.sum(jnp.exp(logp) * (logp - base_logp), axis=-1)  # [B, L]
   nll = -jnp.where(batch.loss_mask, picked, 0.0).sum()
-  kl_sum = jnp.where(batch.loss_mask, kl, 0.0).sum()
+  kl = _content_kl(logits, jax.lax.stop_gradient(reference_logits), excluded_ids)  # [B, L]
+  kl_mask = batch.loss_mask & ~jnp.isin(batch.targets, jnp.asarray(excluded_ids, jnp.int32))
+  kl_sum = jnp.where(kl_mask, kl, 0.0).sum()
   count = batch.loss_mask.sum().astype(jnp.float32)
-  return nll + kl_weight * kl_sum, count, {"kl": kl_sum / jnp.maximum(count, 1.0)}
+  kl_count = kl_mask.sum().astype(jnp.float32)
+  return nll + kl_weight * kl_sum, count, {"kl": kl_sum / jnp.maximum(kl_count, 1.0)}
+
+
+def _content_kl(logits: jax.Array, reference_logits: jax.Array, excluded_ids: Sequence[int]) -> jax.Array:
+  """[B, L] KL(p || q) of the two [B, L, V] logits' distributions over the tokens not in excluded_ids."""
+  if excluded_ids:  # a finite floor, not -inf: 0 * (-inf - -inf) would turn the gradient into NaN
+    ids = jnp.asarray(excluded_ids, jnp.int32)
+    logits = logits.at[..., ids].set(EXCLUDED_LOGIT)
+    reference_logits = reference_logits.at[..., ids].set(EXCLUDED_LOGIT)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  logq = jax.nn.log_softmax(reference_logits, axis=-1)
+  return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)

@@ -20,7 +20,7 @@ from pasta_jax.model import lora
 from pasta_jax.model.partitioning import RULES
 from pasta_jax.training.state import TrainState
 
-LossFn = Callable[[dict, object], tuple[jax.Array, jax.Array, dict]]
+LossFn = Callable[..., tuple[jax.Array, jax.Array, dict]]  # (params, micro_batch, *loss_args)
 
 
 def split_micro_batches(batch, grad_accum: int):
@@ -48,14 +48,15 @@ def place_batch(host_batch, mesh: Mesh, grad_accum: int):
   return jax.tree.map(jax.make_array_from_process_local_data, shardings, micro)
 
 
-def _accumulate(loss_fn: LossFn, params, micro_batches, frozen=None):
+def _accumulate(loss_fn: LossFn, params, micro_batches, frozen=None, loss_args=()):
   """Sums (grads of numerator, numerator, denominator) over the leading micro-batch axis.
 
   With `frozen` (an adapter run), the loss sees the frozen base merged with `params`, and gradients
-  are taken with respect to `params` (the adapter) only.
+  are taken with respect to `params` (the adapter) only. `loss_args`: further frozen trees the loss takes
+  after the micro-batch (a KL reference adapter).
   """
   combine = (lambda p: p) if frozen is None else (lambda p: lora.merge(frozen, p))
-  grad_fn = jax.value_and_grad(lambda p, mb: _split_aux(loss_fn(combine(p), mb)), has_aux=True)
+  grad_fn = jax.value_and_grad(lambda p, mb: _split_aux(loss_fn(combine(p), mb, *loss_args)), has_aux=True)
 
   def body(carry, micro_batch):
     grads_sum, num_sum, den_sum = carry
@@ -75,14 +76,16 @@ def _split_aux(out):
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    state_shardings: TrainState, batch_shardings, frozen_shardings=None) -> Callable:
-  """jit(step)(state, batch [A, B, ...][, frozen]) -> (state, metrics); the state buffers are donated.
+                    state_shardings: TrainState, batch_shardings, frozen_shardings=None,
+                    loss_arg_shardings: tuple = ()) -> Callable:
+  """jit(step)(state, batch [A, B, ...][, frozen, *loss_args]) -> (state, metrics); the state buffers are donated.
 
-  frozen_shardings: an adapter run's frozen base params (an argument, never a baked-in constant).
+  frozen_shardings: an adapter run's frozen base params; loss_arg_shardings: the frozen trees the loss takes
+  after the micro-batch (arguments, never baked-in constants).
   """
 
-  def step(state: TrainState, batch, frozen=None):
-    grads, num, den, aux = _accumulate(loss_fn, state.params, batch, frozen)
+  def step(state: TrainState, batch, frozen=None, *loss_args):
+    grads, num, den, aux = _accumulate(loss_fn, state.params, batch, frozen, loss_args)
     den = jnp.maximum(den, 1.0)
     grads = jax.tree.map(lambda g: g / den.astype(g.dtype), grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -93,5 +96,5 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, sc
 
   in_shardings = (state_shardings, batch_shardings)
   if frozen_shardings is not None:
-    in_shardings += (frozen_shardings,)
+    in_shardings += (frozen_shardings, *loss_arg_shardings)
   return jax.jit(step, in_shardings=in_shardings, out_shardings=(state_shardings, None), donate_argnums=0)

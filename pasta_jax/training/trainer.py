@@ -64,12 +64,20 @@ class TrainResult:
   model_dir: object | None  # exported final model (None when stopped early)
 
 
-def make_loss_fn(config: TrainConfig, apply_fn: Callable, base_apply_fn: Callable | None = None) -> step_lib.LossFn:
-  """The objective as a (numerator, denominator, aux) micro-batch loss."""
+def make_loss_fn(config: TrainConfig, apply_fn: Callable, reference_apply_fn: Callable | None = None,
+                 excluded_ids: tuple[int, ...] = ()) -> step_lib.LossFn:
+  """The objective as a (numerator, denominator, aux) micro-batch loss.
+
+  With kl_weight, reference_apply_fn is the KL's reference model: the adapter-free model on the same params,
+  or, given a reference adapter as the loss's extra argument, the model with that adapter instead of the
+  trained one. excluded_ids: the tags, left out of the KL (`losses.sft_kl_loss_sum`)."""
   # the layout carries mask and targets
   sft_like = config.objective in ("sft", "baseline_sft", "apar_sft", "scoped_sft")
   if sft_like and config.kl_weight > 0:
-    return lambda params, batch: sft_kl_loss_sum(apply_fn, base_apply_fn, params, batch, config.kl_weight)
+    def sft_kl(params, batch, kl_reference=None):
+      reference = params if kl_reference is None else lora.merge(lora.split(params)[0], kl_reference)
+      return sft_kl_loss_sum(apply_fn, reference_apply_fn, params, reference, batch, config.kl_weight, excluded_ids)
+    return sft_kl
   if sft_like:
     return lambda params, batch: (*sft_loss_sum(apply_fn, params, batch), {})
   from pasta_jax.training.bonbon import bonbon_objective
@@ -120,9 +128,11 @@ class Trainer:
     sample = step_lib.split_micro_batches(dataset[0], config.grad_accum)
     batch_shardings = step_lib.micro_batch_shardings(self.mesh, sample)
     frozen_shardings = None if self.frozen is None else param_shardings(self.frozen, self.mesh)
-    loss_fn = make_loss_fn(config, apply_fn, gemma().apply)
+    self.kl_reference, reference_adapter = self._kl_reference(config)
+    loss_args = () if self.kl_reference is None else (param_shardings(self.kl_reference, self.mesh),)
+    loss_fn = make_loss_fn(config, apply_fn, gemma(adapter=reference_adapter).apply, self._kl_excluded_ids(config))
     self.step_fn = step_lib.make_train_step(loss_fn, self.optimizer, self.schedule, self.shardings,
-                                            batch_shardings, frozen_shardings)
+                                            batch_shardings, frozen_shardings, loss_args)
     self.flops_per_token = train_flops_per_token(model.config, config.seq_len)
     self.log = MetricsLog(self.out_dir, enabled=jax.process_index() == 0)
 
@@ -141,6 +151,21 @@ class Trainer:
       base, trainable = model.params, lora.init_adapter(model.params, self.adapter, jax.random.key(config.seed))
     frozen = cast(base)
     return cast(trainable), jax.device_put(frozen, param_shardings(frozen, self.mesh))
+
+  def _kl_reference(self, config: TrainConfig) -> tuple[dict | None, lora.AdapterConfig | None]:
+    """(the KL's reference adapter tree, placed; its config), or (None, None) when the KL pulls toward the base."""
+    if not config.kl_reference:
+      return None, None
+    tree, reference_config, _ = lora.load_adapter(config.kl_reference)
+    lora.check_matches(self.frozen, tree, f"the KL reference {config.kl_reference}")
+    tree = jax.tree.map(lambda x: jnp.asarray(x, config.param_dtype), tree)
+    return jax.device_put(tree, param_shardings(tree, self.mesh)), reference_config
+
+  def _kl_excluded_ids(self, config: TrainConfig) -> tuple[int, ...]:
+    """The tags, which neither the base nor a Baseline-SFT reference writes: left out of a PASTA objective's KL."""
+    if config.kl_weight <= 0 or config.objective not in PASTA_OBJECTIVES or self.model.tokenizer is None:
+      return ()
+    return tuple(tag_vocab_for(self.model.tokenizer, config.position_mode).tag_ids)
 
   def _maybe_resume(self) -> int | None:
     latest = self.checkpoints.latest_step()
@@ -172,6 +197,7 @@ class Trainer:
     host_batch = self.dataset[step]
     batch = step_lib.place_batch(host_batch, self.mesh, self.config.grad_accum)
     frozen = () if self.frozen is None else (self.frozen,)
+    frozen += () if self.kl_reference is None else (self.kl_reference,)
     self.state, metrics = self.step_fn(self.state, batch, *frozen)
     values = {k: float(v) for k, v in metrics.items()}  # float() waits for the step
     seconds = time.perf_counter() - began
