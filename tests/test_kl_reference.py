@@ -119,3 +119,5 @@ def test_a_kl_reference_is_refused_without_a_weight_or_over_another_model(tmp_pa
                              lora.AdapterConfig(rank=2), base="other")
   with pytest.raises(Exception, match="another model"):
     _trainer(tmp_path / "run", steps=2, kl_weight=1.0, kl_reference=str(folder))
+  with pytest.raises(ConfigError, match="neither a shipped adapter"):
+    _trainer(tmp_path / "run", steps=2, kl_weight=1.0, kl_reference=str(tmp_path / "nowhere"))

@@ -63,7 +63,7 @@ class TrainConfig:
   lora_targets: tuple[str, ...] = ("q", "k", "v", "o")  # the earlier paper's choice (rank 16, alpha 16)
   train_rows: tuple[str, ...] = ("tags", "chat")  # embedder rows that train with an adapter
   kl_weight: float = 0.0  # the earlier paper's KL(tuned || base) on answer tokens (it used 0.2)
-  kl_reference: str = ""  # an adapter folder over the same base (e.g. Baseline-SFT) the KL pulls toward; "": the base
+  kl_reference: str = ""  # an adapter (folder or shipped name, e.g. baseline-sft) the KL pulls toward; "": the base
   attention: str = "xla"  # "xla" or "pallas": the attention kernel over the thread metadata (model/thread_attention.py)
 
   def __post_init__(self):

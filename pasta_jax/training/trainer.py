@@ -30,7 +30,7 @@ from pasta_jax.errors import ConfigError
 from pasta_jax.lang.tags import tag_vocab_for
 from pasta_jax.model import lora, runfiles
 from pasta_jax.model.gemma import Gemma
-from pasta_jax.model.load import LoadedModel, base_reference, write_generation_file
+from pasta_jax.model.load import SHIPPED, LoadedModel, base_reference, shipped_adapter, write_generation_file
 from pasta_jax.model.mesh import make_mesh
 from pasta_jax.model.partitioning import gather_to_host, param_shardings
 from pasta_jax.paths import run_path
@@ -156,7 +156,11 @@ class Trainer:
     """(the KL's reference adapter tree, placed; its config), or (None, None) when the KL pulls toward the base."""
     if not config.kl_reference:
       return None, None
-    tree, reference_config, _ = lora.load_adapter(config.kl_reference)
+    folder = shipped_adapter(config.kl_reference) or config.kl_reference  # a shipped name or a folder
+    if not lora.is_adapter_folder(folder):
+      raise ConfigError(f"kl_reference {config.kl_reference!r} is neither a shipped adapter ({', '.join(SHIPPED)}) "
+                        "nor a folder holding an adapter.json")
+    tree, reference_config, _ = lora.load_adapter(folder)
     lora.check_matches(self.frozen, tree, f"the KL reference {config.kl_reference}")
     tree = jax.tree.map(lambda x: jnp.asarray(x, config.param_dtype), tree)
     return jax.device_put(tree, param_shardings(tree, self.mesh)), reference_config
