@@ -156,7 +156,8 @@ class Trainer:
     """(the KL's reference adapter tree, placed; its config), or (None, None) when the KL pulls toward the base."""
     if not config.kl_reference:
       return None, None
-    folder = shipped_adapter(config.kl_reference) or config.kl_reference  # a shipped name or a folder
+    name = config.kl_reference  # a shipped name, as load_model takes it, or a folder
+    folder = (shipped_adapter(name) or name) if name in SHIPPED else name
     if not lora.is_adapter_folder(folder):
       raise ConfigError(f"kl_reference {config.kl_reference!r} is neither a shipped adapter ({', '.join(SHIPPED)}) "
                         "nor a folder holding an adapter.json")
