@@ -16,11 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from pasta_jax.errors import PastaError
 from pasta_jax.lang.apar_tree import Node, parse_tree
-from pasta_jax.lang.layout import Layout, fitted_shape, horizons_from_views, stream_targets
+from pasta_jax.lang.layout import Layout, filled_layout, fitted_shape, horizons_from_views
 from pasta_jax.lang.tags import TagVocab
 
 
@@ -77,13 +75,5 @@ def apar_layout(prompt_ids: Sequence[int], tree_ids: Sequence[int], vocab: TagVo
 def _arrays(rows: _Rows, num_prompt: int, length: int | None, num_threads: int | None, pad_id: int) -> Layout:
   n = len(rows.tokens)
   length, num_threads = fitted_shape(n, len(rows.streams), length, num_threads)
-  tokens = np.full((length,), pad_id, np.int32)
-  tokens[:n] = rows.tokens
-  positions = np.zeros((length,), np.int32)
-  positions[:n] = rows.positions
-  thread = np.zeros((length,), np.int32)
-  thread[:n] = rows.thread
   horizon = horizons_from_views(rows.view, length, num_threads)
-  targets, loss_mask = stream_targets(rows.tokens, rows.streams, num_prompt, length)
-  return Layout(tokens=tokens, positions=positions, thread=thread, order=np.arange(length, dtype=np.int32),
-                valid=np.arange(length) < n, horizon=horizon, targets=targets, loss_mask=loss_mask)
+  return filled_layout(rows.tokens, rows.positions, rows.thread, horizon, rows.streams, num_prompt, pad_id)

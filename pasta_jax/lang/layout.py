@@ -184,20 +184,28 @@ def _arrays(rows: _Rows, main: list[int], forks: list[list[int]], num_prompt: in
     raise PastaError(f"example needs {n} tokens but the layout length is {length}")
   if 1 + len(forks) > num_threads:
     raise PastaError(f"example has {1 + len(forks)} threads but the layout allows {num_threads}")
-  tokens = np.full((length,), pad_id, np.int32)
-  tokens[:n] = rows.tokens
-  positions = np.zeros((length,), np.int32)
-  positions[:n] = rows.positions
-  thread = np.zeros((length,), np.int32)
-  thread[:n] = rows.thread
   horizon = np.full((length, num_threads), HIDDEN, np.int32)
   for i in range(n):
     horizon[i, 1: 1 + rows.synced[i]] = UNBOUNDED
     horizon[i, 0] = rows.main_limit[i]
     horizon[i, rows.thread[i]] = i  # causal on its own thread
-  targets, loss_mask = stream_targets(rows.tokens, [main] + forks, num_prompt, length)
-  return Layout(tokens=tokens, positions=positions, thread=thread, order=np.arange(length, dtype=np.int32),
-                valid=np.arange(length) < n, horizon=horizon, targets=targets, loss_mask=loss_mask)
+  return filled_layout(rows.tokens, rows.positions, rows.thread, horizon, [main] + forks, num_prompt, pad_id)
+
+
+def filled_layout(tokens: Sequence[int], positions: Sequence[int], thread: Sequence[int], horizon: np.ndarray,
+                  streams: Sequence[Sequence[int]], num_prompt: int, pad_id: int) -> Layout:
+  """The Layout of n laid-out rows, padded to the [L, U] `horizon`'s L (a layout builder's last step)."""
+  n, length = len(tokens), horizon.shape[0]
+
+  def padded(values, fill):
+    out = np.full((length,), fill, np.int32)
+    out[:n] = values
+    return out
+
+  targets, loss_mask = stream_targets(tokens, streams, num_prompt, length)
+  return Layout(tokens=padded(tokens, pad_id), positions=padded(positions, 0), thread=padded(thread, 0),
+                order=np.arange(length, dtype=np.int32), valid=np.arange(length) < n, horizon=horizon,
+                targets=targets, loss_mask=loss_mask)
 
 
 def fitted_shape(tokens: int, threads: int, length: int | None, num_threads: int | None) -> tuple[int, int]:
