@@ -17,14 +17,12 @@ import argparse
 
 from tqdm import tqdm
 
-from bench.common import add_replay_flags, second_of_two, table
+from bench.common import add_replay_flags, first, replay_answers, second_of_two, table
 from bench.interpreter import DATA
 from pasta_jax.data.apar_format import apar_annotate
-from pasta_jax.data.sources import read_records
 from pasta_jax.data.structural import annotate
 from pasta_jax.decode import api
 from pasta_jax.decode.apar_text import encode_apar_text
-from pasta_jax.decode.loop import bucket
 from pasta_jax.errors import TagError
 from pasta_jax.lang.metrics import geometric_mean
 from pasta_jax.methods import Apar, Pasta, generate
@@ -35,24 +33,25 @@ def candidates(model, path: str, answer_tokens: int, prompt_bucket: int, limit: 
   """(id, prompt, plain answer, PASTA annotation, APAR annotation) for answers both can structure."""
   lang = api.LangTokenizer(model.tokenizer)
   vocab = model.tokenizer.tag_vocab()
-  for row in read_records(path):
-    prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
-    if bucket(len(api.prompt_ids(model.tokenizer, [prompt], chat=True)[0])) != prompt_bucket:
-      continue
-    plain = lang.decode(lang.encode(row["output"])[:answer_tokens])
-    pasta = annotate(plain, lambda s: len(lang.encode(s)))
-    apar = apar_annotate(plain).annotated
-    if pasta is None or apar is None:
-      continue
-    try:
-      api.forced_scripts(pasta, lang, vocab)
-      encode_apar_text(apar, lang, vocab)
-    except TagError:
-      continue
-    yield row["id"], prompt, plain, pasta, apar
-    limit -= 1
-    if limit == 0:
-      return
+
+  def structured():
+    for answer_id, prompt, _, plain in replay_answers(model, path, answer_tokens, prompt_bucket):
+      pasta = annotate(plain, lambda s: len(lang.encode(s)))
+      apar = apar_annotate(plain).annotated
+      if pasta is not None and apar is not None and both_replayable(pasta, apar, lang, vocab):
+        yield answer_id, prompt, plain, pasta, apar
+
+  return first(structured(), limit, f"no answer in {path} has a prompt of padded length {prompt_bucket} that "
+                                    "both formats can structure")
+
+
+def both_replayable(pasta: str, apar: str, lang, vocab) -> bool:
+  try:
+    api.forced_scripts(pasta, lang, vocab)
+    encode_apar_text(apar, lang, vocab)
+  except TagError:
+    return False
+  return True
 
 
 def measure(model, prompt, plain, pasta, apar, args) -> dict:

@@ -17,15 +17,12 @@ shape bucket so each loop compiles once.
 from __future__ import annotations
 
 import argparse
-import json
 
 from tqdm import tqdm
 
-from bench.common import add_replay_flags, plain_step, second_of_two, table
-from pasta_jax.data.sources import resolve_path
+from bench.common import add_replay_flags, first, plain_step, replay_answers, second_of_two, table
 from pasta_jax.data.structural import annotate
 from pasta_jax.decode import api, naive
-from pasta_jax.decode.loop import bucket
 from pasta_jax.errors import TagError
 from pasta_jax.lang.metrics import geometric_mean
 from pasta_jax.lang.text import strip_tags
@@ -39,28 +36,23 @@ def candidates(model, path: str, answer_tokens: int, prompt_bucket: int, limit: 
   """(id, prompt, prompt ids, annotated answer) for LIMA answers that get at least one block."""
   lang_tok = api.LangTokenizer(model.tokenizer)
   vocab = model.tokenizer.tag_vocab()
-  found = 0
-  with open(resolve_path(path)) as f:
-    for line in f:
-      row = json.loads(line)
-      prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
-      ids = api.prompt_ids(model.tokenizer, [prompt], chat=True)[0]
-      if bucket(len(ids)) != prompt_bucket:  # one prompt shape: one compile per loop
-        continue
-      answer = lang_tok.decode(lang_tok.encode(row["output"])[:answer_tokens])
+
+  def forkable():
+    for answer_id, prompt, ids, answer in replay_answers(model, path, answer_tokens, prompt_bucket):
       annotated = annotate(answer, lambda s: len(lang_tok.encode(s)))
-      if annotated is None:
-        continue
-      try:
-        api.forced_scripts(annotated, lang_tok, vocab)
-      except TagError:
-        continue
-      yield row["id"], prompt, ids, annotated
-      found += 1
-      if found == limit:
-        return
-  if found == 0:  # e.g. a tokenizer that splits words: every prompt lands in a bigger bucket
-    raise SystemExit(f"no answer in {path} has a prompt of padded length {prompt_bucket} and a block to fork")
+      if annotated is not None and replayable(annotated, lang_tok, vocab):
+        yield answer_id, prompt, ids, annotated
+
+  return first(forkable(), limit, f"no answer in {path} has a prompt of padded length {prompt_bucket} and a "
+                                  "block to fork")
+
+
+def replayable(annotated: str, lang_tok, vocab) -> bool:
+  try:
+    api.forced_scripts(annotated, lang_tok, vocab)
+  except TagError:
+    return False
+  return True
 
 
 def measure(model, prompt, ids, annotated, args) -> dict:

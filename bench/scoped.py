@@ -19,17 +19,14 @@ Last line: RESULT realized_over_theoretical=... identical=N/N changed_prediction
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import add_replay_flags, second_of_two, table
-from pasta_jax.data.sources import resolve_path
+from bench.common import add_replay_flags, first, replay_answers, second_of_two, table
 from pasta_jax.data.structural_scoped import annotate_scoped
 from pasta_jax.decode import api
-from pasta_jax.decode.loop import bucket
 from pasta_jax.errors import TagError
 from pasta_jax.lang import scoped
 from pasta_jax.lang.layout import plain_layout
@@ -43,24 +40,10 @@ from pasta_jax.model.load import load_model
 def candidates(model, path: str, answer_tokens: int, prompt_bucket: int, limit: int):
   """(id, prompt, prompt ids, scoped answer) for LIMA answers that get at least one block."""
   lang = api.LangTokenizer(model.tokenizer)
-  found = 0
-  with open(resolve_path(path)) as f:
-    for line in f:
-      row = json.loads(line)
-      prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
-      ids = api.prompt_ids(model.tokenizer, [prompt], chat=True)[0]
-      if bucket(len(ids)) != prompt_bucket:  # one prompt shape: one compile per loop
-        continue
-      answer = lang.decode(lang.encode(row["output"])[:answer_tokens])
-      annotated = annotate_scoped(answer, lambda s: len(lang.encode(s)))
-      if annotated is None:
-        continue
-      yield row["id"], prompt, ids, annotated
-      found += 1
-      if found == limit:
-        return
-  if found == 0:
-    raise SystemExit(f"no answer in {path} has a prompt of padded length {prompt_bucket} and a list to annotate")
+  scoped_answers = ((answer_id, prompt, ids, annotate_scoped(answer, lambda s: len(lang.encode(s))))
+                    for answer_id, prompt, ids, answer in replay_answers(model, path, answer_tokens, prompt_bucket))
+  return first((item for item in scoped_answers if item[3] is not None), limit,
+               f"no answer in {path} has a prompt of padded length {prompt_bucket} and a list to annotate")
 
 
 def changed_predictions(model, ids: list[int], annotated: str) -> tuple[int, int]:
