@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import jax
@@ -16,8 +17,10 @@ from pasta_jax.model.config import PRESETS
 from pasta_jax.model.gemma import Gemma, causal_mask
 from pasta_jax.model.mesh import MeshConfig
 from pasta_jax.training.config import TrainConfig, load_train_config
+from pasta_jax.training.losses import sft_kl_loss_sum, sft_loss_sum
 from pasta_jax.training.plan import (
   HARDWARE,
+  KL_LOGIT_COPIES,
   check_fits,
   detect_hardware,
   format_plan,
@@ -132,6 +135,50 @@ def test_remat_tensor_and_bonbon_move_the_estimate_the_right_way():
   assert base.total == base.params + base.grads + base.optimizer + base.activations + base.batch
 
 
+def test_the_kl_term_is_planned_per_micro_batch_and_refused_with_its_remedy():
+  kl = dict(lora_rank=4, kl_weight=1.0)
+  plain = memory_plan(tiny_config(lora_rank=4), TINY)
+  toward = {tags: memory_plan(tiny_config(objective=objective, **kl), TINY)
+            for tags, objective in ((True, "sft"), (False, "baseline_sft"))}
+  logits = 4 * 32 * TINY.vocab_size * 4  # [b, L, V] f32
+  for tags, with_kl in toward.items():
+    extra = dict(with_kl.parts)["KL: reference forward, its logits and the KL's terms"]
+    assert extra >= KL_LOGIT_COPIES[tags] * logits
+    assert with_kl.activations - extra == plain.activations
+  halved = memory_plan(tiny_config(grad_accum=2, **kl), TINY)
+  assert dict(halved.parts)["KL: reference forward, its logits and the KL's terms"] * 2 == \
+         dict(toward[True].parts)["KL: reference forward, its logits and the KL's terms"]
+  assert "KL" not in format_plan(plain) and "KL: reference forward" in format_plan(toward[True])
+  # the 270M at batch 8 x 320 (a 24 GiB host's job): with the KL it needs two micro-batches
+  config = TrainConfig(model="gemma3-270m", lora_rank=16, batch_size=8, seq_len=320, kl_weight=1.0)
+  assert plan_for(config.replace(kl_weight=0.0)).total < 12.5 * 1024**3
+  assert plan_for(config).total > 22 * 1024**3 > plan_for(config.replace(grad_accum=2)).total
+
+
+def test_the_planned_kl_covers_what_xla_allocates_for_it():
+  """XLA's buffer assignment of the gradient of the real SFT and SFT + KL losses (a tied embedding as the model):
+  the KL's temporaries beyond the SFT loss's stay within the plan's KL_LOGIT_COPIES logit-sized tensors."""
+  b, length, vocab, dim = 2, 64, 8192, 32
+  params = {"emb": jax.ShapeDtypeStruct((vocab, dim), jnp.float32)}
+  tokens = jax.ShapeDtypeStruct((b, length), jnp.int32)
+
+  def apply(p, tokens, positions, mask):
+    return types.SimpleNamespace(logits=(p["emb"][tokens] * 1.0) @ p["emb"].T)
+
+  def batch(t):
+    return types.SimpleNamespace(tokens=t, positions=t, targets=t, loss_mask=t > 0, thread_mask=lambda: None)
+
+  def temp_bytes(loss):
+    step = jax.jit(jax.grad(lambda p, r, t: loss(p, r, batch(t))[0]))
+    return step.lower(params, params, tokens).compile().memory_analysis().temp_size_in_bytes
+
+  sft = temp_bytes(lambda p, r, x: sft_loss_sum(apply, p, x))
+  for tags, excluded in ((False, ()), (True, tuple(range(vocab - 100, vocab)))):
+    kl = temp_bytes(lambda p, r, x, e=excluded: sft_kl_loss_sum(apply, apply, p, r, x, 1.0, e))
+    logits = b * length * vocab * 4
+    assert kl - sft <= KL_LOGIT_COPIES[tags] * logits * 1.05, (tags, (kl - sft) / logits)
+
+
 def test_plan_checks_the_hardware():
   with pytest.raises(ConfigError, match="v4-8 has 4 chips"):
     memory_plan(tiny_config(hardware="v4-8", mesh=MeshConfig(1, 2, 1)), TINY)
@@ -183,7 +230,7 @@ def test_check_fits_refuses_with_the_plan():
   with pytest.raises(ConfigError) as refused:
     check_fits(config, PRESETS["gemma1-7b"])
   first, *table = str(refused.value).splitlines()
-  assert first.startswith("does not fit: training needs") and "h100x1" in first
+  assert first.startswith("does not fit: training needs") and "h100x1" in first and "raise grad_accum" in first
   assert "DOES NOT FIT" in table[-1] and any(line.strip().startswith("parameters (float32)") for line in table)
 
 

@@ -86,7 +86,8 @@ def test_pasta_sft_takes_its_kl_toward_this_runs_baseline_sft_once_that_is_train
   from train import sft
   calls = []
   monkeypatch.setattr(sft, "main", lambda flags: calls.append(flags) or 0)
-  args = recipe.parse_args(["--out", str(tmp_path), "--pasta-kl-to-baseline", "0.5", "--kl-weight", "0.1"])
+  args = recipe.parse_args(["--out", str(tmp_path), "--pasta-kl-to-baseline", "0.5", "--kl-weight", "0.1",
+                            "--grad-accum", "2"])
   with pytest.raises(PastaError, match="Baseline-SFT first"):
     recipe.stage_sft(args, tmp_path, "pasta_sft")
   (tmp_path / "baseline_sft" / "model").mkdir(parents=True)
@@ -97,3 +98,4 @@ def test_pasta_sft_takes_its_kl_toward_this_runs_baseline_sft_once_that_is_train
   assert baseline[baseline.index("--kl-weight") + 1] == "0.1" and "--kl-reference" not in baseline
   assert pasta.count("--kl-weight") == 1 and pasta[pasta.index("--kl-weight") + 1] == "0.5"
   assert pasta[pasta.index("--kl-reference") + 1] == str(tmp_path / "baseline_sft" / "model")
+  assert all(flags[flags.index("--grad-accum") + 1] == "2" for flags in calls)  # the KL's memory in two halves

@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--verify", action="store_true", help="keep only records the model-verified filter accepts")
   parser.add_argument("--epochs", type=int, default=2)
   parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--grad-accum", type=int, default=1,
+                      help="SFT stages: micro-batches per step (the same step in less memory; a run resumes under "
+                           "another value)")
   parser.add_argument("--length-bucket", type=int, default=0,
                       help="SFT stages: > 0 batches examples of like length, each batch padded to a multiple of "
                            "this (about half the tokens a step on the recipe's records); 0: padded to --seq-len")
@@ -174,7 +177,8 @@ def stage_sft(args, out: Path, stage: str) -> None:
   objective = {"pasta_sft": "sft", "baseline_sft": "baseline_sft"}[stage]
   flags = ["--data", str(out / "records" / "train.jsonl"), "--objective", objective, "--annotate", "none",
            "--out", str(out / stage), "--seq-len", str(args.seq_len), "--num-threads", str(args.num_threads),
-           "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+           "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
+           "--grad-accum", str(args.grad_accum), "--lr", str(args.lr),
            "--warmup-steps", str(args.warmup_steps), "--lora-rank", str(args.lora_rank),
            "--lora-alpha", str(args.lora_alpha), "--lora-targets", args.lora_targets,
            "--seed", str(args.seed), "--save-every", "10", "--length-bucket", str(args.length_bucket),

@@ -24,6 +24,7 @@ from pasta_jax.data.tfds_builders import data_source
 from pasta_jax.lang.tags import tag_vocab_for
 from pasta_jax.model.load import load_model
 from pasta_jax.paths import is_remote, run_path
+from pasta_jax.training.config import SFT_OBJECTIVES
 from pasta_jax.training.distributed import batch_slice, is_main_process, maybe_initialize_distributed
 from pasta_jax.training.plots import plot_loss_curve
 from pasta_jax.training.trainer import Trainer
@@ -34,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="train.sft", description=__doc__.split("\n\n")[0])
   parser.add_argument("--data", required=True, help="lima, alpaca_gpt4_1k, alpaca_5k or a JSONL path")
   parser.add_argument("--data-dir", default=None, help="TFDS data dir (default: ~/tensorflow_datasets)")
-  parser.add_argument("--objective", choices=["sft", "baseline_sft", "apar_sft", "scoped_sft"], default="sft",
+  parser.add_argument("--objective", choices=SFT_OBJECTIVES, default="sft",
                       help="sft (PASTA), baseline_sft (tags stripped), apar_sft (APAR-format data, APAR's mask) or "
                            "scoped_sft (the earlier paper's scoped form: its structural rule, synchronous prefixes)")
   parser.add_argument("--annotate", choices=["structural", "none"], default="structural")

@@ -16,6 +16,8 @@ from pasta_jax.model import runfiles
 from pasta_jax.model.mesh import MeshConfig
 
 Objective = Literal["sft", "baseline_sft", "apar_sft", "scoped_sft", "bonbon"]
+SFT_OBJECTIVES = ("sft", "baseline_sft", "apar_sft", "scoped_sft")  # one answer an example, its token NLL
+PASTA_OBJECTIVES = ("sft", "bonbon")  # objectives whose model writes PASTA tags
 
 # Fields that say how a job runs, not what it trains: a resumed run may change them (another machine, mesh or
 # kernel; saving or logging more often; the same global batch in other micro-batches). Any other field changed
@@ -87,7 +89,7 @@ class TrainConfig:
     if micro % replicas:
       problems.append(f"the micro-batch of {micro} examples (batch_size / grad_accum) does not divide over "
                       f"data x fsdp = {self.mesh.data} x {self.mesh.fsdp} = {replicas} devices")
-    if self.objective not in ("sft", "baseline_sft", "apar_sft", "scoped_sft", "bonbon"):
+    if self.objective not in (*SFT_OBJECTIVES, "bonbon"):
       problems.append(f"unknown objective {self.objective!r}; use sft, baseline_sft, apar_sft, scoped_sft or bonbon")
     if self.attention not in ("xla", "pallas", "pallas-tpu", "pallas-gpu"):
       problems.append(f"attention={self.attention!r}; use xla or pallas")
@@ -102,6 +104,16 @@ class TrainConfig:
   @property
   def micro_batch(self) -> int:
     return self.batch_size // self.grad_accum
+
+  @property
+  def with_kl(self) -> bool:
+    """Whether the loss carries the KL term: an SFT objective with kl_weight > 0 (BoNBoN has its own reference)."""
+    return self.objective in SFT_OBJECTIVES and self.kl_weight > 0
+
+  @property
+  def writes_tags(self) -> bool:
+    """Whether the trained model writes PASTA tags (the KL then leaves them out, `losses.sft_kl_loss_sum`)."""
+    return self.objective in PASTA_OBJECTIVES
 
   def replace(self, **changes) -> TrainConfig:
     if "mesh" in changes and isinstance(changes["mesh"], dict):

@@ -22,6 +22,9 @@ What is counted, per device:
                their gradient, the embedding gathered in compute dtype and its unsharded gradient.
                Summing the head and the layer working set overcounts a little (they are not alive at
                the same instant): the estimate is meant to err on the safe side.
+               With the SFT KL term (kl_weight > 0), also the reference's forward and the KL's logit-sized
+               tensors (`KL_LOGIT_COPIES`): at batch 8 x 320 tokens on the 270M that is 12.5 GiB, more than the
+               rest of the step together.
   batch        this device's slice of the whole global batch (every micro-batch is placed at once).
 
 Activations are split over `tensor` where their dimension is (heads, MLP width, vocabulary), and over
@@ -59,6 +62,10 @@ from pasta_jax.training.config import TrainConfig
 
 GIB = 1024**3
 USABLE_FRACTION = 0.90  # of a chip's memory; see the module docstring
+# The KL term's [b, L, V] f32 tensors beyond the SFT loss's own (the reference's logits, both log-softmaxes, the
+# terms kept for the backward), as XLA's buffer assignment counts them for `losses.sft_kl_loss_sum`: 3 over the
+# whole vocabulary, 5 when the tags are left out (their masked copies of both logits).
+KL_LOGIT_COPIES = {False: 3, True: 5}
 ADAPTER_ROWS = 64  # embedding rows an adapter trains, nominal (tag and chat-turn tokens: the tokenizer decides)
 BATCH_INT32_FIELDS = 5  # tokens, positions, thread, order, targets [B, L]; plus valid, loss_mask (bool)
 
@@ -212,8 +219,9 @@ class MemoryPlan:
     if self.fits:
       return ""
     what = "training" if self.total >= self.reference else "the BoNBoN reference pass"
+    remedy = "; raise grad_accum (fewer examples a micro-batch) or lower seq_len" if what == "training" else ""
     return (f"{what} needs {_gib(self.peak)} GiB per device, over the {_gib(self.usable)} GiB usable "
-            f"({USABLE_FRACTION:.0%} of {_gib(self.capacity)} GiB) on {self.hardware}")
+            f"({USABLE_FRACTION:.0%} of {_gib(self.capacity)} GiB) on {self.hardware}{remedy}")
 
 
 # ---------------------------------------------------------------------------------------------- shapes
@@ -426,7 +434,15 @@ def _activation_parts(train_config: TrainConfig, cfg: GemmaConfig, params) -> li
     kept = ("every layer's saved tensors (no remat)", d.layers * (_layer_saved(d, cfg) + gathered))
   return [kept, ("one layer's backward working set", working),
           ("logits, final norm, embedding", _head(d, cfg, train_config, embed_elements, backward=True)),
-          ("attention mask", _mask_bytes(d))]
+          ("attention mask", _mask_bytes(d)), *_kl_parts(train_config, d, cfg)]
+
+
+def _kl_parts(train_config: TrainConfig, d: _Dims, cfg: GemmaConfig) -> list[tuple[str, int]]:
+  """The KL term's reference forward (no gradient: one layer's tensors at a time) and its logit-sized tensors."""
+  if not train_config.with_kl:
+    return []
+  logits = d.b * d.L * d.vocab * 4 * KL_LOGIT_COPIES[train_config.writes_tags]
+  return [("KL: reference forward, its logits and the KL's terms", _layer_saved(d, cfg) + logits)]
 
 
 def _batch_bytes(train_config: TrainConfig) -> int:

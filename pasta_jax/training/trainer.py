@@ -36,14 +36,12 @@ from pasta_jax.model.partitioning import gather_to_host, param_shardings
 from pasta_jax.paths import run_path
 from pasta_jax.training import step as step_lib
 from pasta_jax.training.checkpoints import TrainCheckpoints
-from pasta_jax.training.config import TrainConfig
+from pasta_jax.training.config import SFT_OBJECTIVES, TrainConfig
 from pasta_jax.training.distributed import batch_slice
 from pasta_jax.training.losses import sft_kl_loss_sum, sft_loss_sum
 from pasta_jax.training.metrics_log import MetricsLog, train_flops_per_token
 from pasta_jax.training.optimizer import learning_rate_schedule, make_optimizer
 from pasta_jax.training.state import create_sharded_state, init_state
-
-PASTA_OBJECTIVES = ("sft", "bonbon")  # objectives whose model writes PASTA tags
 
 
 class StepDataset(Protocol):
@@ -72,13 +70,12 @@ def make_loss_fn(config: TrainConfig, apply_fn: Callable, reference_apply_fn: Ca
   or, given a reference adapter as the loss's extra argument, the model with that adapter instead of the
   trained one. excluded_ids: the tags, left out of the KL (`losses.sft_kl_loss_sum`)."""
   # the layout carries mask and targets
-  sft_like = config.objective in ("sft", "baseline_sft", "apar_sft", "scoped_sft")
-  if sft_like and config.kl_weight > 0:
+  if config.with_kl:
     def sft_kl(params, batch, kl_reference=None):
       reference = params if kl_reference is None else lora.merge(lora.split(params)[0], kl_reference)
       return sft_kl_loss_sum(apply_fn, reference_apply_fn, params, reference, batch, config.kl_weight, excluded_ids)
     return sft_kl
-  if sft_like:
+  if config.objective in SFT_OBJECTIVES:
     return lambda params, batch: (*sft_loss_sum(apply_fn, params, batch), {})
   from pasta_jax.training.bonbon import bonbon_objective
 
@@ -168,7 +165,7 @@ class Trainer:
 
   def _kl_excluded_ids(self, config: TrainConfig) -> tuple[int, ...]:
     """The tags, which neither the base nor a Baseline-SFT reference writes: left out of a PASTA objective's KL."""
-    if config.kl_weight <= 0 or config.objective not in PASTA_OBJECTIVES or self.model.tokenizer is None:
+    if not (config.with_kl and config.writes_tags) or self.model.tokenizer is None:
       return ()
     return tuple(tag_vocab_for(self.model.tokenizer, config.position_mode).tag_ids)
 
@@ -239,7 +236,7 @@ class Trainer:
       tokenizer = self.model.tokenizer if hasattr(self.model.tokenizer, "save") else None
       save_checkpoint(tmp, self.state.params, self.model.config, tokenizer=tokenizer, step=int(self.state.step),
                       extra={"train": self.config.to_dict()}, overwrite=True, atomic=False)  # every host writes
-    if primary and self.config.objective in PASTA_OBJECTIVES:  # decoded in the mode it learned (`methods.Pasta`)
+    if primary and self.config.writes_tags:  # decoded in the mode it learned (`methods.Pasta`)
       write_generation_file(tmp, {"method": "pasta", "position_mode": self.config.position_mode,
                                   "why": "trained to write PASTA tags with these block positions"})
     _sync("export: written")
