@@ -13,12 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pasta_jax.errors import ConfigError
+from pasta_jax.lang import layout as lay
 from pasta_jax.model import lora
 from pasta_jax.training.config import TrainConfig
-from pasta_jax.training.losses import sft_kl_loss_sum
+from pasta_jax.training.losses import KlTags, in_text_order, sft_kl_loss_sum
 from pasta_jax.training.metrics_log import read_metrics
 from pasta_jax.training.trainer import Trainer
 from tests import training_data
+from tests.lang_helpers import BOS, HAND_ANSWER, VOCAB, token_programs
 from tests.tiny import tiny_model
 from tests.train_worker import cyclic
 
@@ -30,9 +32,12 @@ def _fixed_logits(logits):
   return lambda params, tokens, positions, mask: types.SimpleNamespace(logits=jnp.asarray(logits))
 
 
+PROMPT = [BOS, 90]
+
+
 def _batch(targets, loss_mask):
   targets = jnp.asarray(targets, jnp.int32)
-  return types.SimpleNamespace(tokens=targets, positions=targets, targets=targets,
+  return types.SimpleNamespace(tokens=targets, positions=targets, targets=targets, thread=jnp.zeros_like(targets),
                                loss_mask=jnp.asarray(loss_mask), thread_mask=lambda: None)
 
 
@@ -52,7 +57,7 @@ def test_the_kl_is_over_the_text_only_and_skips_positions_whose_target_is_a_tag(
   loss_mask = rng.random((2, 5)) < 0.8
   batch = _batch(targets, loss_mask)
   run = lambda ref, excluded: sft_kl_loss_sum(_fixed_logits(logits), _fixed_logits(ref), None, None, batch, 1.0,
-                                              excluded)[2]["kl"]
+                                              KlTags(excluded=excluded))[2]["kl"]
   keep = [i for i in range(V) if i not in TAGS]
   counted = loss_mask & ~np.isin(targets, TAGS)
   expected = (_numpy_kl(logits, reference, keep) * counted).sum() / max(counted.sum(), 1)
@@ -71,7 +76,8 @@ def test_the_kl_gradient_is_finite_with_tags_left_out():
   reference = _fixed_logits(jnp.zeros((1, 4, V)))
 
   def loss(x):
-    return sft_kl_loss_sum(lambda *a: types.SimpleNamespace(logits=x), reference, None, None, batch, 0.5, TAGS)[0]
+    return sft_kl_loss_sum(lambda *a: types.SimpleNamespace(logits=x), reference, None, None, batch, 0.5,
+                           KlTags(excluded=TAGS))[0]
 
   assert np.isfinite(np.asarray(jax.grad(loss)(logits))).all()
 
@@ -105,8 +111,8 @@ def test_a_kl_toward_a_reference_adapter_starts_at_their_distance_and_holds_the_
   # a fresh adapter is the base, which the reference moved: the KL starts at their distance (toward the base
   # it would start at exactly 0)
   assert kls[5.0][0] == pytest.approx(kls[1e-6][0]) and kls[5.0][0] > 1e-3
-  # the SFT data alone carries the model away from the reference (0.34 -> 1.7); the term holds it near (0.24)
-  assert kls[1e-6][-1] > 2 * kls[1e-6][0]
+  # the SFT data alone carries the model away from the reference (0.29 -> 0.59); the term holds it near
+  assert kls[1e-6][-1] > 1.5 * kls[1e-6][0]
   assert kls[5.0][-1] < kls[5.0][0] and kls[5.0][-1] < 0.3 * kls[1e-6][-1]
 
 
@@ -121,3 +127,56 @@ def test_a_kl_reference_is_refused_without_a_weight_or_over_another_model(tmp_pa
     _trainer(tmp_path / "run", steps=2, kl_weight=1.0, kl_reference=str(folder))
   with pytest.raises(ConfigError, match="neither a shipped adapter"):
     _trainer(tmp_path / "run", steps=2, kl_weight=1.0, kl_reference=str(tmp_path / "nowhere"))
+
+
+# --- which positions the KL counts: text order -------------------------------------------------------------
+def _expected_text_order(prompt: list[int], answer: list[int]) -> list[bool]:
+  """Walks the answer's text form: a promise's topic and length, and main after a block until the next sync,
+  are out of text order; a block's content and main elsewhere are in it."""
+  flags, topic, skipping, in_block = [True] * len(prompt), False, False, False
+  for token in answer:
+    if token == VOCAB.async_open:
+      in_block = True
+    if in_block:
+      flags.append(True)
+      in_block = token != VOCAB.async_close
+      continue
+    topic = (topic or token == VOCAB.promise) and not VOCAB.is_length(token)
+    skipping = (skipping or VOCAB.is_length(token)) and token != VOCAB.sync
+    flags.append(not (topic or skipping or token == VOCAB.promise))
+  return flags + [not skipping]  # the end id
+
+
+def _text_order(prompt, answer) -> list[bool]:
+  out = lay.layout_example(prompt, answer, VOCAB)
+  order = in_text_order(jnp.asarray(out.tokens), jnp.asarray(out.thread), KlTags.of(VOCAB))
+  return np.asarray(order).tolist()
+
+
+def test_the_kl_counts_main_in_text_order_and_every_block_hand_example():
+  flags = _text_order(PROMPT, HAND_ANSWER)  # a P t L10 [A x /A] b P L20 [A y z /A] S c P L10 [A w /A] d EOS
+  out_of_order = {3, 4, 5, 9, 10, 11, 18, 19, 23, 24}  # topics and lengths; b..L20 and d before their sync
+  assert [i for i, f in enumerate(flags) if not f] == sorted(out_of_order)
+
+
+@settings(max_examples=60, deadline=None)
+@given(answer=token_programs())
+def test_the_kl_counts_main_in_text_order_and_every_block(answer):
+  assert _text_order(PROMPT, answer) == _expected_text_order(PROMPT, answer)
+
+
+def test_the_kl_term_counts_only_positions_in_text_order():
+  out = lay.layout_example(PROMPT, HAND_ANSWER, VOCAB)
+  vocab_size = 96  # the toy ids: tags 3..58, text 70..78, the prompt's 90
+  rng = np.random.default_rng(0)
+  logits, reference = (rng.normal(size=(1, len(out.tokens), vocab_size)).astype(np.float32) for _ in range(2))
+  batch = types.SimpleNamespace(tokens=jnp.asarray(out.tokens[None]), positions=jnp.asarray(out.positions[None]),
+                                targets=jnp.asarray(out.targets[None]), thread=jnp.asarray(out.thread[None]),
+                                loss_mask=jnp.asarray(out.loss_mask[None]), thread_mask=lambda: None)
+  tags = KlTags.of(VOCAB)
+  got = sft_kl_loss_sum(_fixed_logits(logits), _fixed_logits(reference), None, None, batch, 1.0, tags)[2]["kl"]
+  keep = [i for i in range(vocab_size) if i not in tags.excluded]
+  counted = out.loss_mask & ~np.isin(out.targets, tags.excluded) & _expected_text_order(PROMPT, HAND_ANSWER)
+  assert counted.sum() == 6  # the prompt's end (-> a), the blocks' <async> (-> x, y, w), y (-> z), the sync (-> c)
+  expected = (_numpy_kl(logits, reference, keep)[0] * counted).sum() / counted.sum()
+  np.testing.assert_allclose(float(got), expected, rtol=1e-4)

@@ -38,7 +38,7 @@ from pasta_jax.training import step as step_lib
 from pasta_jax.training.checkpoints import TrainCheckpoints
 from pasta_jax.training.config import SFT_OBJECTIVES, TrainConfig
 from pasta_jax.training.distributed import batch_slice
-from pasta_jax.training.losses import sft_kl_loss_sum, sft_loss_sum
+from pasta_jax.training.losses import NO_TAGS, KlTags, sft_kl_loss_sum, sft_loss_sum
 from pasta_jax.training.metrics_log import MetricsLog, train_flops_per_token
 from pasta_jax.training.optimizer import learning_rate_schedule, make_optimizer
 from pasta_jax.training.state import create_sharded_state, init_state
@@ -63,17 +63,17 @@ class TrainResult:
 
 
 def make_loss_fn(config: TrainConfig, apply_fn: Callable, reference_apply_fn: Callable | None = None,
-                 excluded_ids: tuple[int, ...] = ()) -> step_lib.LossFn:
+                 kl_tags: KlTags = NO_TAGS) -> step_lib.LossFn:
   """The objective as a (numerator, denominator, aux) micro-batch loss.
 
   With kl_weight, reference_apply_fn is the KL's reference model: the adapter-free model on the same params,
   or, given a reference adapter as the loss's extra argument, the model with that adapter instead of the
-  trained one. excluded_ids: the tags, left out of the KL (`losses.sft_kl_loss_sum`)."""
+  trained one. kl_tags: for a PASTA objective, the tags and the positions the KL leaves out (`losses.KlTags`)."""
   # the layout carries mask and targets
   if config.with_kl:
     def sft_kl(params, batch, kl_reference=None):
       reference = params if kl_reference is None else lora.merge(lora.split(params)[0], kl_reference)
-      return sft_kl_loss_sum(apply_fn, reference_apply_fn, params, reference, batch, config.kl_weight, excluded_ids)
+      return sft_kl_loss_sum(apply_fn, reference_apply_fn, params, reference, batch, config.kl_weight, kl_tags)
     return sft_kl
   if config.objective in SFT_OBJECTIVES:
     return lambda params, batch: (*sft_loss_sum(apply_fn, params, batch), {})
@@ -127,7 +127,7 @@ class Trainer:
     frozen_shardings = None if self.frozen is None else param_shardings(self.frozen, self.mesh)
     self.kl_reference, reference_adapter = self._kl_reference(config)
     loss_args = () if self.kl_reference is None else (param_shardings(self.kl_reference, self.mesh),)
-    loss_fn = make_loss_fn(config, apply_fn, gemma(adapter=reference_adapter).apply, self._kl_excluded_ids(config))
+    loss_fn = make_loss_fn(config, apply_fn, gemma(adapter=reference_adapter).apply, self._kl_tags(config))
     self.step_fn = step_lib.make_train_step(loss_fn, self.optimizer, self.schedule, self.shardings,
                                             batch_shardings, frozen_shardings, loss_args)
     self.flops_per_token = train_flops_per_token(model.config, config.seq_len)
@@ -163,11 +163,12 @@ class Trainer:
     tree = jax.tree.map(lambda x: jnp.asarray(x, config.param_dtype), tree)
     return jax.device_put(tree, param_shardings(tree, self.mesh)), reference_config
 
-  def _kl_excluded_ids(self, config: TrainConfig) -> tuple[int, ...]:
-    """The tags, which neither the base nor a Baseline-SFT reference writes: left out of a PASTA objective's KL."""
+  def _kl_tags(self, config: TrainConfig) -> KlTags:
+    """For a PASTA objective's KL: the tags, which neither the base nor a Baseline-SFT reference writes, and the
+    positions out of text order (`losses.KlTags`)."""
     if not (config.with_kl and config.writes_tags) or self.model.tokenizer is None:
-      return ()
-    return tuple(tag_vocab_for(self.model.tokenizer, config.position_mode).tag_ids)
+      return NO_TAGS
+    return KlTags.of(tag_vocab_for(self.model.tokenizer, config.position_mode))
 
   def _maybe_resume(self) -> int | None:
     latest = self.checkpoints.latest_step()
