@@ -59,12 +59,14 @@ def load_series(spec: str) -> tuple[str, dict]:
   figures = _read(learned)
   if base_path:
     base = _read(base_path)
+    if not set(figures) & set(base):
+      raise SystemExit(f"bench.pareto: {base_path} shares no row with {learned}: not the same run read again")
     missing = sorted(set(figures) - set(base))
-    if missing:
-      raise SystemExit(f"bench.pareto: {base_path} lacks rows {missing}")
+    if missing:  # a row decoded after the run was read again: the base model's panel goes without it
+      print(f"bench.pareto: {base_path} lacks rows {missing}: their log p under the base model is left out (-)")
     for name, f in figures.items():
       for side in ("pasta", "baseline"):
-        f[side]["logprob_base"] = base[name][side].get("logprob", math.nan)
+        f[side]["logprob_base"] = base.get(name, {}).get(side, {}).get("logprob", math.nan)
   return label, figures
 
 

@@ -170,7 +170,7 @@ def _learned_json(path, n: int, rows: dict) -> str:
   return str(path)
 
 
-def test_pareto_merges_the_base_scored_run_and_plots_every_series(tmp_path):
+def test_pareto_merges_the_base_scored_run_and_plots_every_series(tmp_path, capsys):
   """bench.pareto: each run a series; a second reading of a run under the base model becomes its own panel's
   values (row by row); the table lists every point; runs over different prompt counts are refused."""
   from bench import pareto
@@ -189,5 +189,11 @@ def test_pareto_merges_the_base_scored_run_and_plots_every_series(tmp_path):
   other = _learned_json(tmp_path / "o.json", 5, {"pasta:x": (1.1, 0.0, -1.0)})
   with pytest.raises(SystemExit, match="different prompt counts"):
     pareto.main(["--out", str(out), "--run", f"sweep={sweep}", "--run", f"other={other}"])
-  with pytest.raises(SystemExit, match="lacks rows"):
+  with pytest.raises(SystemExit, match="shares no row"):
     pareto.main(["--out", str(out), "--run", f"knob={knob},{under_base}"])
+  # a row decoded after the base model's reading: left out of that panel only, and said
+  partly = _learned_json(tmp_path / "p_base.json", 4, {"pasta:l0": (1.6, 0.0, -1.7)})
+  assert pareto.main(["--out", str(out), "--run", f"sweep={sweep},{partly}"]) == 0
+  assert "lacks rows ['pasta:l8']" in capsys.readouterr().out
+  rows = {line.split("|")[2].strip(): line for line in out.with_suffix(".md").read_text().splitlines()[4:]}
+  assert rows["`pasta:l8`"].endswith("| -1.000 | - |") and rows["`pasta:l0`"].endswith("| -1.300 | -1.700 |")
