@@ -17,8 +17,9 @@ import argparse
 
 from tqdm import tqdm
 
-from bench.common import add_replay_flags, first, replay_answers, second_of_two, table
+from bench.common import second_of_two, table
 from bench.interpreter import DATA
+from bench.replay import add_replay_flags, first, replay_answers
 from pasta_jax.data.apar_format import apar_annotate
 from pasta_jax.data.structural import annotate
 from pasta_jax.decode import api

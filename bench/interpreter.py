@@ -20,7 +20,8 @@ import argparse
 
 from tqdm import tqdm
 
-from bench.common import add_replay_flags, first, plain_step, replay_answers, second_of_two, table
+from bench.common import plain_step, second_of_two, table
+from bench.replay import add_replay_flags, first, replay_answers
 from pasta_jax.data.structural import annotate
 from pasta_jax.decode import api, naive
 from pasta_jax.errors import TagError

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import add_replay_flags, first, replay_answers, second_of_two, table
+from bench.common import second_of_two, table
+from bench.replay import add_replay_flags, first, replay_answers
 from pasta_jax.data.structural_scoped import annotate_scoped
 from pasta_jax.decode import api
 from pasta_jax.errors import TagError
