@@ -13,7 +13,7 @@ import pytest
 from pasta_jax.data import sources
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem not in ("__init__", "common"))
+BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem not in ("__init__", "common", "replay"))
 DATA_FLAGS = ("data", "prompts")
 
 

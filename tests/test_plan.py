@@ -17,7 +17,7 @@ from pasta_jax.model.config import PRESETS
 from pasta_jax.model.gemma import Gemma, causal_mask
 from pasta_jax.model.mesh import MeshConfig
 from pasta_jax.training.config import TrainConfig, load_train_config
-from pasta_jax.training.losses import sft_kl_loss_sum, sft_loss_sum
+from pasta_jax.training.losses import NO_TAGS, KlTags, sft_kl_loss_sum, sft_loss_sum
 from pasta_jax.training.plan import (
   HARDWARE,
   KL_LOGIT_COPIES,
@@ -166,15 +166,17 @@ def test_the_planned_kl_covers_what_xla_allocates_for_it():
     return types.SimpleNamespace(logits=(p["emb"][tokens] * 1.0) @ p["emb"].T)
 
   def batch(t):
-    return types.SimpleNamespace(tokens=t, positions=t, targets=t, loss_mask=t > 0, thread_mask=lambda: None)
+    return types.SimpleNamespace(tokens=t, positions=t, targets=t, thread=t % 2, loss_mask=t > 0,
+                                 thread_mask=lambda: None)
 
   def temp_bytes(loss):
     step = jax.jit(jax.grad(lambda p, r, t: loss(p, r, batch(t))[0]))
     return step.lower(params, params, tokens).compile().memory_analysis().temp_size_in_bytes
 
   sft = temp_bytes(lambda p, r, x: sft_loss_sum(apply, p, x))
-  for tags, excluded in ((False, ()), (True, tuple(range(vocab - 100, vocab)))):
-    kl = temp_bytes(lambda p, r, x, e=excluded: sft_kl_loss_sum(apply, apply, p, r, x, 1.0, e))
+  tags_of_pasta = KlTags(tuple(range(vocab - 100, vocab)), (vocab - 100,), (vocab - 99,), (vocab - 98,))
+  for tags, kl_tags in ((False, NO_TAGS), (True, tags_of_pasta)):
+    kl = temp_bytes(lambda p, r, x, t=kl_tags: sft_kl_loss_sum(apply, apply, p, r, x, 1.0, t))
     logits = b * length * vocab * 4
     assert kl - sft <= KL_LOGIT_COPIES[tags] * logits * 1.05, (tags, (kl - sft) / logits)
 
