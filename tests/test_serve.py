@@ -69,7 +69,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-  return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=120)
+  return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def reference(prompt: str, method: str, max_tokens: int, chat: bool) -> str:
