@@ -2,7 +2,8 @@
 
   setup   mesh from the config, memory plan check, state placed by the partitioning rules, resume
           from the newest Orbax checkpoint in `<out>/checkpoints` (the dataset is random access by
-          step, so resuming at step k replays exactly the batches an uninterrupted run would see);
+          step, so resuming at step k replays exactly the batches an uninterrupted run would see), the
+          compiled steps read back from the persistent compilation cache (`compile_cache`);
   loop    one jitted, donated step per global batch, metrics to `<out>/metrics.jsonl`, a progress
           bar on the main process, a checkpoint every `save_every` steps;
   finish  the final params exported as a pasta checkpoint (or adapter) in `<out>/model` (loadable by
@@ -36,6 +37,7 @@ from pasta_jax.model.partitioning import gather_to_host, param_shardings
 from pasta_jax.paths import run_path
 from pasta_jax.training import step as step_lib
 from pasta_jax.training.checkpoints import TrainCheckpoints
+from pasta_jax.training.compile_cache import keep_compiled_programs
 from pasta_jax.training.config import SFT_OBJECTIVES, TrainConfig
 from pasta_jax.training.distributed import batch_slice
 from pasta_jax.training.losses import NO_TAGS, KlTags, sft_kl_loss_sum, sft_loss_sum
@@ -106,6 +108,7 @@ class Trainer:
       raise ConfigError("the dataset yields no batches: fewer kept examples than one global batch")
     self.config, self.model, self.dataset = config, model, dataset
     self.out_dir = run_path(out_dir)
+    self.compile_cache = keep_compiled_programs()  # a resumed run reads its steps back instead of compiling them
     self.progress = progress and jax.process_index() == 0
     self.mesh = make_mesh(config.mesh, devices)
     self.batch_slices = _check_host_batch(config, dataset[0], self.mesh)
