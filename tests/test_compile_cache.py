@@ -26,6 +26,10 @@ class CompileCount:
   def event(self, event: str, **kwargs):
     self.hits += self.on and event == "/jax/compilation_cache/cache_hits"
 
+  def close(self):
+    jax.monitoring.unregister_event_duration_listener(self.duration)
+    jax.monitoring.unregister_event_listener(self.event)
+
 
 @pytest.fixture
 def cache_settings():
@@ -51,7 +55,7 @@ def test_a_resumed_run_reads_its_steps_back_instead_of_compiling_them(tmp_path, 
   assert resumed.resumed_from == 2
   count.on = True
   resumed.run(stop_after=4)
-  count.on = False
+  count.close()
   assert count.hits == count.compiles > 0, (count.hits, count.compiles)  # every program was read back
 
 

@@ -1,9 +1,9 @@
 """Compiled training steps kept on disk, so that a resumed run does not compile its steps again.
 
 A run batched by length compiles one train step per length bucket; with a KL toward a reference over a 262k
-vocabulary one such compile takes minutes on a CPU, and a run killed and resumed paid all of them again (about
-25 minutes for the 270M's ten buckets on 2 cores). The trainer turns on JAX's persistent compilation cache in the
-user's cache folder (`model.user_cache`, part "xla"): its key covers the program, the compile options, the
+vocabulary one such compile takes minutes on a CPU, and a run killed and resumed paid all of them again (about 25
+minutes for the 270M's nine padded lengths on 2 cores). The trainer turns on JAX's persistent compilation cache in
+the user's cache folder (`model.user_cache`, part "xla"): its key covers the program, the compile options, the
 backend and XLA's flags, so a hit runs exactly what a compile would have built.
 
 Left alone where the user set a JAX cache folder ($JAX_COMPILATION_CACHE_DIR) and off where the pasta cache is off
