@@ -1,5 +1,6 @@
 """The user's cache folder for what a process can reuse from an earlier one: compiled decode loops
-(`decode.program_store`) and the output head's measured plan (`model.head_timing`).
+(`decode.program_store`), the output head's measured plan (`model.head_timing`), the weights in the decode layout
+(`decode.layout_store`) and a training run's compiled steps (`training.compile_cache`).
 
 ~/.cache/pasta_jax (or $XDG_CACHE_HOME/pasta_jax) by default; $PASTA_COMPILE_CACHE=folder moves it and
 $PASTA_COMPILE_CACHE=off (or `pasta --no-compile-cache`) turns every part off.
