@@ -21,12 +21,15 @@ from pasta_jax.decode.sampling import (
 )
 
 LOGITS = jnp.log(jnp.array([0.5, 0.25, 0.15, 0.07, 0.03]))
+# Compiled once per shape and envelope: called op by op, their conds and loops would compile again on every example.
+sample_jit = jax.jit(sample_rows, static_argnames="envelope")
+truncate_jit = jax.jit(truncate)
 
 
 def draws(cfg: SamplingConfig, n: int = 4000) -> np.ndarray:
   keys = jax.random.split(jax.random.key(cfg.seed), n)
   rows = jax.tree.map(jnp.asarray, RowSampling.of([cfg] * n))
-  return np.asarray(sample_rows(jnp.broadcast_to(LOGITS, (n, 5)), keys, rows, cfg.envelope()))
+  return np.asarray(sample_jit(jnp.broadcast_to(LOGITS, (n, 5)), keys, rows, cfg.envelope()))
 
 
 def test_greedy_is_argmax():
@@ -114,7 +117,7 @@ def test_truncation_equals_transformers_top_k_then_top_p(seed, top_k, top_p, tem
     want = TopKLogitsWarper(top_k)(None, want)
   if top_p < 1.0:
     want = TopPLogitsWarper(top_p)(None, want)
-  got = truncate(jnp.asarray(logits), jnp.asarray([top_k]), jnp.asarray([top_p], jnp.float32))
+  got = truncate_jit(jnp.asarray(logits), jnp.asarray([top_k]), jnp.asarray([top_p], jnp.float32))
   np.testing.assert_array_equal(np.isfinite(want.numpy()) & (want.numpy() > -1e30),
                                 np.asarray(got) > np.finfo(np.float32).min)
 
@@ -133,7 +136,7 @@ def test_each_row_samples_as_it_would_alone(configs, logit_seed):
   logits = jnp.asarray(np.random.default_rng(logit_seed).normal(size=(len(configs), 30)).astype(np.float32) * 3)
   keys = jax.random.split(jax.random.key(logit_seed), len(configs))
   rows = jax.tree.map(jnp.asarray, RowSampling.of(configs))
-  got = sample_rows(logits, keys, rows, SamplingConfig.covering(configs))
+  got = sample_jit(logits, keys, rows, SamplingConfig.covering(configs))
   want = [int(sample(logits[i], keys[i], cfg)) for i, cfg in enumerate(configs)]
   assert np.asarray(got).tolist() == want
   for i, cfg in enumerate(configs):
@@ -207,7 +210,7 @@ def test_truncation_keeps_what_a_sort_keeps_ties_and_extremes_included(rows, can
   for i, (_, k, p) in enumerate(rows):
     np.testing.assert_array_equal(logits[i] >= floor[i], reference_kept(logits[i], k, p), err_msg=f"row {i}")
   want = np.stack([np.where(reference_kept(logits[i], k, p), logits[i], F32.min) for i, (_, k, p) in enumerate(rows)])
-  np.testing.assert_array_equal(np.asarray(truncate(jnp.asarray(logits), top_k, top_p)), want)
+  np.testing.assert_array_equal(np.asarray(truncate_jit(jnp.asarray(logits), top_k, top_p)), want)
 
 
 @pytest.mark.parametrize("vocab", [300, 70000])
@@ -223,8 +226,6 @@ def test_truncation_of_a_wide_vocabulary_keeps_what_a_sort_keeps(vocab):
     assert not near_the_boundary(logits[i], top_k[i], top_p[i])
     np.testing.assert_array_equal(logits[i] >= floor[i], reference_kept(logits[i], top_k[i], top_p[i]))
 
-
-sample_jit = jax.jit(sample_rows, static_argnames="envelope")
 
 
 def sampled_counts(logits: np.ndarray, cfg: SamplingConfig, draws: int, batch: int = 4000) -> np.ndarray:

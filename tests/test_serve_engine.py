@@ -69,7 +69,9 @@ def tokens_alone(prompt: str, method: str, sampling: SamplingConfig, max_tokens:
 @pytest.fixture(scope="module")
 def engine():
   engine = Engine(MODEL, CFG).start()
-  engine.warm_up(["sequential", "pasta"], prompt_tokens=16)  # every chunk and admission shape, compiled greedy
+  # every chunk and admission shape of the method the first test sends, compiled greedy (the others compile what
+  # their requests need)
+  engine.warm_up(["sequential"], prompt_tokens=16)
   yield engine
   engine.stop(grace_s=0)
 
@@ -84,7 +86,7 @@ def test_many_new_sampling_settings_at_once_share_one_batch_and_one_program(engi
                                                                   top_p=1 - i / 20, seed=i)) for i in range(8)]
   ends = [collect(p)[-1] for p in [first, *pending]]
   assert all(e.finish_reason in ("stop", "length") for e in ends), ends
-  assert sorted(k.method.name for k in engine.batches) == ["pasta", "sequential"]
+  assert [k.method.name for k in engine.batches].count("sequential") == 1
   assert engine.health()["status"] == "ok" and engine.error is None
   assert batching.decode_programs() == compiled
   assert f"pasta_decode_programs {float(compiled)}" in engine.metrics.text().decode()
@@ -208,13 +210,14 @@ def test_a_stalled_engine_says_so(monkeypatch):
 
 
 def test_a_long_compile_is_progress_not_a_stall(monkeypatch):
-  """Opening a batch (compiling its shapes) may take longer than stall_s; once it is open, the time it took does not
-  read as a stall while the rest of that turn (the admission, the first chunk) runs."""
-  engine = Engine(MODEL, dataclasses.replace(CFG, stall_s=0.4)).start()
+  """Opening a batch may take longer than stall_s, and so may compiling a shape its first admission or chunk runs
+  (not compiled ahead: the XLA compile of a tiny model's chunk takes about 6 s on a CPU, its tracing 1.5 s): neither
+  reads as a stall. A batch of 3 rows, a shape no other test compiles, so that its programs compile here."""
+  engine = Engine(MODEL, dataclasses.replace(CFG, batch=3, stall_s=3.0)).start()
   try:
     open_batch, run_chunk = batches.open_batch, batches.run_chunk
     def slow_open(*args, **kwargs):
-      time.sleep(1.0)  # past stall_s: allowed while compiling
+      time.sleep(4.0)  # past stall_s: allowed while compiling
       return open_batch(*args, **kwargs)
     def slow_chunk(*args):
       time.sleep(0.3)  # within stall_s: each turn makes progress

@@ -15,7 +15,8 @@ through each request's `sink` callback.
 Supervision: an exception while a batch admits or runs a chunk fails that batch's requests (an error update,
 status 500), drops the batch, and the engine serves on; a failure of the loop itself fails every request in
 flight and restarts the loop (at most `max_restarts` in a row). A watchdog marks the engine "stalled" when it
-has work and no turn ends for `stall_s`. `/health` reads all of it (`health`), `/metrics` counts it.
+has work and for `stall_s` no turn ends and no program of its compiles (`_track_compiles`). `/health` reads
+all of it (`health`), `/metrics` counts it.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ class Engine(SotStages):
     self.turn_at = time.perf_counter()  # when the engine last finished a turn (the watchdog reads it)
     self.stalled = False
     self.compiling = False  # creating (and compiling) a batch
+    # An admission or chunk of a shape not compiled ahead compiles when first run, for minutes on a busy CPU: the
+    # engine's thread tracing, lowering or compiling a program is progress too (`_track_compiles`)
+    self.xla_compiling = False  # between a lowering and its compile
+    self.compiled_at = 0.0  # when the engine's thread last finished tracing, lowering or compiling a program
     self.turns = 0  # turns of the engine loop begun (the supervisor counts failures in a row by them)
     self.served = {m.name: m for m in cfg.methods}
     self.compile_ahead: set[Method] = set()  # methods whose batches compile every shape when created (`warm_up`)
@@ -117,7 +122,8 @@ class Engine(SotStages):
 
   # --- lifecycle ----------------------------------------------------------------------------------------
   def start(self) -> Engine:
-    self.thread = threading.Thread(target=self._supervise, name="pasta-engine", daemon=True)
+    self.thread = threading.Thread(target=self._supervise, name=f"pasta-engine-{id(self)}", daemon=True)
+    _track_compiles(self.thread.name, self)
     self.thread.start()
     threading.Thread(target=self._watch, name="pasta-watchdog", daemon=True).start()
     return self
@@ -132,6 +138,8 @@ class Engine(SotStages):
       self.thread.join(timeout=grace_s + 60)
     else:  # never started (or already ended): nobody else will tell the waiting requests
       self._end_everyone(Update("", True, "length", note="cut: the server shut down"), "shutdown")
+    if self.thread is not None and not self.thread.is_alive():
+      _ENGINES.pop(self.thread.name, None)
 
   def warm_up(self, methods=("pasta",), prompt_tokens: int = 64) -> None:
     """Compiles each method's batch ahead of the first request (blocking): its chunk program for every rows
@@ -162,7 +170,7 @@ class Engine(SotStages):
 
   def health(self) -> dict:
     """What `/health` reports, read under the lock: "ok", "draining", "failed" (the engine thread ended) or
-    "stalled" (work to do and no turn of the engine finished for `stall_s`)."""
+    "stalled" (work to do and, for `stall_s`, no turn of the engine finished and no program of it compiled)."""
     if self.lock.acquire(timeout=0.5):  # (it is never held long; /health must answer even if it were)
       try:
         running = sum(len(b.holders) for b in list(self.batches.values()))
@@ -181,9 +189,9 @@ class Engine(SotStages):
 
   def _stalled_for(self) -> float | None:
     """Seconds since the engine's last turn, when it has work and that is past `stall_s`; else None."""
-    idle = time.perf_counter() - self.turn_at
+    idle = time.perf_counter() - max(self.turn_at, self.compiled_at)
     busy = bool(self.waiting) or any(b.holders for b in list(self.batches.values()))
-    limit = max(self.cfg.stall_s, COMPILE_S) if self.compiling else self.cfg.stall_s
+    limit = max(self.cfg.stall_s, COMPILE_S) if self.compiling or self.xla_compiling else self.cfg.stall_s
     return idle if busy and idle > limit else None
 
   def _watch(self) -> None:
@@ -229,6 +237,7 @@ class Engine(SotStages):
   def _run(self) -> None:
     while True:
       self.turn_at = time.perf_counter()
+      self.xla_compiling = False  # (a lowering that was never compiled does not hold it up past its turn)
       self.turns += 1
       with self.lock:
         if not self.waiting and not self.running and not self.stopping:
@@ -391,6 +400,10 @@ class Engine(SotStages):
 
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_LOWERED_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # a lowering done: XLA's compile comes next
+_TRACED_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+_ENGINES: dict[str, Engine] = {}  # engine thread name -> its engine (what `_track_compiles`'s listener reads)
+_TRACKING: list = []  # that listener, once registered
 _COUNTED: list[ServeMetrics] = []  # the metrics that count this process's XLA compiles (a listener cannot be removed)
 
 
@@ -402,3 +415,21 @@ def _count_compiles(metrics: ServeMetrics) -> None:
         _COUNTED[-1].compiled.inc()
     jax.monitoring.register_event_duration_secs_listener(listen)
   _COUNTED[:] = [metrics]
+
+
+def _track_compiles(thread_name: str, engine: Engine) -> None:
+  """Marks `engine.xla_compiling` while its thread (`thread_name`) compiles a program (after the lowering, until
+  the compile ends) and stamps `engine.compiled_at` at each step of a compile, so that the watchdog reads a long
+  compile as progress wherever it happens; JAX's listeners run in the thread that compiles, and cannot be
+  removed, so one listener serves every engine by its thread."""
+  if not _TRACKING:
+    jax.monitoring.register_event_duration_secs_listener(_compile_step)
+    _TRACKING.append(_compile_step)
+  _ENGINES[thread_name] = engine
+
+
+def _compile_step(event: str, _seconds: float, **_) -> None:
+  if event in (_TRACED_EVENT, _LOWERED_EVENT, _COMPILE_EVENT) and (
+      engine := _ENGINES.get(threading.current_thread().name)):
+    engine.compiled_at = time.perf_counter()
+    engine.xla_compiling = event == _LOWERED_EVENT
