@@ -227,7 +227,6 @@ def test_truncation_of_a_wide_vocabulary_keeps_what_a_sort_keeps(vocab):
     np.testing.assert_array_equal(logits[i] >= floor[i], reference_kept(logits[i], top_k[i], top_p[i]))
 
 
-
 def sampled_counts(logits: np.ndarray, cfg: SamplingConfig, draws: int, batch: int = 4000) -> np.ndarray:
   """How often `sample_rows` draws each token of logits [V] in `draws` rows with keys of seed cfg.seed."""
   rows = jax.tree.map(jnp.asarray, RowSampling.of([cfg] * batch))

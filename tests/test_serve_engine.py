@@ -213,11 +213,11 @@ def test_a_long_compile_is_progress_not_a_stall(monkeypatch):
   """Opening a batch may take longer than stall_s, and so may compiling a shape its first admission or chunk runs
   (not compiled ahead: the XLA compile of a tiny model's chunk takes about 6 s on a CPU, its tracing 1.5 s): neither
   reads as a stall. A batch of 3 rows, a shape no other test compiles, so that its programs compile here."""
-  engine = Engine(MODEL, dataclasses.replace(CFG, batch=3, stall_s=3.0)).start()
+  engine = Engine(MODEL, dataclasses.replace(CFG, batch=3, stall_s=4.0)).start()
   try:
     open_batch, run_chunk = batches.open_batch, batches.run_chunk
     def slow_open(*args, **kwargs):
-      time.sleep(4.0)  # past stall_s: allowed while compiling
+      time.sleep(5.0)  # past stall_s: allowed while compiling
       return open_batch(*args, **kwargs)
     def slow_chunk(*args):
       time.sleep(0.3)  # within stall_s: each turn makes progress
