@@ -402,33 +402,35 @@ class Engine(SotStages):
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _LOWERED_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # a lowering done: XLA's compile comes next
 _TRACED_EVENT = "/jax/core/compile/jaxpr_trace_duration"
-_ENGINES: dict[str, Engine] = {}  # engine thread name -> its engine (what `_track_compiles`'s listener reads)
-_TRACKING: list = []  # that listener, once registered
-_COUNTED: list[ServeMetrics] = []  # the metrics that count this process's XLA compiles (a listener cannot be removed)
+# What the one compile listener serves (JAX's listeners cannot be removed, so it is registered once per process):
+_COUNTED: list[ServeMetrics] = []  # the metrics that count this process's XLA compiles (the newest engine's)
+_ENGINES: dict[str, Engine] = {}  # engine thread name -> its engine, whose thread's compiles are progress
+_LISTENING: list = []  # the listener, once registered
 
 
 def _count_compiles(metrics: ServeMetrics) -> None:
   """Counts every XLA program this process compiles into `metrics.compiled` (the newest engine's metrics)."""
-  if not _COUNTED:
-    def listen(event: str, _seconds: float, **_) -> None:
-      if event == _COMPILE_EVENT and _COUNTED:
-        _COUNTED[-1].compiled.inc()
-    jax.monitoring.register_event_duration_secs_listener(listen)
+  _listen_once()
   _COUNTED[:] = [metrics]
 
 
 def _track_compiles(thread_name: str, engine: Engine) -> None:
   """Marks `engine.xla_compiling` while its thread (`thread_name`) compiles a program (after the lowering, until
   the compile ends) and stamps `engine.compiled_at` at each step of a compile, so that the watchdog reads a long
-  compile as progress wherever it happens; JAX's listeners run in the thread that compiles, and cannot be
-  removed, so one listener serves every engine by its thread."""
-  if not _TRACKING:
-    jax.monitoring.register_event_duration_secs_listener(_compile_step)
-    _TRACKING.append(_compile_step)
+  compile as progress wherever it happens (JAX's listeners run in the thread that compiles)."""
+  _listen_once()
   _ENGINES[thread_name] = engine
 
 
-def _compile_step(event: str, _seconds: float, **_) -> None:
+def _listen_once() -> None:
+  if not _LISTENING:
+    jax.monitoring.register_event_duration_secs_listener(_on_compile_event)
+    _LISTENING.append(_on_compile_event)
+
+
+def _on_compile_event(event: str, _seconds: float, **_) -> None:
+  if event == _COMPILE_EVENT and _COUNTED:
+    _COUNTED[-1].compiled.inc()
   if event in (_TRACED_EVENT, _LOWERED_EVENT, _COMPILE_EVENT) and (
       engine := _ENGINES.get(threading.current_thread().name)):
     engine.compiled_at = time.perf_counter()
