@@ -18,11 +18,12 @@ shipped default as `pasta generate` runs it.
 on the promise-open token) against the one baseline run, decoded once, so one run gives the knob's curve (fork rate,
 theoretical and realized speedup, every quality proxy per setting: learned.md's "Fork-bias curve"). A row of bias
 b != 0 is named `pasta:MODEL@fork_bias=b`, so a resumed folder decodes a new setting afresh; the RESULT line is the
-first model at the first setting listed.
+first model at the first setting listed. --max-topic-tokens N caps every PASTA row's promise topics at N tokens
+(`SamplingConfig.max_topic_tokens`; its rows are named `...@max_topic_tokens=N`, and each row's cuts are counted).
 
   python -m bench.learned [--limit 100] [--prompts alpaca_eval_805|mt_bench_questions|FILE]
                           [--model pasta] [--baseline baseline-sft] [--scorer base] [--out runs/learned]
-                          [--fork-bias 0,-8,4,8,12,16]
+                          [--fork-bias 0,-8,4,8,12,16] [--max-topic-tokens 16]
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from tqdm import tqdm
 
 from pasta_jax.data import sources
 from pasta_jax.decode import api
+from pasta_jax.decode.sampling import SamplingConfig
 from pasta_jax.eval import methods as M
 from pasta_jax.eval.learned import figure_lines, learned_figures, result_line
 from pasta_jax.eval.learned_plot import plot_quality_pareto
@@ -69,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--fork-bias", type=fork_biases, default=(0.0,), metavar="X[,X...]",
                       help="PASTA's promise-open logit offset; a list gives one PASTA row per value against the one "
                            "baseline run (default: 0, off)")
+  parser.add_argument("--max-topic-tokens", type=topic_cap, default=0, metavar="N",
+                      help="PASTA rows: a promise topic has at most N tokens, then main must close it (0: no cap)")
   parser.add_argument("--head-dtype", default=None, metavar="bfloat16",
                       help="both models' output head in this narrower dtype (api.check_head_dtype; default: float32)")
   parser.add_argument("--certify-head", action="store_true",
@@ -94,9 +98,20 @@ def fork_biases(text: str) -> tuple[float, ...]:
   return values
 
 
-def method_name(path: str | None, fork_bias: float) -> str:
-  """A PASTA row's name in the run folder: a fork bias other than 0 is part of it, so it is its own row."""
-  return f"pasta:{path or 'default'}" + (f"@fork_bias={fork_bias:g}" if fork_bias else "")
+def topic_cap(text: str) -> int:
+  """`--max-topic-tokens` text: a whole number >= 0 (0: no cap)."""
+  try:
+    SamplingConfig(max_topic_tokens=int(text))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+  return int(text)
+
+
+def method_name(path: str | None, fork_bias: float, max_topic_tokens: int = 0) -> str:
+  """A PASTA row's name in the run folder: a fork bias other than 0 and a topic cap are part of it, so each setting
+  is its own row."""
+  return (f"pasta:{path or 'default'}" + (f"@fork_bias={fork_bias:g}" if fork_bias else "")
+          + (f"@max_topic_tokens={max_topic_tokens}" if max_topic_tokens else ""))
 
 
 def shipped_sampling(args, model) -> tuple[float, bool, str]:
@@ -129,7 +144,9 @@ def main(argv=None) -> int:
                               head_dtype=args.head_dtype, certify_head=args.certify_head)
   # Both decode with PASTA's interpreter rules (Baseline-SFT writes no tags, so its answers are sequential ones).
   pasta = Pasta(lanes=args.lanes)
-  methods = [M.InterpreterMethod(method_name(path, bias), m, dataclasses.replace(settings, fork_bias=bias), pasta)
+  cap = args.max_topic_tokens
+  methods = [M.InterpreterMethod(method_name(path, bias, cap), m,
+                                 dataclasses.replace(settings, fork_bias=bias, max_topic_tokens=cap), pasta)
              for path, m in zip(args.model, models) for bias in args.fork_bias]
   baseline = M.InterpreterMethod(f"sequential:{args.baseline}", baseline_model, settings, pasta)
   for method in methods:
@@ -153,7 +170,7 @@ def main(argv=None) -> int:
   figures = {m.name: {**learned_figures(results, records, m.name, baseline.name, scorer), "scorer": scorer_name}
              for m in methods}
   for method in methods:
-    figures[method.name]["fork_bias"] = method.settings.fork_bias
+    figures[method.name].update(fork_bias=method.settings.fork_bias, max_topic_tokens=method.settings.max_topic_tokens)
   (out / "learned.json").write_text(json.dumps(figures, indent=1))
   pareto = plot_quality_pareto(figures, out / "quality_pareto.png")
   lines = [sampling_line, ""]
@@ -173,6 +190,7 @@ def main(argv=None) -> int:
 
 
 CURVE = (("fork rate", "fork_rate", 3), ("well-formed", "well_formed", 3), ("truncated", "truncated", 3),
+         ("topics cut", "refusals", 0),
          ("duplicate blocks", "duplicate_rate", 3), ("repeated items", "repeated_items", 3),
          ("misnumbered", "misnumbered", 3), ("ROUGE-L", "rouge_l", 4), ("log p", "logprob", 4))
 

@@ -27,6 +27,9 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--fork-bias", type=float, default=0.0, metavar="X",
                       help="PASTA's speed/quality knob: X is added to the logit of the token that opens a promise, "
                            "where main may open one (> 0: more forks, faster; < 0: fewer; 0 = off, the default)")
+  parser.add_argument("--max-topic-tokens", type=int, default=0, metavar="N",
+                      help="PASTA: a promise's topic has at most N tokens, then main must close it (each cut is "
+                           "counted); 0 = no cap, the default")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -70,7 +70,7 @@ def assert_same(jitted, oracle):
     assert [tuple(r) for r in got.records.tolist()] == [tuple(int(x) for x in r) for r in want.records]
     assert (got.steps, got.stalls, got.finished, got.truncated) == (
         want.steps, want.stalls, want.finished, want.truncated)
-    assert (got.peak_live_slots, got.fork_refusals) == (want.peak_live, want.fork_refusals)
+    assert (got.peak_live_slots, got.refusals) == (want.peak_live, want.refusals)
     assert {u: int(p) for u, p in enumerate(got.parents) if p >= 0} == want.parents
     table = {slot: (int(o), int(w), int(p), bool(v)) for slot, (o, w, p, v) in enumerate(got.slot_table)
              if slot in want.slot_table}
@@ -174,4 +174,4 @@ def test_refused_forks_are_counted_like_the_reference(limit):
   prompt_batch = [[3, 4, 5], [6, 7]]
   outs = run_interpreter(toy_apply, params, prompt_batch, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)
   assert_same(outs, reference(cfg, params, prompt_batch))
-  assert all(o.fork_refusals > 0 for o in outs)
+  assert all(o.refusals > 0 for o in outs)

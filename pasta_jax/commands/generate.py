@@ -22,7 +22,8 @@ def _sampling(args) -> SamplingConfig:
     return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                           repetition_penalty=1.0 if args.repetition_penalty is None else args.repetition_penalty,
                           distinct_topics=bool(getattr(args, "distinct_topics", None)),
-                          fork_bias=getattr(args, "fork_bias", 0.0))
+                          fork_bias=getattr(args, "fork_bias", 0.0),
+                          max_topic_tokens=getattr(args, "max_topic_tokens", 0))
   except ValueError as err:
     raise PastaError(str(err)) from None
 
@@ -96,7 +97,7 @@ def run_generate(args) -> int:
     raise PastaError("empty prompt: give some text to continue")
   sampling = _sampling(args)
   given = _given_method(args)  # a bad method flag is said before the model loads
-  if given is not None and sampling.biases_forks:  # and a fork bias it has no promise for
+  if given is not None and (sampling.biases_forks or sampling.caps_topics):  # and a knob it has no promise for
     given.check_request(sampling=sampling, runtime=Runtime(), forced=False)
   runtime = Runtime(dtype=args.dtype, mesh=_mesh(args), certify_head=args.certify_head)
   model = load_model(args.model)

@@ -73,7 +73,8 @@ def summary(result: PastaResult, compile_seconds: float) -> str:
   speedup = result.theoretical_speedup
   # nan: the cut left a block open, so the answer has no critical path to measure
   theoretical = "n/a (cut inside a block)" if math.isnan(speedup) else f"{speedup:.2f}x"
-  return (f"[{state}; {result.steps} steps, {result.stalls} stalls, syncs at {list(result.sync_steps)}; "
+  refused = f"; {result.refusals} {result.refused}" if result.refusals else ""  # what a limit held back, said
+  return (f"[{state}{refused}; {result.steps} steps, {result.stalls} stalls, syncs at {list(result.sync_steps)}; "
           f"{result.content_tokens} tokens ({result.tokens} with tags); theoretical speedup "
           f"{theoretical}; realized {rate:.1f} tok/s over {result.seconds:.2f}s "
           f"(+{compile_seconds:.1f}s compile/setup)]")

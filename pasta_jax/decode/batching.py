@@ -34,7 +34,7 @@ from pasta_jax.errors import PastaError
 MIN_SLOT_BUCKET = 32  # the smallest pool prefix a chunk attends over
 SHARED_FIELDS = ("step",)  # InterpState leaves without a batch axis
 HOST_FIELDS = ("records", "num_records", "finished", "truncated", "pool_full", "budget_spent", "content",
-               "stalls", "fork_refusals", "head_fallbacks", "last_fed_step", "peak_live", "parent", "step")
+               "stalls", "refusals", "head_fallbacks", "last_fed_step", "peak_live", "parent", "step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +224,7 @@ class HostView:
         records=records, logits=None, steps=max(int(f["last_fed_step"][row]) - admitted_at, 0),
         stalls=int(f["stalls"][row]), finished=bool(f["finished"][row]), truncated=bool(f["truncated"][row]),
         pool_full=bool(f["pool_full"][row]), budget_spent=bool(f["budget_spent"][row]),
-        content=int(f["content"][row]), fork_refusals=int(f["fork_refusals"][row]),
+        content=int(f["content"][row]), refusals=int(f["refusals"][row]),
         head_fallbacks=int(f["head_fallbacks"][row]),
         peak_live_slots=int(f["peak_live"][row]), parents=np.asarray(f["parent"][row]),
         rule_outputs=cfg.rules.host_outputs(self.rule_state, row) if self.rule_state is not None else None)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pasta_jax.decode.sampling import first_max_index
 from pasta_jax.lang.tags import TagVocab
 
 
@@ -72,6 +73,31 @@ def bias_fork_open(logits: jax.Array, bias: jax.Array, vocab: TagVocab) -> jax.A
   One elementwise add that fuses with the constraint's select; a row at 0 keeps every logit (x + 0.0 == x)."""
   opens = jnp.isin(jnp.arange(logits.shape[-1]), jnp.asarray(fork_open_ids(vocab), jnp.int32))
   return logits + jnp.where(opens, bias[:, None, None], 0.0).astype(logits.dtype)
+
+
+def open_topic_length(slot_token: jax.Array, slot_owner: jax.Array, slot_order: jax.Array, slot_valid: jax.Array,
+                      vocab: TagVocab) -> jax.Array:
+  """[B] int32: the tokens main has written after its last PROMISE (its open topic's length while it is inside a
+  promise: the open topic of `lang.tokens.promise_topics`, which the reference counts), over [B, S] pool metadata."""
+  mine = slot_valid & (slot_owner == 0)
+  last_promise = jnp.max(jnp.where(mine & (slot_token == vocab.promise), slot_order, -1), axis=1)  # [B]
+  return jnp.sum(mine & (slot_order > last_promise[:, None]), axis=1, dtype=jnp.int32)
+
+
+def cap_topics(allowed: jax.Array, logits: jax.Array, at_cap: jax.Array, vocab: TagVocab
+               ) -> tuple[jax.Array, jax.Array]:
+  """Rows [B, Q] `at_cap` (main, inside a topic that has its most tokens) may write only a LENGTH. Returns the
+  allowed tokens [B, Q, V] and the rows [B, Q] whose most likely allowed token the cap refused (a topic the model
+  would have continued: a cut, counted in `refusals`). The cap outranks `distinct_topics`: a topic at the cap
+  closes even if it repeats an earlier one. Only a step with a row at its cap pays for the argmax the count reads."""
+  is_length = jnp.zeros((logits.shape[-1],), bool).at[jnp.asarray(vocab.lengths)].set(True, mode="drop")
+
+  def cut():
+    top = first_max_index(jnp.where(allowed, logits, -jnp.inf))  # [B, Q] the choice the cap would have let stand
+    return at_cap & ~is_length[top]
+
+  refused = jax.lax.cond(jnp.any(at_cap), cut, lambda: jnp.zeros_like(at_cap))
+  return jnp.where(at_cap[..., None], is_length, allowed), refused
 
 
 # Two 32-bit polynomial hashes of a topic's tokens (with its length): topics that differ collide with

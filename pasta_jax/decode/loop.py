@@ -143,7 +143,7 @@ def init_state(pool: KVPool, prompt_tokens: jax.Array, lengths: jax.Array, first
       finished=jnp.zeros((batch,), bool), truncated=jnp.zeros((batch,), bool), pool_full=jnp.zeros((batch,), bool),
       budget_spent=jnp.zeros((batch,), bool),
       content=is_content(token[:, :k], jnp.zeros((batch, k), bool), cfg.vocab).sum(axis=1).astype(jnp.int32),
-      stalls=jnp.zeros((batch,), jnp.int32), fork_refusals=jnp.zeros((batch,), jnp.int32),
+      stalls=jnp.zeros((batch,), jnp.int32), refusals=jnp.zeros((batch,), jnp.int32),
       head_fallbacks=jnp.zeros((batch,), jnp.int32),
       last_fed_step=jnp.zeros((batch,), jnp.int32),
       content_budget=jnp.full((batch,), cfg.max_content, jnp.int32),
@@ -269,7 +269,7 @@ class RunOutput:
   pool_full: bool = False  # truncated because the pool had no room (not by the step budget)
   budget_spent: bool = False  # truncated at the content-token budget (cfg.max_content)
   content: int = 0  # content tokens recorded (no tags, topics or end ids), counted on device
-  fork_refusals: int = 0  # APAR: forks the depth limit or a full lane table refused (sample_constrained)
+  refusals: int = 0  # choices a limit refused: forks (APAR, scoped), topics cut at their cap (PASTA)
   head_fallbacks: int = 0  # steps whose certified head chose again from the float32 head (decode/certified_head.py)
   peak_live_slots: int = 0  # most pool slots valid at once (the prompt included)
   parents: np.ndarray | None = None  # [U] the thread that spawned each thread (-1: main / never spawned)
@@ -348,7 +348,7 @@ def unpack(final: InterpState, cfg: InterpreterConfig) -> list[RunOutput]:
     outputs.append(RunOutput(
         records=np.asarray(final.records[b, :n]),
         logits=np.asarray(final.record_logits[b, :n]) if cfg.record_logits else None,
-        steps=int(final.last_fed_step[b]), stalls=int(final.stalls[b]), fork_refusals=int(final.fork_refusals[b]),
+        steps=int(final.last_fed_step[b]), stalls=int(final.stalls[b]), refusals=int(final.refusals[b]),
         head_fallbacks=int(final.head_fallbacks[b]),
         finished=bool(final.finished[b]), truncated=bool(final.truncated[b]), pool_full=bool(final.pool_full[b]),
         budget_spent=bool(final.budget_spent[b]), content=int(final.content[b]),

@@ -56,7 +56,8 @@ class Result:
   budget_spent: bool = False  # cut at the content-token budget (max_new_tokens in free decoding)
   method: str = "pasta"
   critical_path: float = math.nan  # steps with unlimited lanes
-  fork_refusals: int = 0  # forks a limit refused (APAR's depth limit or a full lane table)
+  refusals: int = 0  # most likely tokens a limit refused (what they were: `refused`)
+  refused: str = "forks refused (depth limit or no free lane)"  # what a refusal is for the method that ran
   head_fallbacks: int = 0  # steps a certified head chose again from the float32 head (`certify_head`)
   peak_live_slots: int = 0  # most KV slots live at once, the prompt included
   parents: np.ndarray | None = None  # [U] the thread that spawned each thread (-1: main / none)
@@ -165,8 +166,8 @@ def pasta_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, met
       stalls=run.stalls, finished=run.finished, truncated=run.truncated, theoretical_speedup=speedup,
       theoretical_parallelism=parallelism, seconds=seconds, tokens=len(body), content_tokens=content,
       pool_full=run.pool_full, budget_spent=run.budget_spent, method=method, critical_path=path,
-      fork_refusals=run.fork_refusals, head_fallbacks=run.head_fallbacks, peak_live_slots=run.peak_live_slots,
-      parents=run.parents, logits=run.logits)
+      refusals=run.refusals, refused="topics cut at their cap (max_topic_tokens)", head_fallbacks=run.head_fallbacks,
+      peak_live_slots=run.peak_live_slots, parents=run.parents, logits=run.logits)
 
 
 def scoped_text_order(records: np.ndarray, parents: np.ndarray, vocab: TagVocab) -> list[int]:
@@ -203,7 +204,7 @@ def scoped_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, me
       threads=thread_traces(run.records, vocab), sync_steps=(), steps=run.steps, stalls=run.stalls,
       finished=run.finished, truncated=run.truncated, theoretical_speedup=speedup, theoretical_parallelism=speedup,
       seconds=seconds, tokens=len(body), content_tokens=len(content), pool_full=run.pool_full,
-      budget_spent=run.budget_spent, method=method, critical_path=path, fork_refusals=run.fork_refusals,
+      budget_spent=run.budget_spent, method=method, critical_path=path, refusals=run.refusals,
       head_fallbacks=run.head_fallbacks,
       peak_live_slots=run.peak_live_slots, parents=run.parents, logits=run.logits)
 
@@ -240,6 +241,6 @@ def tree_result(run: RunOutput, seconds: float, tokenizer, vocab: TagVocab, meth
       theoretical_parallelism=content / path if path else math.nan, seconds=seconds,
       tokens=len([t for t in ids if t not in vocab.eos_ids]), content_tokens=content, pool_full=run.pool_full,
       budget_spent=run.budget_spent, method=method, critical_path=float(path) if path else math.nan,
-      fork_refusals=run.fork_refusals, head_fallbacks=run.head_fallbacks, peak_live_slots=run.peak_live_slots,
+      refusals=run.refusals, head_fallbacks=run.head_fallbacks, peak_live_slots=run.peak_live_slots,
       parents=run.parents,
       thread_texts=tuple(tokenizer.decode(x) for x in own), logits=run.logits)

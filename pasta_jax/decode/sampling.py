@@ -12,6 +12,10 @@ when none of its rows needs it.
 open a promise (`decode.constraints.bias_fork_open`, added in the step after the penalty), so a positive bias makes
 main fork more often and a negative one less. A method without promises refuses a non-zero bias
 (`methods.base.Method.check_request`). 0 is off: a program whose rows all leave it at 0 has no bias path at all.
+
+`max_topic_tokens` caps a PASTA promise's topic, per row as well: once main has written that many topic tokens it may
+write only a LENGTH, so a topic cannot run on to the end of the answer (a high fork bias on a weak model writes the
+whole answer into one never-closed topic). 0 is off, and again a program whose rows all leave it off has no cap path.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SEED_LIMIT = 1 << 32
+TOPIC_LIMIT = 1 << 16  # max_topic_tokens below it (a topic is a few words; a pool holds a few thousand tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +49,17 @@ class SamplingConfig:
   # PASTA: added to the logit of the token that opens a promise wherever the rules let one open (main outside a
   # promise), after the repetition penalty; > 0 forks more, < 0 less; 0 = off (decode.constraints.bias_fork_open).
   fork_bias: float = 0.0
+  # PASTA: the most tokens a promise's topic may have; main then may write only a LENGTH (each such cut of a topic
+  # the model would have continued is counted: `Result.refusals`); 0 = no cap (decode.rules.pasta).
+  max_topic_tokens: int = 0
 
   def __post_init__(self):
     if (not self.temperature >= 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or not self.repetition_penalty > 0
-        or not 0 <= self.seed < SEED_LIMIT or not math.isfinite(self.fork_bias)):
+        or not 0 <= self.seed < SEED_LIMIT or not math.isfinite(self.fork_bias)
+        or not 0 <= self.max_topic_tokens < TOPIC_LIMIT):
       raise ValueError(f"bad sampling settings {self}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
-                       "repetition_penalty > 0, 0 <= seed < 2**32, a finite fork_bias")
+                       "repetition_penalty > 0, 0 <= seed < 2**32, a finite fork_bias, "
+                       f"0 <= max_topic_tokens < {TOPIC_LIMIT}")
 
   @property
   def penalizes(self) -> bool:
@@ -60,6 +70,10 @@ class SamplingConfig:
     return self.fork_bias != 0.0
 
   @property
+  def caps_topics(self) -> bool:
+    return self.max_topic_tokens > 0
+
+  @property
   def greedy(self) -> bool:
     return self.temperature == 0.0
 
@@ -68,17 +82,17 @@ class SamplingConfig:
     return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
   def envelope(self) -> SamplingConfig:
-    """The static part: which paths a compiled step has (sampling, truncation, penalty, fork bias, distinct
-    topics), one canonical config per combination, so every config with the same paths shares a program."""
+    """The static part: which paths a compiled step has (sampling, truncation, penalty, fork bias, topic cap,
+    distinct topics), one canonical config per combination, so every config with the same paths shares a program."""
     return SamplingConfig(temperature=0.0 if self.greedy else 1.0, top_p=0.5 if self.truncates else 1.0,
                           repetition_penalty=2.0 if self.penalizes else 1.0, distinct_topics=self.distinct_topics,
-                          fork_bias=1.0 if self.biases_forks else 0.0)
+                          fork_bias=1.0 if self.biases_forks else 0.0, max_topic_tokens=int(self.caps_topics))
 
   def covers(self, row: SamplingConfig) -> bool:
     """Whether a program compiled for this config's envelope can run a row with `row`'s settings."""
     return ((not self.greedy or row.greedy) and (self.truncates or not row.truncates)
             and (self.penalizes or not row.penalizes) and (self.biases_forks or not row.biases_forks)
-            and self.distinct_topics == row.distinct_topics)
+            and (self.caps_topics or not row.caps_topics) and self.distinct_topics == row.distinct_topics)
 
   @staticmethod
   def covering(rows: Sequence[SamplingConfig]) -> SamplingConfig:
@@ -90,11 +104,13 @@ class SamplingConfig:
                           top_p=0.5 if any(r.truncates for r in rows) else 1.0,
                           repetition_penalty=2.0 if any(r.penalizes for r in rows) else 1.0,
                           fork_bias=1.0 if any(r.biases_forks for r in rows) else 0.0,
+                          max_topic_tokens=int(any(r.caps_topics for r in rows)),
                           distinct_topics=topics.pop()).envelope()
 
 
-# every path: a server's batches (`serve.batches.batch_key` drops the fork bias for a method without promises)
-ANY_SAMPLING = SamplingConfig(temperature=1.0, top_p=0.5, repetition_penalty=2.0, fork_bias=1.0)
+# every path: a server's batches (`serve.batches.batch_key` drops the fork bias and the topic cap for a method that
+# has no promise or no topic)
+ANY_SAMPLING = SamplingConfig(temperature=1.0, top_p=0.5, repetition_penalty=2.0, fork_bias=1.0, max_topic_tokens=1)
 
 
 @jax.tree_util.register_dataclass
@@ -107,6 +123,7 @@ class RowSampling:
   top_p: jax.Array  # float32, 1: off
   penalty: jax.Array  # float32, 1: off
   fork_bias: jax.Array  # float32 added to the promise-open logit where a promise may open, 0: off
+  max_topic: jax.Array  # int32 the most tokens a promise's topic may have, 0: no cap
   seed: jax.Array  # uint32
   stream: jax.Array  # int32 the request index folded into its keys (its place in `generate`; 0 in a server)
   first_step: jax.Array  # int32 the batch step the row's own steps count from (its admission)
@@ -120,6 +137,7 @@ class RowSampling:
                        top_p=np.array([r.top_p for r in rows], np.float32),
                        penalty=np.array([r.repetition_penalty for r in rows], np.float32),
                        fork_bias=np.array([r.fork_bias for r in rows], np.float32),
+                       max_topic=np.array([r.max_topic_tokens for r in rows], np.int32),
                        seed=np.array([r.seed for r in rows], np.uint32),
                        stream=np.asarray(streams, np.int32), first_step=np.zeros(len(rows), np.int32))
 

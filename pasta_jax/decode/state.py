@@ -51,7 +51,7 @@ class InterpState:
   budget_spent: jax.Array  # [B] bool: stopped at the content-token budget (cfg.max_content)
   content: jax.Array  # [B] int32 content tokens recorded (no tags, topics or end ids)
   stalls: jax.Array  # [B] int32
-  fork_refusals: jax.Array  # [B] int32 APAR: most likely token was [Fork], refused by a limit
+  refusals: jax.Array  # [B] int32 rows whose most likely token a limit refused (a fork past a limit; a capped topic)
   head_fallbacks: jax.Array  # [B] int32 steps a certified head chose again from float32 (a row went uncertified)
   last_fed_step: jax.Array  # [B] int32
   # Per-request budgets (cfg's for every row in `generate`; a server sets each request's own).

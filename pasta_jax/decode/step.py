@@ -51,7 +51,7 @@ def choose_tokens(logits, rows_lane, row_ok, state: InterpState, cfg: Interprete
   model for (`rules.model_extras`); None at prefill.
   A repetition penalty (`cfg.sampling`) first lowers the logits of what each row already sees; a fork bias then
   moves the promise-open logit (`constraints.bias_fork_open`).
-  Returns (state, tokens [B, Q], [B, Q] rows that had a fork refused by a limit)."""
+  Returns (state, tokens [B, Q], [B, Q] rows whose most likely token a limit refused)."""
   if cfg.sampling.penalizes and (not forced or cfg.rules.sample_after_script):  # wherever the rules sample
     penalty = state.sampling.penalty  # [B]: each row's (1: off); a step where no row penalizes skips the work
     def penalized(logits):
@@ -253,7 +253,7 @@ def decode_step(model_fn: ModelFn, params, state: InterpState, cfg: InterpreterC
   state, fed = rules.before_model(state, cfg, length_table)
   sampled, refused, lane_logits, pool, (rule_state, fallbacks) = model_on_feeders(
       model_fn, params, state, fed.feed, fed.slots, cfg, forced)
-  state = dataclasses.replace(state, pool=pool, fork_refusals=state.fork_refusals + refused.sum(axis=1),
+  state = dataclasses.replace(state, pool=pool, refusals=state.refusals + refused.sum(axis=1),
                               rule_state=rule_state, head_fallbacks=fallbacks)
   if forced:
     state = advance_scripts(state, fed.feed, cfg)

@@ -62,6 +62,7 @@ def answer_figures(run: Mapping, reference: str) -> dict:
   items = [chunk for kind, chunk in split_items(run["text"]) if kind == "item"]
   item_dupes, item_pairs = metrics.duplicate_block_pairs(items)
   return dict(forks=run["threads"] - 1, well_formed=blocks is not None, truncated=not run["finished"],
+              refusals=run.get("refusals", 0),  # a run decoded before they were kept counts none
               duplicate_pairs=dupes, sibling_pairs=pairs, repeated_item_pairs=item_dupes, item_pairs=item_pairs,
               has_list=len(items) >= 2, numbered=bool(numbered_lists(run["text"])),
               misnumbered=misnumbered(run["text"]),
@@ -105,6 +106,7 @@ def _aggregate(rows: Sequence[Mapping]) -> dict:
   agg = dict(fork_rate=sum(r["forks"] > 0 for r in rows) / n, list_rate=sum(r["has_list"] for r in rows) / n,
              well_formed=sum(r["well_formed"] for r in rows) / n,
              truncated=sum(r["truncated"] for r in rows) / n,
+             refusals=sum(r["refusals"] for r in rows),
              duplicate_rate=sum(r["duplicate_pairs"] for r in rows) / pairs if pairs else 0.0,
              sibling_pairs=pairs,
              misnumbered=sum(r["misnumbered"] for r in rows) / max(sum(r["numbered"] for r in rows), 1),
@@ -126,7 +128,8 @@ def figure_lines(figures: Mapping) -> list[str]:
   p, b = figures["pasta"], figures["baseline"]
   rows = [("fork rate", "fork_rate", 3), ("answers with a list (2+ items)", "list_rate", 3),
           ("well-formed tags", "well_formed", 3), ("truncated", "truncated", 3),
-          ("duplicate-block rate", "duplicate_rate", 3), ("repeated list items (clean text)", "repeated_items", 3),
+          ("topics cut at their cap (all answers)", "refusals", 0), ("duplicate-block rate", "duplicate_rate", 3),
+          ("repeated list items (clean text)", "repeated_items", 3),
           ("misnumbered lists (of answers with a numbered list)", "misnumbered", 3),
           ("ROUGE-L vs reference", "rouge_l", 4),
           (f"log p per token under {figures.get('scorer', 'Baseline-SFT')}", "logprob", 4)]

@@ -48,6 +48,7 @@ class DecodeSettings:
   head_dtype: str | None = None  # the output head in a narrower dtype (api.check_head_dtype), for every method
   certify_head: bool = False  # greedy choices certified against the float32 head (decode/certified_head.py)
   fork_bias: float = 0.0  # PASTA's promise-open logit offset (decode.sampling); bench.learned sets it per method
+  max_topic_tokens: int = 0  # PASTA's cap on a promise topic (decode.sampling), 0: none; set per method as well
 
   @property
   def runtime(self) -> Runtime:
@@ -60,7 +61,8 @@ class DecodeSettings:
 
   def identity(self) -> dict:
     """What makes two runs comparable; a setting added later is left out at its default, so older runs resume."""
-    added_later = {"distinct_topics": False, "head_dtype": None, "certify_head": False, "fork_bias": 0.0}
+    added_later = {"distinct_topics": False, "head_dtype": None, "certify_head": False, "fork_bias": 0.0,
+                   "max_topic_tokens": 0}
     # A certified head's narrow copy is part of its timing: name the one this machine compiles (int8 on a CPU,
     # where older runs compiled bfloat16), so a run decoded through another one starts afresh.
     narrow = api.narrow_head_dtype(self.head_dtype, self.certify_head)
@@ -82,6 +84,7 @@ class MethodOutput:
   threads: int = 1  # main + forks
   note: str = ""  # why a forced answer was replayed without tags, etc.
   head_fallbacks: int = 0  # steps a certified head chose again from the float32 head (`certify_head`)
+  refusals: int = 0  # most likely tokens a limit refused (`Result.refused` says what: forks, topics cut at a cap)
 
 
 class Method(Protocol):
@@ -124,7 +127,7 @@ class InterpreterMethod:
     s = self.settings
     answer, note, budget = self.forced(record) if self.forced is not None else (None, "", s.max_new_tokens)
     sampling = SamplingConfig(repetition_penalty=s.repetition_penalty, distinct_topics=s.distinct_topics,
-                              fork_bias=s.fork_bias)
+                              fork_bias=s.fork_bias, max_topic_tokens=s.max_topic_tokens)
     try:
       [result] = generate(self.model, [record_prompt(record)], self.method, max_new_tokens=budget, chat=s.chat,
                           sampling=sampling, forced_answers=None if answer is None else [answer], runtime=s.runtime)
@@ -132,8 +135,8 @@ class InterpreterMethod:
       raise MethodError(f"prompt {record['id']}: its {self.method.name} answer cannot be replayed: {err}") from None
     if result.drafts:
       note = f"best of {len(result.drafts)} drafts"
-    if result.fork_refusals:  # what the limits suppressed is reported with the answer
-      note = "; ".join(filter(None, [note, f"{result.fork_refusals} forks refused (depth limit or no free lane)"]))
+    if result.refusals:  # what the limits suppressed is reported with the answer
+      note = "; ".join(filter(None, [note, f"{result.refusals} {result.refused}"]))
     return output_of(result, note)
 
 
@@ -143,7 +146,7 @@ def output_of(result: api.PastaResult, note: str = "") -> MethodOutput:
                       theoretical_speedup=result.theoretical_speedup, parallelism=result.theoretical_parallelism,
                       content_tokens=result.content_tokens, critical_path=result.critical_path,
                       finished=result.finished, threads=len(result.threads) or len(result.thread_texts), note=note,
-                      head_fallbacks=result.head_fallbacks)
+                      head_fallbacks=result.head_fallbacks, refusals=result.refusals)
 
 
 class ForcedAnswer:

@@ -41,6 +41,7 @@ class Capabilities:
   promises: bool = False  # it decodes PASTA promises (a PASTA model's answer is whole only under such a method)
   distinct_topics: bool = False  # it keeps `SamplingConfig.distinct_topics` (a method with promises that does not
   # refuses it; one without ignores it)
+  topic_cap: bool = False  # it keeps `SamplingConfig.max_topic_tokens` (any other method refuses a cap)
   threads: bool = False  # its answer is shown with a thread chart (`pasta generate`)
   drafts: bool = False  # its answer has several drafts (`Result.drafts`; a request's n takes the best n)
   learns_latency: bool = False  # served, it learns its step-time table from its own chunks (`serve/propd.py`)
@@ -154,6 +155,9 @@ class Method(abc.ABC):
     if sampling.biases_forks and not caps.promises:
       raise PastaError(f"fork_bias={sampling.fork_bias:g} moves the logit of the token that opens a PASTA promise; "
                        f"method={self.name!r} opens no promises (give 0, or a method with promises such as pasta)")
+    if sampling.caps_topics and not caps.topic_cap:
+      raise PastaError(f"max_topic_tokens={sampling.max_topic_tokens} caps a PASTA promise's topic; "
+                       f"method={self.name!r} does not write topics it can cap (give 0, or the pasta method)")
     if not sampling.greedy and not caps.sample:
       raise PastaError(f"method={self.name!r} searches deterministically: it takes no temperature, top-k or top-p")
 

@@ -20,7 +20,7 @@ class Pasta(Threaded):
   name = "pasta"
   summary = "PASTA: the model's promises fork threads that decode in parallel (streams; thread chart)"
   capabilities = Capabilities(stream=True, replay=True, shard=True, promises=True, distinct_topics=True,
-                              threads=True, annotates=True)
+                              topic_cap=True, threads=True, annotates=True)
   annotation_field = "annotated"
 
   # None: the mode the model was trained in (its generation.json's `position_mode`, else pred): a model writes the

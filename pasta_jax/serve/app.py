@@ -371,6 +371,7 @@ def request_sampling(body, defaults: dict) -> SamplingConfig:
   if seed is None:
     seed = secrets.randbits(32) if body.temperature > 0 else 0
   return SamplingConfig(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, repetition_penalty=penalty,
-                        seed=seed, distinct_topics=topics, fork_bias=body.fork_bias)
+                        seed=seed, distinct_topics=topics, fork_bias=body.fork_bias,
+                        max_topic_tokens=body.max_topic_tokens)
 
 

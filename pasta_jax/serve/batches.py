@@ -3,8 +3,8 @@ how each request gets its new text after a chunk.
 
 A batch is keyed by its method value and the sampling paths its program has (`BatchKey`): every sampling
 path, or greedy only where a certified head chooses. Each request's temperature, top-p, top-k, repetition
-penalty, fork bias and seed are its row's own values (`decode.sampling.RowSampling`), so requests with any settings
-share one batch and one compiled program.
+penalty, fork bias, topic cap and seed are its row's own values (`decode.sampling.RowSampling`), so requests with
+any settings share one batch and one compiled program.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from pasta_jax.serve.metrics import ServeMetrics
 from pasta_jax.serve.propd import OnlineLatency
 from pasta_jax.serve.requests import Request, Update
 
-# a certified head's batch: argmax, a penalty and a fork bias (a per-token offset: the certificate still holds)
-GREEDY_ONLY = SamplingConfig(repetition_penalty=2.0, fork_bias=1.0).envelope()
+# a certified head's batch: argmax, a penalty, a fork bias (a per-token offset: the certificate still holds) and a
+# topic cap (a constraint, as the tags' are)
+GREEDY_ONLY = SamplingConfig(repetition_penalty=2.0, fork_bias=1.0, max_topic_tokens=1).envelope()
 
 
 class BatchKey(NamedTuple):
@@ -44,8 +45,9 @@ def batch_key(method: Method, sampling: SamplingConfig, certify_head: bool) -> B
   certified = certify_head and sampling.greedy and method.capabilities.certify_head
   paths = GREEDY_ONLY if certified or not method.capabilities.sample else ANY_SAMPLING
   fork_bias = paths.fork_bias if method.capabilities.promises else 0.0  # no promise, no bias path
-  return BatchKey(method, dataclasses.replace(paths, distinct_topics=sampling.distinct_topics, fork_bias=fork_bias),
-                  certified)
+  max_topic = paths.max_topic_tokens if method.capabilities.topic_cap else 0  # no topic, no cap path
+  return BatchKey(method, dataclasses.replace(paths, distinct_topics=sampling.distinct_topics, fork_bias=fork_bias,
+                                              max_topic_tokens=max_topic), certified)
 
 
 @dataclasses.dataclass

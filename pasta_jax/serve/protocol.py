@@ -11,7 +11,9 @@ fresh one) are OpenAI's; `top_k` (0: off) and `repetition_penalty` are vLLM's ex
 the answer), `timeout` (seconds; a non-streaming request not answered by then is cancelled and answered 504),
 `pasta_threads` (a stream's chunks also carry each thread's new text: `serve/shapes.py`) and `fork_bias` (PASTA's
 speed/quality knob: a logit offset on the token that opens a promise, in [-100, 100]; > 0 forks more, < 0 less;
-0, the default, is off; a method without promises refuses any other value; `decode.sampling.SamplingConfig`).
+0, the default, is off; a method without promises refuses any other value; `decode.sampling.SamplingConfig`) and
+`max_topic_tokens` (the most tokens a PASTA promise's topic may have before main must close it; 0, the default, is
+no cap; a method that writes no topics refuses any other value).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Literal
 
 import pydantic
 
+from pasta_jax.decode.sampling import TOPIC_LIMIT
 from pasta_jax.methods import registry
 from pasta_jax.model.tokenizer import END_OF_TURN, START_OF_TURN
 
@@ -73,6 +76,7 @@ class _Body(pydantic.BaseModel):
   pasta_threads: bool = False  # streaming only: chunks with each thread's new text (`shapes.Shape.thread_events`)
   # the promise-open token's logit offset, this request's own (a batch mixes rows with any values in one program)
   fork_bias: float = pydantic.Field(default=0.0, ge=-100.0, le=100.0)
+  max_topic_tokens: int = pydantic.Field(default=0, ge=0, lt=TOPIC_LIMIT)  # a promise topic's cap, 0: none
 
   def unsupported(self) -> str | None:
     """The first OpenAI field given a value this server cannot honour, or None."""
@@ -126,6 +130,9 @@ def parse_body(kind: type[_Body], payload: Any, default_method: str = "pasta") -
   if body.fork_bias != 0 and not registry.METHODS[body.method].capabilities.promises:
     raise ApiError(400, f"fork_bias: method {body.method!r} opens no promises, so it has no fork to bias; give 0 "
                    "or leave it out", param="fork_bias")
+  if body.max_topic_tokens and not registry.METHODS[body.method].capabilities.topic_cap:
+    raise ApiError(400, f"max_topic_tokens: method {body.method!r} writes no promise topics to cap; give 0 or leave "
+                   "it out", param="max_topic_tokens")
   bad = body.unsupported()
   if bad:
     raise ApiError(400, f"{bad}: not supported by this server (leave it out or at its default)", param=bad)

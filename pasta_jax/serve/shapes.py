@@ -53,6 +53,8 @@ class Shape:
       out.update(steps=result.steps, stop_reason=result.stop_reason,
                  theoretical_speedup=None if result.theoretical_speedup != result.theoretical_speedup
                  else result.theoretical_speedup)
+      if result.refusals:  # what a limit held back is said with the answer (`Result.refused`: what it was)
+        out.update(refusals=result.refusals, refused=result.refused)
       if self.trace:
         out["annotated"] = result.annotated
         out["threads"] = [{"thread": t.thread, "lane": t.lane, "spawn_step": t.spawn_step,

@@ -50,8 +50,7 @@ def apar_constraint_mask(vocab: TagVocab, vocab_size: int, may_fork: bool) -> np
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AparReferenceResult(ReferenceResult):
-  peak_live: int = 0
-  fork_refusals: int = 0  # rows at a limit whose most likely grammatical token was [Fork]
+  peak_live: int = 0  # (its `refusals`: rows at a limit whose most likely grammatical token was [Fork])
   parents: dict[int, int] = dataclasses.field(default_factory=dict)  # thread -> parent thread
   slot_table: dict[int, tuple[int, int, int, bool]] = dataclasses.field(default_factory=dict)
   # slot -> (owner, write order, position, valid) as the pool holds it at the end
@@ -89,7 +88,7 @@ class AparRequest(Request):
     self.live = set(range(len(prompt)))
     self.next_order = len(prompt)
     self.peak_live = len(prompt)
-    self.fork_refusals = 0
+    self.refusals = 0
     self._fan_out(len(prompt))
 
   def _fan_out(self, prompt_len: int) -> None:
@@ -201,7 +200,7 @@ class AparRequest(Request):
     under_limits = self.depth[thread] < self.cfg.max_depth and self.has_free
     if grammar_may_fork and not under_limits:  # a refused fork is counted, not silent
       top = int(np.argmax(constrain_logits(row, apar_constraint_mask(self.vocab, row.shape[-1], True))))
-      self.fork_refusals += top == self.vocab.apar_fork
+      self.refusals += top == self.vocab.apar_fork
     allowed = apar_constraint_mask(self.vocab, row.shape[-1], grammar_may_fork and under_limits)
     key = lane_key(jax.random.key(self.cfg.sampling.seed), self.index, step, lane)
     return int(sample(constrain_logits(row, allowed), key, self.cfg.sampling))
@@ -220,5 +219,5 @@ class AparRequest(Request):
     table = {slot: (owner, self.order[slot], position, slot in self.live)
              for slot, (_, owner, position) in enumerate(self.entries)}
     return AparReferenceResult(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ReferenceResult)},
-                               peak_live=self.peak_live, fork_refusals=self.fork_refusals, parents=dict(self.parents),
+                               peak_live=self.peak_live, parents=dict(self.parents),
                                slot_table=table)

@@ -27,6 +27,9 @@ Choices where the contract leaves room (each is repeated where it is implemented
   is plain text and never opens a promise, and no prompt token spawns a fork.
 - Main inside a promise may sample "only topic text and LENGTH": every tag but `LENGTH` is banned
   there, which adds nothing to the listed bans now that `APAR_FORK` is banned everywhere.
+- A topic's cap (`max_topic_tokens`) counts main's tokens after its last `PROMISE` in the pool; at the cap
+  only a `LENGTH` is allowed, and a refusal counts where the argmax of the row (under the other constraints) is
+  not one.
 - Forced tokens bypass the constraints (they are not sampled), but follow every other rule: a
   forced `LENGTH` in main spawns, a forced end id in a fork is recorded as `ASYNC_END`.
 """
@@ -44,7 +47,7 @@ from pasta_jax.decode.constraints import fork_open_ids
 from pasta_jax.decode.sampling import SamplingConfig, lane_key, sample
 from pasta_jax.lang import schema
 from pasta_jax.lang.tags import TagVocab, reserved_span
-from pasta_jax.lang.tokens import repeats_earlier_topic
+from pasta_jax.lang.tokens import promise_topics, repeats_earlier_topic
 
 Record = tuple[int, int, int, int, int]  # (step, lane, thread, token, position)
 POSITION_MODES = schema.POSITION_MODES
@@ -153,6 +156,7 @@ class ReferenceResult:
   truncated: bool
   pool: list[PoolEntry]
   vocab: TagVocab
+  refusals: int = 0  # topics cut at their cap (SamplingConfig.max_topic_tokens) where the model would have gone on
 
   @property
   def num_threads(self) -> int:
@@ -241,6 +245,7 @@ class Request:
     self.records: list[Record] = []
     self.logits: list[np.ndarray | None] = []
     self.stalls = 0
+    self.refusals = 0  # topics cut at the cap where the model would have gone on
     self.last_fed = 0
     self.finished = self.truncated = False
     self._prefill(prompt)
@@ -389,9 +394,15 @@ class Request:
       return self._forced(thread)
     row = penalized_row(row, self.entries, self.visible[slot], self.cfg.sampling, self.vocab)
     allowed = self._masks[(thread == 0, thread == 0 and self.in_promise)]
+    main_ids = [token for token, owner, _ in self.entries if owner == 0]
     if thread == 0 and self.in_promise and self.cfg.sampling.distinct_topics and repeats_earlier_topic(
-        [token for token, owner, _ in self.entries if owner == 0], self.vocab):
+        main_ids, self.vocab):
       allowed = allowed & ~self._length_mask  # main may not close a topic it already used
+    cap = self.cfg.sampling.max_topic_tokens
+    if thread == 0 and self.in_promise and cap and len(promise_topics(main_ids, self.vocab)[1]) >= cap:
+      # the topic has its most tokens: only a LENGTH, and a cut counts where the model's choice was to go on
+      self.refusals += not self._length_mask[int(np.argmax(np.where(allowed, row, -np.inf)))]
+      allowed = self._length_mask
     key = lane_key(jax.random.key(self.cfg.sampling.seed), self.index, step, lane)
     return int(sample(constrain_logits(row, allowed), key, self.cfg.sampling))
 
@@ -413,7 +424,7 @@ class Request:
     pool = [PoolEntry(t, u, p, v) for (t, u, p), v in zip(self.entries, self.visible, strict=True)]
     return ReferenceResult(records=list(self.records), logits=list(self.logits), steps=self.last_fed,
                            stalls=self.stalls, finished=self.finished, truncated=self.truncated, pool=pool,
-                           vocab=self.vocab)
+                           vocab=self.vocab, refusals=self.refusals)
 
 
 def model_row(model_fn, params, entries: list[tuple[int, int, int]], visible: list[frozenset[int]], slot: int,

@@ -9,8 +9,8 @@ object says only what differs, as array functions over the [B, T] thread table:
   feed_inputs   what the feeding rows put into the model: their pending ids (the default), or weighted
                 mixes of token ids whose embeddings the model sums (a superposed input);
   model_extras  what else the model returns for those rows (Medusa: hidden states, for its heads; none by default);
-  allowed       which tokens each query row may sample (tag constraints), and which rows had a
-                fork refused by a limit (counted, never silent);
+  allowed       which tokens each query row may sample (tag constraints), and which rows had their most
+                likely token refused by a limit (counted, never silent);
   select_tokens how the logits become each row's token: a constrained sample (the default), or a
                 method's own search over its `state.rule_state` (Superposed Decoding's drafts);
   script_end    what a forced thread writes once its script has run out;
@@ -136,7 +136,8 @@ class Rules(abc.ABC):
   @abc.abstractmethod
   def allowed(self, state: InterpState, rows_lane: jax.Array, logits: jax.Array, cfg: InterpreterConfig
               ) -> tuple[jax.Array | None, jax.Array]:
-    """([B, Q, V] bool allowed tokens, or None for no constraint; [B, Q] bool refused forks)."""
+    """([B, Q, V] bool allowed tokens, or None for no constraint; [B, Q] bool rows whose most likely token a
+    limit refused: a fork past a limit, a topic at its cap)."""
 
   def feed_inputs(self, state: InterpState, rows_lane: jax.Array, cfg: InterpreterConfig
                   ) -> tuple[jax.Array, jax.Array | None]:
@@ -156,7 +157,7 @@ class Rules(abc.ABC):
                     cfg: InterpreterConfig, model_out: ModelOutput | None = None
                     ) -> tuple[InterpState, jax.Array, jax.Array]:
     """logits [B, Q, V] of the rows in `rows_lane` ([B, Q]; `row_ok` [B, Q] marks the rows that fed) ->
-    (state, [B, Q] tokens, [B, Q] bool refused forks). The default samples under `allowed` with each
+    (state, [B, Q] tokens, [B, Q] bool refused choices). The default samples under `allowed` with each
     lane's own key; a method with its own search overrides it and may update `state.rule_state`.
     model_out: the step's model output, its K/V left out (None after prefill): what `model_extras` asked for is
     in its fields (head_input, kept)."""

@@ -13,7 +13,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from pasta_jax.decode.constraints import AllowedTokens, repeated_topic
+from pasta_jax.decode.constraints import AllowedTokens, cap_topics, open_topic_length, repeated_topic
 from pasta_jax.decode.pool import append_slots, inserted_rows, write_slots
 from pasta_jax.decode.rules.base import InterpreterConfig, Rules, StepFeed
 from pasta_jax.decode.state import CLOSING, DONE, FREE, RUNNING, InterpState
@@ -183,7 +183,15 @@ class PastaRules(Rules):
       repeat = jax.lax.cond(jnp.any(state.in_promise), read_pool, lambda: jnp.zeros_like(state.in_promise))
       is_length = jnp.zeros((logits.shape[-1],), bool).at[jnp.asarray(cfg.vocab.lengths)].set(True, mode="drop")
       allowed = allowed & ~(((rows_lane == 0) & repeat[:, None])[..., None] & is_length)  # [B, Q, V]
-    return allowed, jnp.zeros(rows_lane.shape, bool)
+    refused = jnp.zeros(rows_lane.shape, bool)
+    if cfg.sampling.caps_topics:  # a row's topic at its cap may only close (SamplingConfig.max_topic_tokens)
+      capped = state.in_promise & (state.sampling.max_topic > 0)
+      def topic_length():  # only steps where some capped main is inside a promise pay for it
+        return open_topic_length(state.slot_token, state.slot_owner, state.slot_order, state.slot_valid, cfg.vocab)
+      length = jax.lax.cond(jnp.any(capped), topic_length, lambda: jnp.zeros_like(state.sampling.max_topic))
+      at_cap = (rows_lane == 0) & (capped & (length >= state.sampling.max_topic))[:, None]  # [B, Q]
+      allowed, refused = cap_topics(allowed, logits, at_cap, cfg.vocab)
+    return allowed, refused
 
   def script_end(self, rows_lane: jax.Array, cfg: InterpreterConfig) -> jax.Array:
     return jnp.where(rows_lane == 0, cfg.vocab.eos_ids[0], cfg.vocab.async_close).astype(jnp.int32)
