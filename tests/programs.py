@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 from hypothesis import strategies as st
 
+from pasta_jax.decode import loop
+from pasta_jax.decode.sampling import RowSampling, SamplingConfig
+from pasta_jax.decode.toy_model import ToyConfig, toy_apply
 from pasta_jax.lang.tags import TagVocab
 
 VOCAB_SIZE = 128
@@ -48,3 +53,17 @@ def programs(draw, max_segments: int = 8, max_block: int = 24, eos_before_sync: 
 
 
 prompts = st.lists(PLAIN_TOKENS, min_size=1, max_size=12)
+
+
+def run_toy_rows(params, base, rows, batch_prompts, streams=None):
+  """One jitted run of `batch_prompts` on the toy model (decode/toy_model.py) under `base` (an InterpreterConfig),
+  row i sampling by rows[i] (SamplingConfigs), in the program of the envelope that covers them all -> RunOutputs."""
+  cfg = dataclasses.replace(base, sampling=SamplingConfig.covering(rows))
+  tokens, lengths = loop.pad_prompts(batch_prompts, cfg.pool_slots)
+  script, script_len = loop.pad_scripts(None, len(rows), cfg.max_threads)
+  sampling = jax.tree.map(jnp.asarray, RowSampling.of(rows, streams))
+  head_dim = ToyConfig(vocab_size=VOCAB_SIZE).head_dim
+  final = loop.prefill_and_run(toy_apply, params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(script),
+                               jnp.asarray(script_len), sampling, None, cfg=loop.static_config(cfg), forced=False,
+                               vocab_size=VOCAB_SIZE, pool_spec=(1, 1, head_dim, jnp.float32))
+  return loop.unpack(final, cfg)

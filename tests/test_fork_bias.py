@@ -15,7 +15,6 @@ import dataclasses
 import json
 import types
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -32,7 +31,7 @@ from pasta_jax.errors import PastaError
 from pasta_jax.methods import Pasta, Sequential, registry
 from pasta_jax.serve import batches
 from pasta_jax.serve.protocol import ApiError, ChatBody, CompletionBody, parse_body
-from tests.programs import VOCAB, VOCAB_SIZE, prompts
+from tests.programs import VOCAB, VOCAB_SIZE, prompts, run_toy_rows
 from tests.test_cli import assert_one_line_error, run_cli
 from tests.test_serve_http import KEY, error_of, post, serving
 
@@ -48,14 +47,7 @@ BIG = 20.0  # far past the toy's logit gaps: a promise wherever one may open, or
 
 def run_rows(rows: list[SamplingConfig], batch_prompts=PROMPTS, streams=None) -> list[loop.RunOutput]:
   """One jitted run of `batch_prompts`, row i sampling by rows[i], under the envelope that covers them all."""
-  cfg = dataclasses.replace(BASE, sampling=SamplingConfig.covering(rows))
-  tokens, lengths = loop.pad_prompts(batch_prompts, cfg.pool_slots)
-  script, script_len = loop.pad_scripts(None, len(rows), cfg.max_threads)
-  sampling = jax.tree.map(jnp.asarray, RowSampling.of(rows, streams))
-  final = loop.prefill_and_run(toy_apply, PARAMS, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(script),
-                               jnp.asarray(script_len), sampling, None, cfg=loop.static_config(cfg), forced=False,
-                               vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)
-  return loop.unpack(final, cfg)
+  return run_toy_rows(PARAMS, BASE, rows, batch_prompts, streams)
 
 
 def records(out: loop.RunOutput) -> list[tuple[int, ...]]:

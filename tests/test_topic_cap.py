@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import jax
 import jax.numpy as jnp
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -29,7 +28,7 @@ from pasta_jax.errors import PastaError
 from pasta_jax.methods import Pasta, PastaTrees, Sequential, registry
 from pasta_jax.serve import batches
 from pasta_jax.serve.protocol import ApiError, CompletionBody, parse_body
-from tests.programs import VOCAB, VOCAB_SIZE, prompts
+from tests.programs import VOCAB, VOCAB_SIZE, prompts, run_toy_rows
 from tests.test_cli import assert_one_line_error, run_cli
 
 TOY = ToyConfig(vocab_size=VOCAB_SIZE)
@@ -42,14 +41,7 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [20, 21], [30, 31, 32], [40], [4
 
 
 def run_rows(rows: list[SamplingConfig], batch_prompts=PROMPTS, streams=None) -> list[loop.RunOutput]:
-  cfg = dataclasses.replace(BASE, sampling=SamplingConfig.covering(rows))
-  tokens, lengths = loop.pad_prompts(batch_prompts, cfg.pool_slots)
-  script, script_len = loop.pad_scripts(None, len(rows), cfg.max_threads)
-  sampling = jax.tree.map(jnp.asarray, RowSampling.of(rows, streams))
-  final = loop.prefill_and_run(toy_apply, PARAMS, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(script),
-                               jnp.asarray(script_len), sampling, None, cfg=loop.static_config(cfg), forced=False,
-                               vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)
-  return loop.unpack(final, cfg)
+  return run_toy_rows(PARAMS, BASE, rows, batch_prompts, streams)
 
 
 def records(out) -> list[tuple[int, ...]]:
