@@ -27,6 +27,7 @@ class AllowedTokens:
   fork: np.ndarray
   apar: np.ndarray  # APAR mode, any thread: plain text, end ids and APAR_FORK
   apar_no_fork: np.ndarray  # APAR right after a fork or child token, or at the depth limit
+  length: np.ndarray  # the LENGTH tokens, which close a topic (distinct_topics bans them; a cap allows only them)
 
   @classmethod
   def build(cls, vocab: TagVocab, vocab_size: int) -> AllowedTokens:
@@ -44,6 +45,7 @@ class AllowedTokens:
         fork=allow(never, (vocab.promise, vocab.sync), vocab.lengths),
         apar=allow(pasta_tags, (vocab.apar_child,)),
         apar_no_fork=allow(pasta_tags, (vocab.apar_child, vocab.apar_fork)),
+        length=~allow(vocab.lengths),
     )
 
   def for_rows(self, is_main: jax.Array, in_promise: jax.Array) -> jax.Array:
@@ -84,13 +86,13 @@ def open_topic_length(slot_token: jax.Array, slot_owner: jax.Array, slot_order: 
   return jnp.sum(mine & (slot_order > last_promise[:, None]), axis=1, dtype=jnp.int32)
 
 
-def cap_topics(allowed: jax.Array, logits: jax.Array, at_cap: jax.Array, vocab: TagVocab
+def cap_topics(allowed: jax.Array, logits: jax.Array, at_cap: jax.Array, is_length: jax.Array
                ) -> tuple[jax.Array, jax.Array]:
   """Rows [B, Q] `at_cap` (main, inside a topic that has its most tokens) may write only a LENGTH. Returns the
   allowed tokens [B, Q, V] and the rows [B, Q] whose most likely allowed token the cap refused (a topic the model
   would have continued: a cut, counted in `refusals`). The cap outranks `distinct_topics`: a topic at the cap
-  closes even if it repeats an earlier one. Only a step with a row at its cap pays for the argmax the count reads."""
-  is_length = jnp.zeros((logits.shape[-1],), bool).at[jnp.asarray(vocab.lengths)].set(True, mode="drop")
+  closes even if it repeats an earlier one. Only a step with a row at its cap pays for the argmax the count reads.
+  is_length: [V] the LENGTH tokens (`AllowedTokens.length`)."""
 
   def cut():
     top = first_max_index(jnp.where(allowed, logits, -jnp.inf))  # [B, Q] the choice the cap would have let stand

@@ -394,12 +394,12 @@ class Request:
       return self._forced(thread)
     row = penalized_row(row, self.entries, self.visible[slot], self.cfg.sampling, self.vocab)
     allowed = self._masks[(thread == 0, thread == 0 and self.in_promise)]
-    main_ids = [token for token, owner, _ in self.entries if owner == 0]
-    if thread == 0 and self.in_promise and self.cfg.sampling.distinct_topics and repeats_earlier_topic(
-        main_ids, self.vocab):
+    in_topic = thread == 0 and self.in_promise
+    main_ids = [token for token, owner, _ in self.entries if owner == 0] if in_topic else []
+    if in_topic and self.cfg.sampling.distinct_topics and repeats_earlier_topic(main_ids, self.vocab):
       allowed = allowed & ~self._length_mask  # main may not close a topic it already used
     cap = self.cfg.sampling.max_topic_tokens
-    if thread == 0 and self.in_promise and cap and len(promise_topics(main_ids, self.vocab)[1]) >= cap:
+    if in_topic and cap and len(promise_topics(main_ids, self.vocab)[1]) >= cap:
       # the topic has its most tokens: only a LENGTH, and a cut counts where the model's choice was to go on
       self.refusals += not self._length_mask[int(np.argmax(np.where(allowed, row, -np.inf)))]
       allowed = self._length_mask

@@ -176,12 +176,12 @@ class PastaRules(Rules):
   def allowed(self, state: InterpState, rows_lane: jax.Array, logits: jax.Array, cfg: InterpreterConfig):
     tables = AllowedTokens.build(cfg.vocab, logits.shape[-1])
     allowed = tables.for_rows(rows_lane == 0, state.in_promise[:, None])
+    is_length = jnp.asarray(tables.length)
     if cfg.sampling.distinct_topics:  # main may not close a topic it already used (SamplingConfig)
       def read_pool():  # only steps where some main is inside a promise pay for it
         return state.in_promise & repeated_topic(state.slot_token, state.slot_owner, state.slot_order,
                                                  state.slot_valid, cfg.vocab)
       repeat = jax.lax.cond(jnp.any(state.in_promise), read_pool, lambda: jnp.zeros_like(state.in_promise))
-      is_length = jnp.zeros((logits.shape[-1],), bool).at[jnp.asarray(cfg.vocab.lengths)].set(True, mode="drop")
       allowed = allowed & ~(((rows_lane == 0) & repeat[:, None])[..., None] & is_length)  # [B, Q, V]
     refused = jnp.zeros(rows_lane.shape, bool)
     if cfg.sampling.caps_topics:  # a row's topic at its cap may only close (SamplingConfig.max_topic_tokens)
@@ -190,7 +190,7 @@ class PastaRules(Rules):
         return open_topic_length(state.slot_token, state.slot_owner, state.slot_order, state.slot_valid, cfg.vocab)
       length = jax.lax.cond(jnp.any(capped), topic_length, lambda: jnp.zeros_like(state.sampling.max_topic))
       at_cap = (rows_lane == 0) & (capped & (length >= state.sampling.max_topic))[:, None]  # [B, Q]
-      allowed, refused = cap_topics(allowed, logits, at_cap, cfg.vocab)
+      allowed, refused = cap_topics(allowed, logits, at_cap, is_length)
     return allowed, refused
 
   def script_end(self, rows_lane: jax.Array, cfg: InterpreterConfig) -> jax.Array:
