@@ -24,7 +24,7 @@ from pasta_jax.decode.toy_model import ToyConfig, toy_apply, toy_params
 from pasta_jax.errors import PastaError
 from pasta_jax.eval.methods import DecodeSettings
 from pasta_jax.lang.tokens import promise_topics, repeats_earlier_topic
-from tests.programs import VOCAB, VOCAB_SIZE, prompts
+from tests.programs import VOCAB, VOCAB_SIZE, prompts, same_run_up_to_a_near_tie
 
 SLOTS = 24
 # A small alphabet, so that topics repeat: two text ids (weighted up), PROMISE, two LENGTH ids, `<async>`, EOS.
@@ -100,8 +100,7 @@ def test_interpreter_matches_reference(prompt_batch, seed, temperature):
   got = run_interpreter(toy_apply, PARAMS, prompt_batch, cfg, vocab_size=VOCAB_SIZE, pool_spec=POOL_SPEC)
   want = reference(cfg, prompt_batch)
   for g, w in zip(got, want, strict=True):
-    assert [tuple(r) for r in g.records.tolist()] == [tuple(int(x) for x in r) for r in w.records]
-    assert (g.steps, g.finished, g.truncated) == (w.steps, w.finished, w.truncated)
+    same_run_up_to_a_near_tie(g, w)
     topics = closed_topics(g.records)
     assert len(topics) == len(set(topics)), topics
 

@@ -18,7 +18,7 @@ import types
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pasta_jax.decode import loop
@@ -31,7 +31,7 @@ from pasta_jax.errors import PastaError
 from pasta_jax.methods import Pasta, Sequential, registry
 from pasta_jax.serve import batches
 from pasta_jax.serve.protocol import ApiError, ChatBody, CompletionBody, parse_body
-from tests.programs import VOCAB, VOCAB_SIZE, prompts, run_toy_rows
+from tests.programs import VOCAB, VOCAB_SIZE, prompts, run_toy_rows, same_run_up_to_a_near_tie
 from tests.test_cli import assert_one_line_error, run_cli
 from tests.test_serve_http import KEY, error_of, post, serving
 
@@ -120,6 +120,8 @@ def test_rows_with_different_biases_share_one_program_and_each_equals_its_run_al
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt_batch=st.lists(prompts, min_size=2, max_size=2), seed=st.integers(0, 2**16),
        temperature=st.sampled_from([0.0, 1.0]), fork_bias=st.sampled_from([-2.5, 1.5, 6.0]))
+# Here the reference draws at a near tie (its uniform 2e-7 of the mass from a boundary) and the two part there.
+@example(prompt_batch=[[2], [25, 9, 28, 55, 6, 4, 42, 45, 16, 39, 30, 2]], seed=97, temperature=1.0, fork_bias=6.0)
 def test_interpreter_matches_reference_under_a_bias(prompt_batch, seed, temperature, fork_bias):
   """The reference interpreter (the oracle) adds the bias as the step does: the same records, token for token."""
   cfg = dataclasses.replace(BASE, sampling=SamplingConfig(temperature=temperature, seed=seed, fork_bias=fork_bias))
@@ -127,8 +129,7 @@ def test_interpreter_matches_reference_under_a_bias(prompt_batch, seed, temperat
   want = run_reference(toy_apply, PARAMS, prompt_batch, cfg.vocab, lanes=cfg.lanes, max_threads=cfg.max_threads,
                        pool_slots=cfg.pool_slots, max_steps=cfg.max_steps, sampling=cfg.sampling)
   for g, w in zip(got, want, strict=True):
-    assert records(g) == [tuple(int(x) for x in r) for r in w.records]
-    assert (g.steps, g.finished, g.truncated) == (w.steps, w.finished, w.truncated)
+    same_run_up_to_a_near_tie(g, w)
 
 
 # --- the plumbing ------------------------------------------------------------------------------------------------

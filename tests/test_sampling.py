@@ -10,10 +10,13 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pasta_jax.decode.sampling import (
+  COLUMNS,
   RowSampling,
   SamplingConfig,
+  draw_order,
   first_max_index,
   kept_floor,
+  near_tie,
   penalize_repeats,
   sample,
   sample_rows,
@@ -285,3 +288,63 @@ def test_sampled_frequencies_fit_across_the_table_of_a_wide_vocabulary():
   logits[2222] = -40.0
   for cfg in [SamplingConfig(temperature=1.0, seed=8), SamplingConfig(temperature=1.0, top_p=0.5, seed=9)]:
     assert_chi_square_fits(sampled_counts(logits, cfg, 12000, batch=2000), truncated_softmax(logits, cfg))
+
+
+# --- near ties: where logits equal up to float rounding may choose another token --------------------------------
+HOT = SamplingConfig(temperature=1.0)
+
+
+def first_uniform(key: jax.Array) -> float:
+  """The uniform a draw's first step reads (`_Table.draw`, attempt 0): it picks the column."""
+  return float(jax.random.uniform(jax.random.fold_in(key, 0), (2,))[0])
+
+
+def with_boundary_at(logits: np.ndarray, key: jax.Array, first: int) -> np.ndarray:
+  """logits [V] (V <= COLUMNS: one step, tokens in order) with `first`'s logit moved so that the draw's uniform
+  falls exactly on the boundary after it: the mass of tokens before and at `first` is u of the total."""
+  u = first_uniform(key)
+  mass = np.exp(logits.astype(np.float64) - logits.max())
+  before, rest = mass[:first].sum(), mass[first + 1:].sum()
+  target = (u * (before + rest) - before) / (1 - u)  # (before + m) / (before + m + rest) = u
+  assume(target > 0)
+  moved = logits.astype(np.float64).copy()
+  moved[first] = np.log(target) + logits.max()
+  return moved.astype(np.float32)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), logits=st.lists(st.floats(-3, 3), min_size=3, max_size=40))
+def test_a_draw_on_a_boundary_is_a_near_tie_and_a_nudge_beyond_it_moves_it(seed, logits):
+  key = jax.random.key(seed)
+  first = 0 if first_uniform(key) < 0.5 else len(logits) - 2  # a boundary whose moved logit stays finite
+  u = first_uniform(key)
+  assume(0.05 < u < 0.95)
+  on = with_boundary_at(np.array(logits, np.float32), key, first)
+  assert near_tie(on, key, HOT, 1e-4)
+  token = int(sample(jnp.asarray(on), key, HOT))
+  nudged = {int(sample(jnp.asarray(on + np.float32(d) * (np.arange(len(on)) <= first)), key, HOT)) for d in (-1e-3, 1e-3)}
+  assert len(nudged) == 2 and token in nudged  # either side of the boundary draws its own token
+
+
+def test_clear_choices_are_no_near_ties():
+  key = jax.random.key(3)
+  u = first_uniform(key)
+  far = np.log(np.array([u + 0.2 if u < 0.5 else u - 0.2, 1 - (u + 0.2 if u < 0.5 else u - 0.2)], np.float32))
+  assert not near_tie(far, key, HOT, 1e-4)
+  assert not near_tie(np.array([2.0, 1.0, 1.9], np.float32), key, SamplingConfig(), 1e-4)
+  assert near_tie(np.array([2.0, 1.0, 2.0 - 1e-5], np.float32), key, SamplingConfig(), 1e-4)  # greedy: the gap
+
+
+def test_a_near_tie_of_the_second_step_of_a_draw_over_a_large_vocabulary_is_seen():
+  """Past COLUMNS tokens a draw picks a column, then a row of it: tokens 3 and COLUMNS + 3 share column 3, so
+  their boundary is the second step's, which the inverse CDF's order (`draw_order`) places between them."""
+  key = jax.random.key(11)
+  u_row = float(jax.random.uniform(jax.random.fold_in(key, 0), (2,))[1])
+  logits = np.full(2 * COLUMNS, -np.inf, np.float32)
+  logits[3], logits[COLUMNS + 3] = np.log(u_row), np.log(1 - u_row)  # column 3's row boundary at its uniform
+  logits[4] = 0.0  # another column, so the first step has a choice too
+  assert draw_order(2 * COLUMNS)[[3, COLUMNS + 3, 4]].tolist() == [6, 7, 8]
+  assert near_tie(logits, key, HOT, 1e-4)
+  far = u_row + 0.25 if u_row < 0.5 else u_row - 0.25
+  logits[3], logits[COLUMNS + 3] = np.log(far), np.log(1 - far)
+  assert not near_tie(logits, key, HOT, 1e-4)

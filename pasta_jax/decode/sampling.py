@@ -171,6 +171,31 @@ def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
   return _sample_one(logits, key, RowSampling.of([cfg]), envelope=cfg.envelope())
 
 
+def near_tie(logits, key: jax.Array, cfg: SamplingConfig, delta: float) -> bool:
+  """Whether `sample(logits, key, cfg)` picks another token once each logit moves by at most `delta`: a choice
+  that two computations of the same logits, equal up to float rounding, may make differently. The pushes tried are
+  the ones that move each comparison the sampler makes: the argmax's gap to the runner-up (greedy), the running
+  mass before and through the drawn token in the inverse CDF's order (a draw), and the mass above it (the top-k and
+  top-p cut-offs)."""
+  logits = np.asarray(logits, np.float32)
+  token = int(sample(jnp.asarray(logits), key, cfg))
+  if cfg.temperature == 0:
+    runner_up = np.delete(logits, token).max(initial=-np.inf)
+    return bool(logits[token] - runner_up <= 2 * delta)
+  order = draw_order(logits.shape[-1])
+  above = logits > logits[token]
+  pushes = (order < order[token], order > order[token], above, ~above)  # the tokens whose logits rise by delta
+  return any(int(sample(jnp.asarray(logits + np.where(up, delta, -delta).astype(np.float32)), key, cfg)) != token
+             for up in pushes)
+
+
+def draw_order(vocab: int) -> np.ndarray:
+  """[V] each token's rank in the walk of a draw's inverse CDF: column by column (`_columns`), row by row in one."""
+  columns = min(COLUMNS, vocab)
+  token = np.arange(vocab)
+  return (token % columns) * -(-vocab // columns) + token // columns
+
+
 @functools.partial(jax.jit, static_argnames="envelope")
 def _sample_one(logits: jax.Array, key: jax.Array, rows: RowSampling, envelope: SamplingConfig) -> jax.Array:
   """`sample` compiled once per envelope and vocabulary (the references call it for every token: op by op, its

@@ -32,9 +32,10 @@ from pasta_jax.decode.reference.pasta import (
   ReferenceResult,
   Request,
   constrain_logits,
+  draw,
   penalized_row,
 )
-from pasta_jax.decode.sampling import lane_key, sample
+from pasta_jax.decode.sampling import lane_key
 from pasta_jax.lang.tags import TagVocab
 
 
@@ -203,7 +204,8 @@ class AparRequest(Request):
       self.refusals += top == self.vocab.apar_fork
     allowed = apar_constraint_mask(self.vocab, row.shape[-1], grammar_may_fork and under_limits)
     key = lane_key(jax.random.key(self.cfg.sampling.seed), self.index, step, lane)
-    return int(sample(constrain_logits(row, allowed), key, self.cfg.sampling))
+    token, self._draw = draw(constrain_logits(row, allowed), key, self.cfg.sampling)
+    return token
 
   def _script_of(self, thread: int) -> list[int]:
     return self.script[thread] if thread < len(self.script) else []

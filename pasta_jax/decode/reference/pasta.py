@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pasta_jax.decode.constraints import fork_open_ids
-from pasta_jax.decode.sampling import SamplingConfig, lane_key, sample
+from pasta_jax.decode.sampling import SamplingConfig, lane_key, near_tie, sample
 from pasta_jax.lang import schema
 from pasta_jax.lang.tags import TagVocab, reserved_span
 from pasta_jax.lang.tokens import promise_topics, repeats_earlier_topic
@@ -54,6 +54,9 @@ POSITION_MODES = schema.POSITION_MODES
 
 # Lane states (docs/interpreter.md, State of one request).
 FREE, RUNNING, CLOSING, DONE = "free", "running", "closing", "done"
+# How far apart (each logit, nats) the reference's logits and the jitted loop's may be and still count as equal: they
+# come from one model over the same tokens in another layout and order of sums (about 1e-6 apart on the toy model).
+NEAR_TIE = 1e-4
 
 
 # --- constraints ----------------------------------------------------------------------------------
@@ -129,6 +132,24 @@ def span_for(mode: str, length_token: int, vocab: TagVocab, fork_script: Sequenc
 
 
 # --- results --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class Draw:
+  """One sampled choice as the reference made it, kept so that a comparison can ask whether it was a near tie."""
+
+  logits: np.ndarray  # [V] what it drew from: penalized, biased and constrained
+  key: jax.Array
+  sampling: SamplingConfig
+
+  def near_tie(self, delta: float = NEAR_TIE) -> bool:
+    return near_tie(self.logits, self.key, self.sampling, delta)
+
+
+def draw(constrained, key: jax.Array, sampling: SamplingConfig) -> tuple[int, Draw]:
+  """The sampled token of constrained logits [V], and the `Draw` that made it."""
+  logits = np.asarray(constrained, np.float32)
+  return int(sample(jnp.asarray(logits), key, sampling)), Draw(logits, key, sampling)
+
+
 @dataclasses.dataclass(frozen=True)
 class PoolEntry:
   """One pool slot as the reference wrote it (slot index = write order)."""
@@ -145,7 +166,8 @@ class ReferenceResult:
 
   records: one per token that became pending, in order (see the module docstring for the order
     inside one step). logits[i] belongs to records[i]: raw model logits [V], None for an inserted
-    ASYNC. pool: every written slot, the prompt first.
+    ASYNC. pool: every written slot, the prompt first. draws[i]: the `Draw` that sampled records[i]'s token,
+    None for a forced or inserted one.
   """
 
   records: list[Record]
@@ -157,6 +179,12 @@ class ReferenceResult:
   pool: list[PoolEntry]
   vocab: TagVocab
   refusals: int = 0  # topics cut at their cap (SamplingConfig.max_topic_tokens) where the model would have gone on
+  draws: list[Draw | None] = dataclasses.field(default_factory=list)
+
+  def near_tie(self, i: int) -> bool:
+    """Whether records[i]'s token was sampled at a near tie (`NEAR_TIE`): logits equal to the reference's up to
+    float rounding may choose another there."""
+    return i < len(self.draws) and self.draws[i] is not None and self.draws[i].near_tie()
 
   @property
   def num_threads(self) -> int:
@@ -244,6 +272,8 @@ class Request:
     self.seen: dict[int, set[int]] = {0: set()}  # per thread: slots its next query sees
     self.records: list[Record] = []
     self.logits: list[np.ndarray | None] = []
+    self.draws: list[Draw | None] = []
+    self._draw: Draw | None = None  # the last sampled choice, until it is recorded
     self.stalls = 0
     self.refusals = 0  # topics cut at the cap where the model would have gone on
     self.last_fed = 0
@@ -404,7 +434,8 @@ class Request:
       self.refusals += not self._length_mask[int(np.argmax(np.where(allowed, row, -np.inf)))]
       allowed = self._length_mask
     key = lane_key(jax.random.key(self.cfg.sampling.seed), self.index, step, lane)
-    return int(sample(constrain_logits(row, allowed), key, self.cfg.sampling))
+    token, self._draw = draw(constrain_logits(row, allowed), key, self.cfg.sampling)
+    return token
 
   def _forced(self, thread: int) -> int:
     """Next token of the thread's script; an exhausted script gives an end id (main) / ASYNC_END."""
@@ -419,12 +450,14 @@ class Request:
     """What is recorded: one (step, lane, thread, token, position) per token that becomes pending."""
     self.records.append((step, lane, thread, int(token), int(position)))
     self.logits.append(row)
+    self.draws.append(self._draw)
+    self._draw = None
 
   def result(self) -> ReferenceResult:
     pool = [PoolEntry(t, u, p, v) for (t, u, p), v in zip(self.entries, self.visible, strict=True)]
     return ReferenceResult(records=list(self.records), logits=list(self.logits), steps=self.last_fed,
                            stalls=self.stalls, finished=self.finished, truncated=self.truncated, pool=pool,
-                           vocab=self.vocab, refusals=self.refusals)
+                           vocab=self.vocab, refusals=self.refusals, draws=list(self.draws))
 
 
 def model_row(model_fn, params, entries: list[tuple[int, int, int]], visible: list[frozenset[int]], slot: int,

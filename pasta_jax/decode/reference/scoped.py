@@ -39,14 +39,16 @@ from pasta_jax.decode.reference.pasta import (
   DONE,
   FREE,
   RUNNING,
+  Draw,
   Lane,
   PoolEntry,
   ReferenceResult,
   constrain_logits,
+  draw,
   model_row,
   penalized_row,
 )
-from pasta_jax.decode.sampling import SamplingConfig, lane_key, sample
+from pasta_jax.decode.sampling import SamplingConfig, lane_key
 from pasta_jax.lang.scoped import DEFAULT_MAX_DEPTH, ThreadScript, descendants
 from pasta_jax.lang.tags import TagVocab
 
@@ -111,6 +113,8 @@ class ScopedRequest:
     self.seen: dict[int, set[int]] = {0: set()}
     self.records: list[tuple[int, int, int, int, int]] = []
     self.logits: list[np.ndarray | None] = []
+    self.draws: list[Draw | None] = []
+    self._draw: Draw | None = None  # the last sampled choice, until it is recorded
     self.stalls, self.last_fed = 0, 0
     self.finished = self.truncated = self.pool_full = False
     for i, token in enumerate(prompt):
@@ -269,16 +273,20 @@ class ScopedRequest:
         scope_depth=thread.base_scope + len(thread.scopes), fork_depth=thread.fork_depth, may_fork=may_fork,
         max_depth=self.max_depth)
     key = lane_key(jax.random.key(self.sampling.seed), self.index, step, lane)
-    return int(sample(constrain_logits(row, allowed), key, self.sampling))
+    token, self._draw = draw(constrain_logits(row, allowed), key, self.sampling)
+    return token
 
   def _record(self, step, lane, thread, token, position, row) -> None:
     self.records.append((step, lane, thread, int(token), int(position)))
     self.logits.append(row)
+    self.draws.append(self._draw)
+    self._draw = None
 
   def result(self) -> ScopedResult:
     pool = [PoolEntry(t, u, p, v) for (t, u, p), v in zip(self.entries, self.visible, strict=True)]
     scripts = [list(t.script.tokens) if t.script is not None else [] for t in self.threads]
-    return ScopedResult(records=list(self.records), logits=list(self.logits), steps=self.last_fed,
+    return ScopedResult(records=list(self.records), logits=list(self.logits), draws=list(self.draws),
+                        steps=self.last_fed,
                         stalls=self.stalls, finished=self.finished, truncated=self.truncated, pool=pool,
                         vocab=self.vocab, pool_full=self.pool_full, parents=[t.parent for t in self.threads],
                         scripts_by_thread=scripts)
