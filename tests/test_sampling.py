@@ -322,7 +322,8 @@ def test_a_draw_on_a_boundary_is_a_near_tie_and_a_nudge_beyond_it_moves_it(seed,
   on = with_boundary_at(np.array(logits, np.float32), key, first)
   assert near_tie(on, key, HOT, 1e-4)
   token = int(sample(jnp.asarray(on), key, HOT))
-  nudged = {int(sample(jnp.asarray(on + np.float32(d) * (np.arange(len(on)) <= first)), key, HOT)) for d in (-1e-3, 1e-3)}
+  through_first = np.arange(len(on)) <= first
+  nudged = {int(sample(jnp.asarray(on + np.float32(d) * through_first), key, HOT)) for d in (-1e-3, 1e-3)}
   assert len(nudged) == 2 and token in nudged  # either side of the boundary draws its own token
 
 
