@@ -31,7 +31,7 @@ from pasta_jax.errors import PastaError
 from pasta_jax.methods import Pasta, Sequential, registry
 from pasta_jax.serve import batches
 from pasta_jax.serve.protocol import ApiError, ChatBody, CompletionBody, parse_body
-from tests.programs import VOCAB, VOCAB_SIZE, prompts, run_toy_rows, same_run_up_to_a_near_tie
+from tests.programs import VOCAB, VOCAB_SIZE, prompts, records_of, run_toy_rows, same_run_up_to_a_near_tie
 from tests.test_cli import assert_one_line_error, run_cli
 from tests.test_serve_http import KEY, error_of, post, serving
 
@@ -48,10 +48,6 @@ BIG = 20.0  # far past the toy's logit gaps: a promise wherever one may open, or
 def run_rows(rows: list[SamplingConfig], batch_prompts=PROMPTS, streams=None) -> list[loop.RunOutput]:
   """One jitted run of `batch_prompts`, row i sampling by rows[i], under the envelope that covers them all."""
   return run_toy_rows(PARAMS, BASE, rows, batch_prompts, streams)
-
-
-def records(out: loop.RunOutput) -> list[tuple[int, ...]]:
-  return [tuple(r) for r in out.records.tolist()]
 
 
 def main_tokens(out: loop.RunOutput) -> list[int]:
@@ -75,9 +71,9 @@ def test_zero_is_todays_program_and_a_zero_row_keeps_todays_records():
   got, want = run_rows(mixed), run_rows(today)
   for i, bias in enumerate(biases):
     if bias == 0:
-      assert records(got[i]) == records(want[i]), i
+      assert records_of(got[i]) == records_of(want[i]), i
       assert (got[i].steps, got[i].finished, got[i].truncated) == (want[i].steps, want[i].finished, want[i].truncated)
-  assert any(records(got[i]) != records(want[i]) for i, b in enumerate(biases) if b)  # the others did move
+  assert any(records_of(got[i]) != records_of(want[i]) for i, b in enumerate(biases) if b)  # the others did move
 
 
 def test_a_positive_bias_opens_promises_and_a_negative_one_suppresses_them():
@@ -113,7 +109,7 @@ def test_rows_with_different_biases_share_one_program_and_each_equals_its_run_al
       loop.static_config(dataclasses.replace(BASE, sampling=SamplingConfig.covering(shuffled)))
   for i, row in enumerate(rows):
     [alone] = run_rows([row], [PROMPTS[i]], streams=[i])
-    assert records(mixed[i]) == records(alone), (i, row)
+    assert records_of(mixed[i]) == records_of(alone), (i, row)
   assert main_promises(mixed[3]) > 0 and main_promises(mixed[0]) == 0
 
 
@@ -236,6 +232,6 @@ def test_the_scoped_form_biases_its_promise_as_its_reference_does():
                                 pool_slots=cfg.pool_slots, max_steps=cfg.max_steps, sampling=cfg.sampling,
                                 max_depth=cfg.rules.max_depth)
     for g, w in zip(got, want, strict=True):
-      assert records(g) == [tuple(int(x) for x in r) for r in w.records]
+      assert records_of(g) == records_of(w)
     forks = sum(int((o.records[:, 3] == VOCAB.bare_promise).sum()) for o in got)
     assert forks == 0 if bias < 0 else forks > 0

@@ -28,7 +28,7 @@ from pasta_jax.errors import PastaError
 from pasta_jax.methods import Pasta, PastaTrees, Sequential, registry
 from pasta_jax.serve import batches
 from pasta_jax.serve.protocol import ApiError, CompletionBody, parse_body
-from tests.programs import VOCAB, VOCAB_SIZE, prompts, run_toy_rows, same_run_up_to_a_near_tie
+from tests.programs import VOCAB, VOCAB_SIZE, prompts, records_of, run_toy_rows, same_run_up_to_a_near_tie
 from tests.test_cli import assert_one_line_error, run_cli
 
 TOY = ToyConfig(vocab_size=VOCAB_SIZE)
@@ -42,10 +42,6 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [20, 21], [30, 31, 32], [40], [4
 
 def run_rows(rows: list[SamplingConfig], batch_prompts=PROMPTS, streams=None) -> list[loop.RunOutput]:
   return run_toy_rows(PARAMS, BASE, rows, batch_prompts, streams)
-
-
-def records(out) -> list[tuple[int, ...]]:
-  return [tuple(int(x) for x in r) for r in (out.records.tolist() if hasattr(out.records, "tolist") else out.records)]
 
 
 def topics(out: loop.RunOutput) -> tuple[list[int], int | None]:
@@ -86,7 +82,7 @@ def test_rows_with_and_without_a_cap_share_one_program_and_each_equals_its_run_a
   assert loop.prefill_and_run._cache_size() == compiled  # other caps, the same program
   for i, row in enumerate(rows):
     [alone] = run_rows([row], [PROMPTS[i]], streams=[i])
-    assert records(mixed[i]) == records(alone) and mixed[i].refusals == alone.refusals, (i, row)
+    assert records_of(mixed[i]) == records_of(alone) and mixed[i].refusals == alone.refusals, (i, row)
   assert SamplingConfig(max_topic_tokens=0).envelope() == SamplingConfig().envelope()
   assert SamplingConfig(max_topic_tokens=2).envelope() == SamplingConfig(max_topic_tokens=9).envelope()
 

@@ -286,9 +286,8 @@ class ScopedRequest:
     pool = [PoolEntry(t, u, p, v) for (t, u, p), v in zip(self.entries, self.visible, strict=True)]
     scripts = [list(t.script.tokens) if t.script is not None else [] for t in self.threads]
     return ScopedResult(records=list(self.records), logits=list(self.logits), draws=list(self.draws),
-                        steps=self.last_fed,
-                        stalls=self.stalls, finished=self.finished, truncated=self.truncated, pool=pool,
-                        vocab=self.vocab, pool_full=self.pool_full, parents=[t.parent for t in self.threads],
+                        steps=self.last_fed, stalls=self.stalls, finished=self.finished, truncated=self.truncated,
+                        pool=pool, vocab=self.vocab, pool_full=self.pool_full, parents=[t.parent for t in self.threads],
                         scripts_by_thread=scripts)
 
 
