@@ -48,6 +48,7 @@ from pasta_jax.eval.quality import answer_logprob
 from pasta_jax.eval.report import speed_table, write_outputs
 from pasta_jax.eval.runner import evaluate
 from pasta_jax.judges.factory import make_judge
+from pasta_jax.lang import schema
 from pasta_jax.methods import Pasta
 from pasta_jax.model.load import GENERATION_FILE, generation_defaults
 
@@ -167,8 +168,10 @@ def main(argv=None) -> int:
     # cached: the baseline's answers and the references are scored once, however many PASTA models are compared
     scorer = functools.lru_cache(maxsize=None)(
         lambda prompt, text: (bar.update(1), answer_logprob(scoring, prompt, text)[0])[1])
-  figures = {m.name: {**learned_figures(results, records, m.name, baseline.name, scorer), "scorer": scorer_name}
-             for m in methods}
+  # each model's tags parse in the position mode it decoded in (Pred-1x promises exact lengths)
+  figures = {m.name: {**learned_figures(results, records, m.name, baseline.name, scorer,
+                                        length_step=schema.length_step(pasta.mode_for(m.model))),
+                      "scorer": scorer_name} for m in methods}
   for method in methods:
     figures[method.name].update(fork_bias=method.settings.fork_bias, max_topic_tokens=method.settings.max_topic_tokens)
   (out / "learned.json").write_text(json.dumps(figures, indent=1))

@@ -98,6 +98,23 @@ def test_error_bad_tokens(value, why):
   error_at(f'xy <promise topic="t" tokens="{value}"/><async>c</async>', 3, f'tokens="{value}"', why)
 
 
+@given(tokens=st.integers(-5, 520), step=st.sampled_from([1, 10]))
+def test_promise_lengths_parse_at_the_writers_granularity(tokens, step):
+  """A Pred-1x model promises exact lengths (step 1), every other mode multiples of 10: each parses at its own step,
+  in [step, 500], and nowhere else."""
+  text = f'<promise topic="t" tokens="{tokens}"/><async>c</async>'
+  valid = step <= tokens <= 500 and tokens % step == 0
+  if valid:
+    assert T.parse(text, length_step=step)[0] == T.Promise("t", tokens)
+    T.check_segments(T.parse(text, length_step=step), length_step=step)
+  else:
+    with pytest.raises(TagError, match=f"multiple of {step}|not a plain decimal"):
+      T.parse(text, length_step=step)
+  if step == 1 and tokens % 10:  # an exact length the default (Pred-10x) grammar refuses
+    with pytest.raises(TagError):
+      T.parse(text)
+
+
 @pytest.mark.parametrize("inner", ["<sync/>", "<async>", P40])
 def test_error_nesting(inner):
   text = f"a {P40}<async>b {inner} c</async>"

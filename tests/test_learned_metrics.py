@@ -99,6 +99,21 @@ def test_answer_figures_and_aggregates():
   assert "| fork rate | 1.000 | 0.000 | - |" in table
 
 
+def test_exact_promise_lengths_are_well_formed_in_the_mode_that_writes_them():
+  """Pred-1x answers promise exact lengths: well-formed at its step (1), malformed at Pred-10x's; learned_figures
+  reads the method's answers at its step and the baseline's at the default."""
+  exact = '<promise topic="a" tokens="12"/><async>Eat more fruit.</async><sync/>Done.'
+  assert not answer_figures(_run(exact, 2), "")["well_formed"]
+  assert answer_figures(_run(exact, 2), "", length_step=1)["well_formed"]
+  speed = {k: {"geometric": 1.0, "arithmetic": 1.0} for k in ("realized_speedup", "theoretical_speedup",
+                                                              "parallelism")}
+  results = {"methods": [{"name": "p", "speed": speed}], "prompts": [
+      {"id": "1", "instruction": "q", "runs": {"p": _run(exact, 2), "b": _run(exact, 2)}}]}
+  figures = learned_figures(results, [{"id": "1", "reference": "x"}], "p", "b", length_step=1)
+  assert (figures["pasta"]["well_formed"], figures["baseline"]["well_formed"]) == (1.0, 0.0)
+  assert learned_figures(results, [{"id": "1", "reference": "x"}], "p", "b")["pasta"]["well_formed"] == 0.0
+
+
 def test_repeated_list_items_are_counted_in_the_clean_text_of_both_models():
   text = "Tips:\n1. Eat more fruit every day.\n2. Eat more fruit every day.\n3. Sleep eight hours a night.\n"
   fig = answer_figures(_run(text, 1, text=text), reference="")

@@ -31,6 +31,7 @@ from pasta_jax.data.structural import split_items
 from pasta_jax.data.structural_grouped import NUMBER, list_runs
 from pasta_jax.lang import metrics
 from pasta_jax.lang.metrics import arithmetic_mean, rouge_l
+from pasta_jax.lang.tags import LENGTH_STEP
 
 blocks_of = metrics.block_texts
 
@@ -54,10 +55,11 @@ def misnumbered(text: str) -> bool:
   return any(b != a + 1 for run in numbered_lists(text) for a, b in zip(run, run[1:]))
 
 
-def answer_figures(run: Mapping, reference: str) -> dict:
-  """Per-answer figures of one run (a `MethodOutput` as a dict)."""
+def answer_figures(run: Mapping, reference: str, length_step: int = LENGTH_STEP) -> dict:
+  """Per-answer figures of one run (a `MethodOutput` as a dict); its tags parse with promise lengths in multiples of
+  `length_step` (the writer's position mode, `schema.length_step`)."""
   annotated = run["annotated"] if run["finished"] else _closed_at_cut(run["annotated"])
-  blocks = blocks_of(annotated)
+  blocks = blocks_of(annotated, length_step)
   dupes, pairs = metrics.duplicate_block_pairs(blocks or [])
   items = [chunk for kind, chunk in split_items(run["text"]) if kind == "item"]
   item_dupes, item_pairs = metrics.duplicate_block_pairs(items)
@@ -70,8 +72,9 @@ def answer_figures(run: Mapping, reference: str) -> dict:
 
 
 def learned_figures(results: Mapping, records: Sequence[Mapping], method: str, baseline: str,
-                    scorer: Callable[[str, str], float] | None = None) -> dict:
-  """Aggregates for `method` (the PASTA model) and `baseline` over every prompt of `results`."""
+                    scorer: Callable[[str, str], float] | None = None, length_step: int = LENGTH_STEP) -> dict:
+  """Aggregates for `method` (the PASTA model) and `baseline` over every prompt of `results`. length_step: the
+  granularity of the method's promise lengths (1 for a Pred-1x model: its exact lengths are well-formed)."""
   by_id = {r["id"]: r for r in records}
   rows = {name: [] for name in (method, baseline)}
   reference_logprobs = []
@@ -82,7 +85,7 @@ def learned_figures(results: Mapping, records: Sequence[Mapping], method: str, b
       reference_logprobs.append(scorer(prompt["instruction"], reference))
     for name in rows:
       run = prompt["runs"][name]
-      figures = answer_figures(run, reference)
+      figures = answer_figures(run, reference, length_step if name == method else LENGTH_STEP)
       if scorer is not None:
         figures["logprob"] = scorer(prompt["instruction"], run["text"])
       rows[name].append(figures)

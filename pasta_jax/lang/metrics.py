@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from pasta_jax.lang.schema import LANE, POSITION, STEP, THREAD, TOKEN  # noqa: F401 (record columns, re-exported)
-from pasta_jax.lang.tags import TagVocab
+from pasta_jax.lang.tags import LENGTH_STEP, TagVocab
 from pasta_jax.lang.tokens import TokBlock, TokPromise, TokSync, TokText, parse_tokens, split_end
 
 
@@ -196,20 +196,21 @@ def ngram_overlap(a: str, b: str, n: int = DUPLICATE_NGRAM) -> float:
   return len(ga & gb) / min(len(ga), len(gb))
 
 
-def block_texts(annotated: str) -> list[str] | None:
-  """The block texts of a promise-form answer, or None if it does not parse strictly."""
-  parsed = block_spans(annotated)
+def block_texts(annotated: str, length_step: int = LENGTH_STEP) -> list[str] | None:
+  """The block texts of a promise-form answer, or None if it does not parse strictly (promise lengths in multiples of
+  `length_step`: 1 for a Pred-1x model's answers, `schema.length_step`)."""
+  parsed = block_spans(annotated, length_step)
   return None if parsed is None else [parsed[0][lo:hi] for lo, hi in parsed[1]]
 
 
-def block_spans(annotated: str) -> tuple[str, list[tuple[int, int]]] | None:
+def block_spans(annotated: str, length_step: int = LENGTH_STEP) -> tuple[str, list[tuple[int, int]]] | None:
   """(the clean answer, [start, end) character span of each block in it), or None if the answer does not parse
   strictly: where in the text a sequential reader meets each fork's block."""
   from pasta_jax.errors import TagError
   from pasta_jax.lang import text as T
   try:
-    segments = T.parse(annotated)
-    T.check_segments(segments)
+    segments = T.parse(annotated, length_step)
+    T.check_segments(segments, length_step)
   except TagError:
     return None
   clean, spans = "", []

@@ -97,14 +97,15 @@ def _error(text: str, offset: int, message: str) -> TagError:
 
 
 # --- parsing ---------------------------------------------------------------------------------------
-def check_tokens_value(value: str) -> int:
-  """The `tokens` attribute as an int; raises (without a place) unless canonical and in range."""
+def check_tokens_value(value: str, length_step: int = LENGTH_STEP) -> int:
+  """The `tokens` attribute as an int; raises (without a place) unless canonical and in range. length_step: the
+  granularity of the position mode the text was written in (`schema.length_step`: 1 for Pred-1x's exact lengths)."""
   if not re.fullmatch(r"0|[1-9][0-9]*", value):
     raise TagError(f'bad tokens="{value}": not a plain decimal number')
   number = int(value)
-  if number % LENGTH_STEP or not LENGTH_STEP <= number <= MAX_LENGTH:
-    raise TagError(f'bad tokens="{value}": must be a multiple of {LENGTH_STEP} in '
-                   f"[{LENGTH_STEP}, {MAX_LENGTH}]")
+  if number % length_step or not length_step <= number <= MAX_LENGTH:
+    raise TagError(f'bad tokens="{value}": must be a multiple of {length_step} in '
+                   f"[{length_step}, {MAX_LENGTH}]")
   return number
 
 
@@ -121,8 +122,9 @@ def _scan(text: str) -> Iterable[tuple[int, int, str, re.Match | None]]:
     yield pos, len(text), "text", None
 
 
-def parse(text: str) -> list[Segment]:
-  """Promise-form text -> segments; raises TagError naming the place of the first problem.
+def parse(text: str, length_step: int = LENGTH_STEP) -> list[Segment]:
+  """Promise-form text -> segments; raises TagError naming the place of the first problem. length_step: the promise
+  lengths' granularity (`check_tokens_value`).
 
   Main-thread text runs are maximal (never empty, never two in a row); a block holds at most one
   Text. `render(parse(text)) == text` for every text that parses.
@@ -152,7 +154,7 @@ def parse(text: str) -> list[Segment]:
       segments.append(Text(text[start:end]))
     elif kind == "promise":
       try:
-        tokens = check_tokens_value(match["tokens"])
+        tokens = check_tokens_value(match["tokens"], length_step)
       except TagError as e:
         raise _error(text, start, str(e)) from None
       segments.append(Promise(match["topic"], tokens))
@@ -179,13 +181,13 @@ def validate(text: str) -> None:
 
 
 # --- rendering -------------------------------------------------------------------------------------
-def check_segments(segments: Sequence[Segment]) -> None:
+def check_segments(segments: Sequence[Segment], length_step: int = LENGTH_STEP) -> None:
   """Structure of a segment list (as built by code, not parsed); errors name the segment index."""
   for i, seg in enumerate(segments):
     after_promise = i > 0 and isinstance(segments[i - 1], Promise)
     if isinstance(seg, Promise):
       try:
-        check_tokens_value(str(seg.tokens))
+        check_tokens_value(str(seg.tokens), length_step)
       except TagError as e:
         raise TagError(f"segment {i}: {e}") from None
       if re.search(r'["<>]', seg.topic):
