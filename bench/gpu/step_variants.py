@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import plain_step
+from bench.seq_cost import weight_roofline
 from bench.synthetic import TEXT, answers, random_model
 from pasta_jax.decode.runtime import Runtime
 from pasta_jax.methods import Sequential, generate_ids
@@ -58,11 +59,7 @@ def patch_fused():
     names = groups[name]
     weights = [gemma.projection(module, n, in_shape, shapes[n], x.dtype, True) for n in names]
     y = gemma.project(x, jnp.concatenate(weights, axis=0), in_dims, out_dims, True)
-    sizes = [w.shape[0] for w in weights]
-    parts, start = [], 0
-    for size in sizes:
-      parts.append(y[:, :, start:start + size])
-      start += size
+    parts = jnp.split(y, np.cumsum([w.shape[0] for w in weights])[:-1], axis=2)
     for n, part in zip(names[1:], parts[1:]):
       kept[(id(module), n)] = part
     return parts[0]
@@ -85,7 +82,7 @@ def main(argv=None):
   args = parse_args(argv)
   if args.variant == "rowpad":
     patch_rowpad()
-  if "fused" in args.variant:
+  if args.variant == "fused":
     patch_fused()
   dtype = jnp.dtype(args.dtype)
   model = random_model(args.config, dtype)
@@ -97,7 +94,6 @@ def main(argv=None):
     np.save(args.logits_to, np.asarray(replay.logits[:8], np.float32))
   step, prefill = plain_step(model, prompt, answers(args.tokens, 1)[0], args.repeats,
                              max_new_tokens=args.tokens + 64, runtime=runtime)
-  from bench.seq_cost import weight_roofline
   floor, bandwidth = weight_roofline(model)
   line = (f"variant {args.variant}: {1e3 * step:.3f} ms/step, prefill {1e3 * prefill:.2f} ms, floor "
           f"{1e3 * floor:.3f} ms at {bandwidth / 1e9:.0f} GB/s: {100 * floor / step:.1f}% of the roofline")
