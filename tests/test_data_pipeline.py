@@ -185,6 +185,18 @@ def test_length_grouping_keeps_every_example_once_a_epoch_padded_to_its_bucket(b
                                                    ENCODE.num_threads))
 
 
+def test_length_grouping_reads_each_step_as_a_fresh_dataset_would(big_pool):
+  """A dataset read step by step (its sorted windows kept: `StepBatches.window_members`) gives every step of
+  every epoch the examples a fresh dataset reading that step alone gives: no window is reused across epochs."""
+  ds = step_batches(big_pool, batch_size=4, seed=7, epochs=3, length_bucket=8)
+  read = [ds.kept_indices(step) for step in range(len(ds))]
+  for step in range(len(ds)):
+    fresh = step_batches(big_pool, batch_size=4, seed=7, epochs=3, length_bucket=8)
+    assert fresh.kept_indices(step) == read[step], step
+  per_epoch = len(ds) // 3
+  assert read[:per_epoch] != read[per_epoch:2 * per_epoch]  # each epoch its own order
+
+
 def test_length_grouping_batches_like_lengths_within_each_window(pool):
   ds = step_batches(pool, batch_size=1, seed=2, epochs=1, length_bucket=8)  # windows: steps 0-15, 16-23
   order = ds.plan.example_order()
