@@ -44,7 +44,7 @@ from bench.common import held_out_prompt_ids
 from pasta_jax.decode import api
 from pasta_jax.decode.latency import calibrate_latency
 from pasta_jax.decode.runtime import Runtime
-from pasta_jax.decode.speculation import LATENCY_MODELS, Drafter, load_drafter
+from pasta_jax.decode.speculation import LATENCY_MODELS, Drafter, accepted_needed, load_drafter
 from pasta_jax.methods import Medusa, Method, Propd, Sequential, prepare_run
 from pasta_jax.model.load import load_model
 
@@ -70,6 +70,9 @@ def parse_args(argv=None):
   parser.add_argument("--certify-head", action="store_true",
                       help="every method's greedy choices certified against the float32 head at a narrow head's "
                            "cost (int8 on a CPU; decode/certified_head.py): the same tokens, cheaper tree steps")
+  parser.add_argument("--target", type=float, default=1.3,
+                      help="the speed-up over plain decoding whose price the break-even lines state: the tokens a "
+                           "step of each tree size must write on average to reach it (speculation.accepted_needed)")
   parser.add_argument("--never-hit", action="store_true",
                       help="also time ProPD whose heads never guess right (row propd-never-hit): no tree pays, and "
                            "ProPD should decode as fast as plain decoding")
@@ -174,7 +177,19 @@ def bench_batch(model, drafter, ids, batch: int, args) -> dict:
   return rows
 
 
-def report(batch: int, rows: dict) -> None:
+def break_even_line(name: str, drafter: Drafter, sizes, seconds, target: float) -> str:
+  """What a tree of each timed size must write a step to match plain decoding and to reach `target` times it,
+  against the most it can write (its prefix's depth + 1)."""
+  table = dict(zip(sizes, seconds))
+  tree = drafter.tree(max(sizes))
+  even, goal = accepted_needed(tree, table), accepted_needed(tree, table, target)
+  most = {s: int(tree.depth[:s].max()) + 1 for s in even}
+  return (f"{name} break-even (tokens a step must write: to match plain / for {target:g}x / at most): "
+          + ", ".join(f"size {s} {even[s]:.2f} / {goal[s]:.2f} / {most[s]}" for s in even)
+          + (f"; size 2 for {target:g}x needs head 0 right on {goal[2] - 1:.0%} of steps" if 2 in goal else ""))
+
+
+def report(batch: int, rows: dict, target: float = 1.3) -> None:
   plain = rows["plain"]["tok_s"]
   print(f"\nbatch {batch}: {rows['plain']['tokens']} tokens per method")
   print(f"{'method':>14} {'tokens/s':>9} {'x plain':>8} {'accept':>7} {'mismatch':>8} {'pruned':>7}  "
@@ -202,6 +217,8 @@ def report(batch: int, rows: dict) -> None:
     print(f"{name} latency calibration, {cal['timed_tree']}-node program: {times(cal)} (table: "
           f"{cal['latency_model']}); fit "
           f"alpha={cal['alpha'] * 1e3:.2f} ms/node beta={cal['beta'] * 1e3:.1f} ms; {compiled}")
+    timed_sizes = cal.get("first_pass") or cal  # the bigger program's sizes, when it ran
+    print(break_even_line(name, rows[name]["method"].heads, timed_sizes["sizes"], timed_sizes["seconds"], target))
   medusa_key = max((k for k, r in rows.items() if type(r["method"]) is Medusa), key=lambda k: rows[k]["accept"])
   top1, topk = head_rates(rows[medusa_key]["stats"])
   print(f"per-head acceptance ({medusa_key}): top-1 " + " ".join(f"{x:.3f}" for x in top1)
@@ -228,7 +245,7 @@ def main(argv=None) -> None:
   results = {}
   for batch in tqdm([int(b) for b in args.batches.split(",")], desc="batch sizes"):
     results[batch] = bench_batch(model, drafter, ids, batch, args)
-    report(batch, results[batch])
+    report(batch, results[batch], args.target)
 
   def ratio(batch, name):
     rows = results.get(batch) or {}

@@ -21,6 +21,7 @@ from pasta_jax.decode import api, loop
 from pasta_jax.decode.latency import calibrate_latency
 from pasta_jax.decode.speculation import (
   Drafter,
+  accepted_needed,
   compiled_size,
   fit_latency,
   latency_table,
@@ -395,6 +396,10 @@ def test_paying_size_keeps_every_size_that_could_beat_a_plain_step(top1, slope, 
   can_pay = [s for s in sizes[1:] if table[s] < (tree.depth[:s].max() + 1) * table[1]]
   assert size == max(can_pay, default=2)
   assert all(table[s] >= (tree.depth[:s].max() + 1) for s in sizes if s > size)
+  need = accepted_needed(tree, table)  # tokens a step must write to match plain: below the most it can, it may pay
+  assert [s for s in need if need[s] < tree.depth[:s].max() + 1] == can_pay and list(need) == sizes[1:]
+  assert accepted_needed(tree, table, 1.3) == pytest.approx({s: 1.3 * n for s, n in need.items()})
+  assert accepted_needed(tree, {1: 2.0, 2: 3.0, 64: 9.0}, 1.3) == pytest.approx({2: 1.95})  # past the tree: none
   # ProPD compiles no lane it would not use on its prior, but for one bucket of room: the prior's best size
   # stays available, and nothing past twice it (or past what can pay) is compiled
   expected = np.cumsum(node_probabilities(tree, rates))

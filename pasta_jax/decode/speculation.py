@@ -150,6 +150,14 @@ def paying_size(tree: TokenTree, table: dict[int, float]) -> int:
   return max(paying, default=min(tree.size, 2))
 
 
+def accepted_needed(tree: TokenTree, table: dict[int, float], ratio: float = 1.0) -> dict[int, float]:
+  """{size: tokens a step of that size must write on average to run `ratio` times as fast as plain decoding} for
+  the tree sizes of ProPD's step-time `table` ({size: seconds}, size 1 included): ratio T(s) / T(1). A size whose
+  need exceeds its prefix's depth + 1 (the most a step can write) cannot reach `ratio` whatever the drafter; at
+  size 2 the need less 1 is the share of steps on which head 0's first guess must be right."""
+  return {s: ratio * t / table[1] for s, t in sorted(table.items()) if 1 < s <= tree.size}
+
+
 def tree_pays(tree: TokenTree, table: dict[int, float], hit_rates: np.ndarray, room: float = RATE_ROOM) -> bool:
   """Whether ProPD could ever pick a tree of `tree`'s prefixes over a plain step: some size s > 1 in its step-time
   `table` whose expected tokens over T(s) beat 1 / T(1) at hit rates `room` times the calibrated `hit_rates`
