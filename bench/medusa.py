@@ -186,7 +186,8 @@ def break_even_line(name: str, drafter: Drafter, sizes, seconds, target: float) 
   most = {s: int(tree.depth[:s].max()) + 1 for s in even}
   return (f"{name} break-even (tokens a step must write: to match plain / for {target:g}x / at most): "
           + ", ".join(f"size {s} {even[s]:.2f} / {goal[s]:.2f} / {most[s]}" for s in even)
-          + (f"; size 2 for {target:g}x needs head 0 right on {goal[2] - 1:.0%} of steps" if 2 in goal else ""))
+          + (f"; size 2 for {target:g}x needs head 0 right on {goal[2] - 1:.0%} of steps" if goal.get(2, 3) <= 2
+             else ""))
 
 
 def report(batch: int, rows: dict, target: float = 1.3) -> None:
@@ -217,8 +218,7 @@ def report(batch: int, rows: dict, target: float = 1.3) -> None:
     print(f"{name} latency calibration, {cal['timed_tree']}-node program: {times(cal)} (table: "
           f"{cal['latency_model']}); fit "
           f"alpha={cal['alpha'] * 1e3:.2f} ms/node beta={cal['beta'] * 1e3:.1f} ms; {compiled}")
-    timed_sizes = cal.get("first_pass") or cal  # the bigger program's sizes, when it ran
-    print(break_even_line(name, rows[name]["method"].heads, timed_sizes["sizes"], timed_sizes["seconds"], target))
+    print(break_even_line(name, rows[name]["method"].heads, cal["sizes"], cal["seconds"], target))
   medusa_key = max((k for k, r in rows.items() if type(r["method"]) is Medusa), key=lambda k: rows[k]["accept"])
   top1, topk = head_rates(rows[medusa_key]["stats"])
   print(f"per-head acceptance ({medusa_key}): top-1 " + " ".join(f"{x:.3f}" for x in top1)
