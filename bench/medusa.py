@@ -215,6 +215,8 @@ def report(batch: int, rows: dict, target: float = 1.3) -> None:
       print(f"{name} latency calibration, {cal['first_pass']['tree_size']}-node program: {times(cal['first_pass'])}")
     compiled = (f"compiled tree {cal['tree_size']} nodes (speculation.compiled_size)" if cal["tree_pays"] else
                 "no tree pays: plain decoding's program (speculation.tree_pays)")
+    if cal.get("capped"):
+      compiled += f"; sizes {cal['capped']} timed slower than in the bigger program, capped at its times"
     print(f"{name} latency calibration, {cal['timed_tree']}-node program: {times(cal)} (table: "
           f"{cal['latency_model']}); fit "
           f"alpha={cal['alpha'] * 1e3:.2f} ms/node beta={cal['beta'] * 1e3:.1f} ms; {compiled}")

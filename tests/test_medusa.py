@@ -562,6 +562,26 @@ def test_calibration_times_a_smaller_tree_in_its_own_program(monkeypatch):
   assert info["tree_size"] == 1 and not info["tree_pays"]
 
 
+def test_a_slow_spell_in_the_smaller_programs_pass_is_capped_by_the_bigger_programs_times(monkeypatch):
+  """A size's step in the smaller tree's program costs no more than in the bigger one's (fewer lanes to keep): a
+  second pass that measured more (the machine slowed down while it ran) takes the first pass's time instead."""
+  from types import SimpleNamespace
+
+  from pasta_jax.decode import latency
+  monkeypatch.setattr(latency.api, "prepare", lambda model, ids, *, rules, rule_inputs, max_new_tokens, **kw: (
+      pinned_size(rules, rule_inputs), max_new_tokens, rules.tree.size))
+  def run(prep):  # as the test above, but the 2-node program's size-1 steps ran in a slow spell (x 10)
+    size, steps, compiled = prep
+    seconds = steps * (0.01 * compiled + (0.0 if size == 1 else 0.05 * size))
+    return [SimpleNamespace(steps=steps)], seconds * (10 if (compiled, size) == (2, 1) else 1)
+  monkeypatch.setattr(latency.api, "run_prepared", run)
+  info = calibrate_latency(MODEL, PROMPTS[:1], drafter(), tree_size=8, steps=8, repeats=1, run_tokens=128)
+  assert info["sizes"] == [1, 2] and info["seconds"] == pytest.approx([0.08, 0.12])  # 0.2 measured, 0.08 before
+  assert info["table"] == pytest.approx({1: 0.08, 2: 0.12}) and info["capped"] == [1]
+  assert latency.cap_by_bigger_program([1, 2], [0.5, 0.1], {"sizes": [1, 2, 4], "seconds": [0.3, 0.2, 0.4]}) == (
+      pytest.approx([0.3, 0.1]), [1])
+
+
 def test_bad_requests_name_the_problem(tmp_path):
   with pytest.raises(PastaError, match="no Medusa heads"):
     generate_ids(MODEL, PROMPTS, Medusa(heads=tmp_path), max_new_tokens=8)
