@@ -19,12 +19,15 @@ answer tokens) decoded by
             where ProPD itself would compile none), so that it runs its own program and should match plain decoding.
 Every program is compiled and run once before timing; figures are medians of --runs rounds, each of which runs
 every method once in turn on each prompt group (a slow spell of the machine then lands on every method alike).
+Each ProPD row's calibration ends with a break-even line: the tokens a step of each timed size must write on average
+to match plain decoding and to run --target times as fast (`speculation.accepted_needed`), against the most it can
+write; at size 2, the share of steps on which head 0 must be right.
 Tree decoding is lossless, so every method writes the same tokens (checked: mismatches are printed and counted) and the
 tokens/s ratios are time ratios. Accepted length = tokens per step; per-head acceptance = how often head h's
 top-1 (and its top-k list) held the right token when its depth was reached.
 
   python -m bench.medusa [--batches 1,8] [--limit 8] [--limit-b1 4] [--runs 3] [--heads DIR] [--certify-head]
-                         [--never-hit]
+                         [--never-hit] [--target 1.3]
 Last line: RESULT propd_b1=... propd_b8=... medusa_b1=... accept_len_b1=... unpruned_b1=... unpruned_b8=...
 propd_never_hit_b1=... propd_never_hit_b8=... (tokens/s over plain's; nan: not timed).
 """
