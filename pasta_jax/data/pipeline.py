@@ -217,9 +217,9 @@ class StepBatches(grain.MapDataset):
     if not plan.length_bucket:
       return [int(self._order[base + within * size + j]) for j in range(size)]
     window, slot = divmod(within, LENGTH_WINDOW)
-    count = min(LENGTH_WINDOW, plan.steps_per_epoch - window * LENGTH_WINDOW)  # batches in this window
-    batch = int(np.random.default_rng([plan.seed, epoch, window]).permutation(count)[slot])
-    return self.window_members(epoch, window)[batch * size:(batch + 1) * size]
+    members = self.window_members(epoch, window)
+    batch = int(np.random.default_rng([plan.seed, epoch, window]).permutation(len(members) // size)[slot])
+    return members[batch * size:(batch + 1) * size]
 
   def window_members(self, epoch: int, window: int) -> list[int]:
     """Positions in `pool.layouts` of a length-grouping window's examples, shortest first (like lengths keep their
@@ -230,7 +230,7 @@ class StepBatches(grain.MapDataset):
     if key not in self._windows:
       plan, size = self.plan, self.plan.batch_size
       first = epoch * plan.num_examples + window * LENGTH_WINDOW * size
-      count = min(LENGTH_WINDOW, plan.steps_per_epoch - window * LENGTH_WINDOW)
+      count = min(LENGTH_WINDOW, plan.steps_per_epoch - window * LENGTH_WINDOW)  # batches in this window
       if len(self._windows) >= WINDOWS_KEPT:
         del self._windows[next(iter(self._windows))]  # the oldest: steps run in order
       self._windows[key] = sorted((int(self._order[first + j]) for j in range(count * size)),
