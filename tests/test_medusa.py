@@ -31,7 +31,7 @@ from pasta_jax.decode.speculation import (
   tree_pays,
 )
 from pasta_jax.decode.tree import TokenTree, build_tree, node_probabilities
-from pasta_jax.errors import PastaError
+from pasta_jax.errors import PastaError, WeightsError
 from pasta_jax.methods import Medusa, Pasta, Propd, Sequential, generate, generate_ids, prepare_run, stream
 from pasta_jax.model import medusa
 from pasta_jax.model.gemma import Gemma, causal_mask
@@ -46,9 +46,9 @@ UNEMBED = MODEL.params["params"]["embedder"]
 PROMPTS = [[2, 5, 7, 9, 11, 13], [2, 40, 41], [2] + [3] * 11 + [4]]
 
 
-def random_heads(num_heads=3, seed=1, scale=0.3, shared=True, next_token=False):
-  heads = medusa.init_heads(medusa.MedusaConfig(num_heads=num_heads, shared_head=shared, next_token=next_token),
-                            UNEMBED)
+def random_heads(num_heads=3, seed=1, scale=0.3, shared=True, next_token=False, width=0):
+  config = medusa.MedusaConfig(num_heads=num_heads, shared_head=shared, next_token=next_token, width=width)
+  heads = medusa.init_heads(config, UNEMBED)
   key = jax.random.key(seed)
   return {k: v + scale * jax.random.normal(jax.random.fold_in(key, i), v.shape) if k != "out" else v
           for i, (k, v) in enumerate(heads.items())}
@@ -129,6 +129,34 @@ def test_next_token_heads_read_the_token_after_h_and_start_as_plain_heads():
   assert medusa.head_sizes(config, 100, 8)["shared"] == 2 * (2 * 64 + 8)
 
 
+def test_wide_heads_are_two_layer_blocks_that_start_as_the_base_head():
+  """z_k = h + V_k SiLU(W_k h + U_k e(x) + b_k), W_k, U_k [D, F], V_k [F, D]: brute force per head; a fresh wide
+  head (V = 0) gives the base head's logits; sizes count both layers; a saved folder whose weights disagree with
+  its width is refused."""
+  dim, width = UNEMBED.shape[1], 24
+  hidden = jax.random.normal(jax.random.key(0), (3, dim))
+  nxt = jnp.asarray([5, 77, 300])
+  features = medusa.next_features(UNEMBED, nxt)
+  config = medusa.MedusaConfig(num_heads=2, next_token=True, width=width)
+  fresh = medusa.init_heads(config, UNEMBED)
+  assert fresh["w"].shape == (2, dim, width) and fresh["v"].shape == (2, width, dim)
+  assert float(jnp.abs(fresh["w"]).max()) > 0  # a zero W would leave V's gradient zero
+  np.testing.assert_array_equal(medusa.head_logits(fresh, hidden, UNEMBED, next_embed=features),
+                                medusa.head_logits(medusa.init_heads(medusa.MedusaConfig(num_heads=2), UNEMBED), hidden,
+                                                   UNEMBED))
+  heads = random_heads(2, next_token=True, width=width)
+  got = medusa.head_states(heads, hidden, features)
+  for i in range(3):
+    for h in range(2):
+      pre = (np.asarray(hidden[i]) @ np.asarray(heads["w"][h]) + np.asarray(features[i]) @ np.asarray(heads["u"][h])
+             + np.asarray(heads["b"][h]))
+      want = np.asarray(hidden[i]) + (pre / (1 + np.exp(-pre))) @ np.asarray(heads["v"][h])
+      np.testing.assert_allclose(got[i, h], want, rtol=2e-4, atol=2e-4)
+  assert medusa.head_sizes(medusa.MedusaConfig(num_heads=2, width=16), 100, 8)["shared"] == 2 * (8 * 16 + 16 + 16 * 8)
+  with pytest.raises(ValueError, match="width"):
+    medusa.MedusaConfig(width=-1)
+
+
 def test_next_token_heads_learn_what_the_next_token_tells():
   """Gradients reach U; on targets that are a function of the next token alone (which h does not carry), a few
   steps of the Medusa loss bring next_token heads' loss below plain heads'."""
@@ -138,8 +166,8 @@ def test_next_token_heads_learn_what_the_next_token_tells():
   targets = jnp.stack([(nxt * 7 + 3) % 64, (nxt * 5 + 1) % 64], axis=1)
   hidden = jnp.asarray(rng.standard_normal((256, UNEMBED.shape[1])), jnp.float32)
   losses = {}
-  for next_token in (False, True):
-    config = medusa.MedusaConfig(num_heads=2, next_token=next_token)
+  for next_token, width in ((False, 0), (True, 0), (True, 32)):
+    config = medusa.MedusaConfig(num_heads=2, next_token=next_token, width=width)
     heads = medusa.init_heads(config, UNEMBED)
     features = medusa.next_features(UNEMBED, nxt) if next_token else None
     loss_fn = functools.partial(lambda p, c, f: medusa.medusa_loss(p, hidden, targets, UNEMBED, c, None, f)[0],
@@ -149,17 +177,20 @@ def test_next_token_heads_learn_what_the_next_token_tells():
     for _ in range(60):
       grads = jax.grad(loss_fn)(heads)
       if next_token:
-        assert float(jnp.abs(grads["u"]).max()) > 0
+        assert float(jnp.abs(grads["u"]).max()) > 0 or width  # a wide block's U learns once V moved
       updates, state = opt.update(grads, state)
       heads = optax.apply_updates(heads, updates)
-    losses[next_token] = float(loss_fn(heads))
-  assert losses[True] < 0.5 * losses[False]
+    if width:
+      assert float(jnp.abs(jax.grad(loss_fn)(heads)["u"]).max()) > 0
+    losses[next_token, width] = float(loss_fn(heads))
+  assert losses[True, 0] < 0.5 * losses[False, 0]
+  assert losses[True, 32] < 0.5 * losses[False, 0]
 
 
-@pytest.mark.parametrize("next_token", [False, True])
-def test_heads_save_and_load(tmp_path, next_token):
-  heads = {**random_heads(next_token=next_token), "vocab": jnp.arange(40, 80, dtype=jnp.int32)}
-  config = medusa.MedusaConfig(num_heads=3, next_token=next_token)
+@pytest.mark.parametrize("next_token, width", [(False, 0), (True, 0), (True, 12)])
+def test_heads_save_and_load(tmp_path, next_token, width):
+  heads = {**random_heads(next_token=next_token, width=width), "vocab": jnp.arange(40, 80, dtype=jnp.int32)}
+  config = medusa.MedusaConfig(num_heads=3, next_token=next_token, width=width)
   medusa.save_heads(tmp_path, heads, config, {"note": "x"})
   loaded, config2, meta = medusa.load_heads(tmp_path)
   assert config2 == config and meta == {"note": "x"}
@@ -168,6 +199,9 @@ def test_heads_save_and_load(tmp_path, next_token):
   assert loaded["vocab"].dtype == jnp.int32
   with pytest.raises(Exception, match="no Medusa heads"):
     medusa.load_heads(tmp_path / "missing")
+  medusa.save_heads(tmp_path / "other", heads, dataclasses.replace(config, width=0 if width else 12))
+  with pytest.raises(WeightsError, match="do not match"):
+    medusa.load_heads(tmp_path / "other")
 
 
 def test_medusa_loss_targets_the_tokens_two_and_more_ahead():

@@ -27,8 +27,8 @@ def test_heads_calibration_and_early_head_train_and_drive_propd(tmp_path):
   # token itself first on a tied-embedding model, cannot.
   rows = [{"prompt_ids": p, "answer_ids": [5 + (p[-1] + k) % 50 for k in range(24)]} for p in PROMPTS]
   train_rows, held_rows = distill.split(rows, 0.25)
-  # next_token heads: the training positions' next tokens, their features and the rules' path, end to end
-  heads.train_heads(MODEL, train_rows, tmp_path, medusa.MedusaConfig(num_heads=2, next_token=True),
+  # wide next_token heads: the training positions' next tokens, their features and the rules' path, end to end
+  heads.train_heads(MODEL, train_rows, tmp_path, medusa.MedusaConfig(num_heads=2, next_token=True, width=16),
                     epochs=30, batch=32, lr=1e-2, vocab_size=0)
   info = heads.calibrate(MODEL, held_rows, tmp_path, top_k=4)
   assert info["top1"][0] > 0.5, info  # t + 2 follows from t + 1 in these answers

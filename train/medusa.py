@@ -13,7 +13,8 @@ naming them.
            for models whose training data is not at hand), written as token ids to distill.jsonl;
   train    the heads on a frozen base: loss sum_k 0.8^k CE(head_k) (`pasta_jax.model.medusa`), the base's
            hidden states computed once and cached; heads.safetensors + heads.json at the end (--next-token:
-           heads that also read the token at t + 1, the tree's root);
+           heads that also read the token at t + 1, the tree's root; --width F: each head's block two layers
+           wide, D -> F -> D);
   calibrate  per-head top-k hit rates on held-out distilled answers (calibration.json): the tree builder's
            and ProPD's prior;
   early    ProPD's early prediction head (`decode/rules/pruning.py`): the residual stream after --early-layer
@@ -45,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--heads", type=int, default=4, help="Medusa heads K")
   parser.add_argument("--next-token", action="store_true",
                       help="heads that also read the token at t + 1, the tree's root (model/medusa.py)")
+  parser.add_argument("--width", type=int, default=0,
+                      help="each head's block D -> F -> D with F this (0: Medusa's one D x D block; model/medusa.py)")
   parser.add_argument("--epochs", type=int, default=1)
   parser.add_argument("--train-batch", type=int, default=128, help="positions per step")
   parser.add_argument("--lr", type=float, default=1e-3)
@@ -57,26 +60,29 @@ def parse_args(argv=None) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
+IDENTITY_DEFAULTS = {"width": 0}  # settings added since runs began: what a run folder without them used
+
+
 def identity(args: argparse.Namespace) -> dict:
   """The settings a resumed run must share with the run in its folder: those that decide the distilled answers,
   the split and the heads (--prompts may grow: the pool prompts are a prefix-stable list; --batch and the
   calibration and early-head flags rerun cheaply or decide nothing kept)."""
   return {"model": args.model, "new_tokens": args.new_tokens, "heads": args.heads, "next_token": args.next_token,
-          "epochs": args.epochs, "train_batch": args.train_batch, "lr": args.lr, "draft_vocab": args.draft_vocab,
-          "held_out": args.held_out}
+          "width": args.width, "epochs": args.epochs, "train_batch": args.train_batch, "lr": args.lr,
+          "draft_vocab": args.draft_vocab, "held_out": args.held_out}
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
   out = Path(args.out)
-  runfiles.claim(out, identity(args))
+  runfiles.claim(out, identity(args), defaults=IDENTITY_DEFAULTS)
   model = load_model(args.model)
   stages = [s.strip() for s in args.stages.split(",") if s.strip()]
   if "distill" in stages:
     distill.distill(model, out, args.prompts, args.batch, args.new_tokens)
   train_rows, held_rows = distill.split(distill.read_distilled(out / "distill.jsonl"), args.held_out)
   if "train" in stages and not heads.heads_done(out):
-    config = medusa.MedusaConfig(num_heads=args.heads, next_token=args.next_token)
+    config = medusa.MedusaConfig(num_heads=args.heads, next_token=args.next_token, width=args.width)
     meta = heads.train_heads(model, train_rows, out, config, args.epochs, args.train_batch, args.lr, args.draft_vocab)
     print(f"heads: {meta['steps']} steps, loss {meta['first_loss'][0]:.3f} -> {meta['last_loss'][0]:.3f}")
   if "calibrate" in stages:

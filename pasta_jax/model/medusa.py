@@ -11,6 +11,10 @@ form): a tree's root is the base model's own choice, certain before the heads ru
 on it: z_k = h_t + SiLU(W_k h_t + U_k e(x_{t+1}) + b_k), e the tied embedding row scaled to unit RMS, U_k
 zero-initialised. Knowing x_{t+1} is most of what predicting x_{t+2} needs that h_t lacks.
 
+With `width=F > 0` each head's block is two layers wide (Hydra++'s deeper heads, in their simplest form):
+z_k = h_t + V_k SiLU(W_k h_t [+ U_k e(x_{t+1})] + b_k), W_k and U_k [D, F], V_k [F, D]. V_k starts at zero (a fresh
+head is again the base head) and W_k at random (a zero W_k would leave every gradient of V_k zero).
+
 Gemma 3 270M's output head is 262k x 640, most of the model, so by default every head shares it: the heads
 then own only K x (D x D + D) parameters (1.6M, 6.6 MB in float32, for K = 4 on the 270M); an own head per
 Medusa head adds K x V x D (168M per head on the 270M). `head_sizes` reports both.
@@ -48,21 +52,31 @@ class MedusaConfig:
   shared_head: bool = True  # project through the model's tied output head (False: each head owns a V x D copy)
   decay: float = 0.8  # loss weight of head k: decay ** k
   next_token: bool = False  # the heads also read the embedding of the token at t + 1 (the tree's root)
+  width: int = 0  # F: each head's block D -> F -> D (0: Medusa's one D x D block)
 
   def __post_init__(self):
     if not 1 <= self.num_heads <= 8:
       raise ValueError(f"num_heads must be in [1, 8], got {self.num_heads}")
+    if self.width < 0:
+      raise ValueError(f"width must be 0 (one D x D block) or positive, got {self.width}")
 
 
-def init_heads(config: MedusaConfig, unembed: jax.Array, vocab=None) -> dict:
+def init_heads(config: MedusaConfig, unembed: jax.Array, vocab=None, seed: int = 0) -> dict:
   """Fresh heads for a model whose output head is `unembed` [V, D]: each starts as the base head
-  (zero residual weights; an own head starts as a copy of the base's). vocab: the draft vocabulary (token ids
-  the heads rank, most frequent first), or None for all V."""
-  dim = unembed.shape[1]
-  heads = {"w": jnp.zeros((config.num_heads, dim, dim), jnp.float32),
-           "b": jnp.zeros((config.num_heads, dim), jnp.float32)}
+  (zero residual weights, or with `width` a zero output matrix V; an own head starts as a copy of the base's).
+  vocab: the draft vocabulary (token ids the heads rank, most frequent first), or None for all V. seed: a wide
+  block's random W."""
+  k, dim = config.num_heads, unembed.shape[1]
+  inner = config.width or dim
+  if config.width:
+    w = jax.random.normal(jax.random.key(seed), (k, dim, inner), jnp.float32) / np.sqrt(dim)
+  else:
+    w = jnp.zeros((k, dim, inner), jnp.float32)
+  heads = {"w": w, "b": jnp.zeros((k, inner), jnp.float32)}
+  if config.width:
+    heads["v"] = jnp.zeros((k, inner, dim), jnp.float32)
   if config.next_token:
-    heads["u"] = jnp.zeros((config.num_heads, dim, dim), jnp.float32)
+    heads["u"] = jnp.zeros((k, dim, inner), jnp.float32)
   if vocab is not None:
     heads["vocab"] = jnp.asarray(vocab, jnp.int32)
   if not config.shared_head:
@@ -80,8 +94,9 @@ def next_features(embedding: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def _mixed(heads: dict, x: jax.Array, name: str) -> jax.Array:
-  """x [..., D] through each head's [D, D] matrix `name`: [..., K, D]."""
-  return jnp.einsum("...kd,kde->...ke", jnp.broadcast_to(x[..., None, :], x.shape[:-1] + heads["b"].shape),
+  """x [..., D] through each head's [D, F] matrix `name`: [..., K, F]."""
+  num_heads = heads["b"].shape[0]
+  return jnp.einsum("...kd,kde->...ke", jnp.broadcast_to(x[..., None, :], x.shape[:-1] + (num_heads, x.shape[-1])),
                     heads[name])
 
 
@@ -92,10 +107,13 @@ def head_states(heads: dict, hidden: jax.Array, next_embed: jax.Array | None = N
     raise ValueError("heads trained with next_token=True read the next token's features (next_embed), and only "
                      "they do" if "u" in heads else "these heads do not read the next token (next_token=False)")
   h = hidden.astype(jnp.float32)
-  pre = _mixed(heads, h, "w") + heads["b"]
+  pre = _mixed(heads, h, "w") + heads["b"]  # [..., K, F]
   if next_embed is not None:
     pre = pre + _mixed(heads, next_embed.astype(jnp.float32), "u")
-  return h[..., None, :] + jax.nn.silu(pre)
+  update = jax.nn.silu(pre)
+  if "v" in heads:  # a wide block's second layer, F -> D
+    update = jnp.einsum("...kf,kfd->...kd", update, heads["v"])
+  return h[..., None, :] + update
 
 
 def head_logits(heads: dict, hidden: jax.Array, unembed: jax.Array, softcap: float | None = None,
@@ -181,7 +199,9 @@ def position_targets(tokens: np.ndarray, first: int, num_heads: int) -> tuple[np
 
 def head_sizes(config: MedusaConfig, vocab: int, dim: int) -> dict:
   """Parameter counts of the heads with the shared output head and with an own head per Medusa head."""
-  residual = config.num_heads * ((2 if config.next_token else 1) * dim * dim + dim)
+  inner = config.width or dim
+  second = inner * dim if config.width else 0
+  residual = config.num_heads * ((2 if config.next_token else 1) * dim * inner + inner + second)
   return {"shared": residual, "own": residual + config.num_heads * vocab * dim}
 
 
@@ -206,6 +226,7 @@ def load_heads(folder: str | Path) -> tuple[dict, MedusaConfig, dict]:
   config = MedusaConfig(**info["config"])
   heads = {k: jnp.asarray(v) for k, v in load_file(str(folder / WEIGHTS_FILE)).items()}
   if (heads["w"].shape[0] != config.num_heads or ("out" in heads) == config.shared_head
-      or ("u" in heads) != config.next_token):
+      or ("u" in heads) != config.next_token or ("v" in heads) != bool(config.width)
+      or heads["b"].shape[-1] != (config.width or heads["w"].shape[1])):
     raise WeightsError(f"{folder}: weights do not match {CONFIG_FILE} ({config})")
   return heads, config, info.get("meta", {})

@@ -325,8 +325,10 @@ def check_settings(saved: Mapping, current: Mapping, where: str, *, ignore: Iter
                 "another folder")
 
 
-def claim(folder: str | os.PathLike, identity: dict, file_name: str = "run.json") -> Path:
-  """Creates `folder` for this run, or checks that the run already in it has the same identity."""
+def claim(folder: str | os.PathLike, identity: dict, file_name: str = "run.json", defaults: Mapping | None = None
+          ) -> Path:
+  """Creates `folder` for this run, or checks that the run already in it has the same identity (a field its
+  run file lacks counts as its value in `defaults`: a run from before the field existed)."""
   folder = Path(folder)
   try:
     folder.mkdir(parents=True, exist_ok=True)
@@ -342,7 +344,7 @@ def claim(folder: str | os.PathLike, identity: dict, file_name: str = "run.json"
     raise RunDirError(f"cannot read {run_file} ({err}); use another folder") from None
   if not isinstance(previous, dict):
     raise RunDirError(f"{run_file} holds no settings object; use another folder")
-  check_settings(previous, identity, str(folder))
+  check_settings(previous, identity, str(folder), defaults=defaults)
   return folder
 
 
