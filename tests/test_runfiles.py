@@ -93,6 +93,10 @@ def test_a_changed_setting_is_refused_naming_it_then_and_now(tmp_path):
   with pytest.raises(runfiles.RunDirError, match=r"lr: 0\.1 then, 0\.2 now; steps: 3 then, 4 now") as refused:
     runfiles.claim(tmp_path, {"seed": 0, "lr": 0.2, "steps": 4})
   assert "seed" not in str(refused.value) and isinstance(refused.value, PastaError)
+  # a setting added since the run began resumes at its default, and only there
+  runfiles.claim(tmp_path, {"seed": 0, "lr": 0.1, "steps": 3, "width": 0}, defaults={"width": 0})
+  with pytest.raises(runfiles.RunDirError, match="width: 0 then, 8 now"):
+    runfiles.claim(tmp_path, {"seed": 0, "lr": 0.1, "steps": 3, "width": 8}, defaults={"width": 0})
   # a field the saved run predates counts as its default; ignored fields may change
   runfiles.check_settings({"a": 1}, {"a": 1, "b": 2}, "run", defaults={"b": 2})
   runfiles.check_settings({"a": 1, "mesh": [1]}, {"a": 1, "mesh": [8]}, "run", ignore=("mesh",))
