@@ -69,15 +69,17 @@ def drafter_ranks(model, heads: dict, config, states, next_tokens, top_k: int) -
 
 
 def pass_ms(model, heads: dict, config, runs: int) -> float:
-  """ms of the heads' pass on one row, as a tree step runs it (bfloat16 draft rows, top-k over them)."""
+  """ms of the heads' pass on one row, as a tree step runs it: bfloat16 draft rows, top-k over them, the weights
+  arguments of the program (as rule inputs are), not constants folded into it (which XLA:CPU ran twice as slow)."""
   embedding = model.params["params"]["embedder"]
   drafted = medusa.draft_rows(heads, embedding)
   h = jnp.ones((1, embedding.shape[1]), jnp.float32)
   nxt = jnp.zeros((1,), jnp.int32)
-  fn = jax.jit(lambda h, nxt: medusa.head_top_tokens(
+  fn = jax.jit(lambda heads, drafted, embedding, h, nxt: medusa.head_top_tokens(
       heads, h, drafted, 10, None, medusa.next_features(embedding, nxt) if config.next_token else None))
-  jax.block_until_ready(fn(h, nxt))
-  return 1e3 * median_time(lambda: jax.block_until_ready(fn(h, nxt)), runs)[0]
+  args = (heads, drafted, embedding, h, nxt)
+  jax.block_until_ready(fn(*args))
+  return 1e3 * median_time(lambda: jax.block_until_ready(fn(*args)), runs)[0]
 
 
 def scores(ranks: np.ndarray, targets: np.ndarray, lengths: list[int]) -> dict:
