@@ -31,7 +31,7 @@ from pasta_jax.methods import Sequential, generate_ids
 from pasta_jax.model import medusa
 from pasta_jax.model.load import load_model
 from pasta_jax.training.medusa import distill
-from pasta_jax.training.medusa.heads import compute_hidden
+from pasta_jax.training.medusa.heads import compute_hidden, head_ranks
 
 
 def parse_args(argv=None):
@@ -51,21 +51,6 @@ def answers(model, ids: list[list[int]], new_tokens: int) -> list[dict]:
   results = generate_ids(model, ids, Sequential(), max_new_tokens=new_tokens, runtime=Runtime(certify_head=True))
   eos = set(model.tokenizer.eos_ids)
   return [{"prompt_ids": list(map(int, p)), "answer_ids": distill.answer_ids(r, eos)} for p, r in zip(ids, results)]
-
-
-def drafter_ranks(model, heads: dict, config, states, next_tokens, top_k: int) -> np.ndarray:
-  """[M, H, k] each head's top tokens at every position (states [M, D], next_tokens [M] the token at t + 1)."""
-  embedding = model.params["params"]["embedder"]
-  drafted = medusa.draft_unembed(heads, embedding)
-  softcap = model.config.final_logit_softcap
-
-  @jax.jit
-  def top(h, nxt):
-    next_embed = medusa.next_features(embedding, nxt) if config.next_token else None
-    return medusa.head_top_tokens(heads, h, drafted, top_k, softcap, next_embed)
-
-  return np.concatenate([np.asarray(top(jnp.asarray(states[i:i + 256]), jnp.asarray(next_tokens[i:i + 256])))
-                         for i in range(0, len(states), 256)])
 
 
 def pass_ms(model, heads: dict, config, runs: int) -> float:
@@ -117,7 +102,7 @@ def main(argv=None) -> int:
     lengths = positions_per_row(rows, num_heads)
     print(f"{set_name}: {len(rows)} prompts, {len(states)} answer positions")
     for name, (heads, config) in drafters.items():
-      got = scores(drafter_ranks(model, heads, config, states, next_tokens, args.top_k),
+      got = scores(head_ranks(model, heads, config, states, next_tokens, args.top_k),
                    targets[:, :config.num_heads], lengths)
       rows_out.append({"set": set_name, "drafter": name, "top1": " ".join(f"{x:.3f}" for x in got["top1"]),
                        f"top{args.top_k}": " ".join(f"{x:.3f}" for x in got["topk"]),

@@ -137,29 +137,30 @@ def heads_done(out: Path) -> bool:
   return runfiles.is_complete(out / "heads")
 
 
-def calibrate(model, rows: list[dict], out: Path, top_k: int) -> dict:
-  """Per-head top-k hit rates on held-out distilled answers: P(head h's rank-r token is the target)."""
+def head_ranks(model, heads: dict, config, states: np.ndarray, next_tokens: np.ndarray, top_k: int) -> np.ndarray:
+  """[M, H, top_k] each head's top tokens at every position: states [M, D] the base's hidden states there,
+  next_tokens [M] the token at t + 1 (read by next_token heads only), in chunks of 256 positions."""
   import jax
   import jax.numpy as jnp
-  heads, config, _ = medusa.load_heads(out / "heads")
-  states, targets, next_tokens = hidden_and_targets(model, rows, config.num_heads, out / "hidden_held_out.npz")
-  unembed = model.params["params"]["embedder"]
-  drafted = medusa.draft_unembed(heads, unembed)
+  embedding = model.params["params"]["embedder"]
+  drafted = medusa.draft_unembed(heads, embedding)
 
   @jax.jit
   def top(h, nxt, embedding):
     next_embed = medusa.next_features(embedding, nxt) if config.next_token else None
     return medusa.head_top_tokens(heads, h, drafted, top_k, model.config.final_logit_softcap, next_embed)
 
-  hits = np.zeros((config.num_heads, top_k))
-  counts = np.zeros((config.num_heads,))
-  for start in range(0, len(states), 256):
-    ranks = np.asarray(top(jnp.asarray(states[start:start + 256]), jnp.asarray(next_tokens[start:start + 256]),
-                           unembed))  # [m, H, k]
-    t = targets[start:start + 256]
-    hits += ((ranks == t[:, :, None]) & (t[:, :, None] >= 0)).sum(axis=0)
-    counts += (t >= 0).sum(axis=0)
-  rates = hits / np.maximum(counts, 1)[:, None]
+  return np.concatenate([np.asarray(top(jnp.asarray(states[i:i + 256]), jnp.asarray(next_tokens[i:i + 256]),
+                                        embedding)) for i in range(0, len(states), 256)])
+
+
+def calibrate(model, rows: list[dict], out: Path, top_k: int) -> dict:
+  """Per-head top-k hit rates on held-out distilled answers: P(head h's rank-r token is the target)."""
+  heads, config, _ = medusa.load_heads(out / "heads")
+  states, targets, next_tokens = hidden_and_targets(model, rows, config.num_heads, out / "hidden_held_out.npz")
+  ranks = head_ranks(model, heads, config, states, next_tokens, top_k)  # [M, H, k]
+  hits = ((ranks == targets[:, :, None]) & (targets[:, :, None] >= 0)).sum(axis=0)
+  rates = hits / np.maximum((targets >= 0).sum(axis=0), 1)[:, None]
   info = {"hit_rates": rates.tolist(), "top1": rates[:, 0].tolist(), "topk": rates.sum(axis=1).tolist(),
           "positions": int(len(states)), "prompts": len(rows)}
   runfiles.write_json(out / "heads" / "calibration.json", info)
