@@ -36,6 +36,8 @@ def cache_settings():
   """JAX's cache settings are the process's: put them back for the tests after this one."""
   names = ("jax_compilation_cache_dir", "jax_compilation_cache_max_size", "jax_persistent_cache_min_compile_time_secs")
   before = {name: getattr(jax.config, name) for name in names}
+  jax.config.update("jax_compilation_cache_dir", None)  # not the suite's own cache (tests/conftest.py)
+  compilation_cache.reset_cache()
   yield
   for name, value in before.items():
     jax.config.update(name, value)
