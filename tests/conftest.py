@@ -40,7 +40,7 @@ os.environ.setdefault("PASTA_HEAD_PLAN", "fixed")
 os.environ["PASTA_COMPILE_CACHE"] = "off"
 # Both workers compile many of the same programs (the tiny models' loops at the same shapes), and a worker compiles
 # again what the memory-maps guard below dropped. JAX's persistent cache, in one folder per suite run, reads them
-# back: 3,100 of 11,100 compiles were hits, and the suite took 21.6 min on 2 cores against 27.7 without it. The
+# back: 2,988 of 10,941 compiles were hits, and the suite took 21.6-22.6 min on 2 cores against 25.8 without it. The
 # folder is the run's own (made by the first process, inherited by xdist's workers and by the processes tests start,
 # removed at the end), so the suite neither reads nor writes a user's cache. A hit runs what a compile would have
 # built: the key covers the program, its compile options, the backend and XLA's flags.
