@@ -44,7 +44,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.common import held_out_prompt_ids
-from pasta_jax.decode import api
+from pasta_jax.decode import api, loop
 from pasta_jax.decode.latency import calibrate_latency
 from pasta_jax.decode.runtime import Runtime
 from pasta_jax.decode.speculation import LATENCY_MODELS, Drafter, accepted_needed, load_drafter
@@ -104,25 +104,32 @@ def never_hit_drafter(model, drafter: Drafter) -> Drafter:
 
 
 def timed(model, groups, runs: int, methods: dict[str, Method], **kw) -> dict[str, dict]:
-  """Every method ({name: method value}, `prepare_run`'s options `kw`) on every group (a batch of prompt ids), side
-  by side: per
-  group, each method's program is compiled and run once, then `runs` rounds run every method once in turn, and
-  each method keeps its median. In rounds, a slow spell of a shared machine lands on every method alike instead
-  of on whichever was being timed (a method-major order once put medusa-4 at 1.05x plain and, on another run,
-  1.24x). The group's programs are dropped after it (kept, every group's exhaust the process's memory maps)."""
+  """Every method ({name: method value}, `prepare_run`'s options `kw`; the first is the baseline) on every group (a
+  batch of prompt ids), side by side: per group, each method's program is compiled and run once, then `runs` rounds
+  run every method once in turn, and each method keeps its median. In rounds, a slow spell of a shared machine lands
+  on every method alike instead of on whichever was being timed (a method-major order once put medusa-4 at 1.05x
+  plain and, on another run, 1.24x). The group's programs are dropped after it (kept, every group's exhaust the
+  process's memory maps). Each row also says whether the method ran the baseline's own executable in every group,
+  and by how much (max / min - 1) its runs of one group differed at most: the machine's noise."""
   outs, seconds = {name: [] for name in methods}, {name: [] for name in methods}
+  shared, spread = dict.fromkeys(methods, True), dict.fromkeys(methods, 0.0)
+  baseline = next(iter(methods))
   for ids in groups:
     preps = {name: prepare_run(model, ids, method, **kw) for name, method in methods.items()}
     for name, prep in preps.items():
       outs[name].extend(api.run_prepared(prep)[0])
+      shared[name] &= api.COMPILED.get(prep, loop.prefill_and_run) is api.COMPILED.get(preps[baseline],
+                                                                                        loop.prefill_and_run)
     times = {name: [] for name in methods}
     for _ in range(runs):
       for name, prep in preps.items():
         times[name].append(api.run_prepared(prep)[1])
     for name in methods:
       seconds[name].append(statistics.median(times[name]))
+      spread[name] = max(spread[name], max(times[name]) / min(times[name]) - 1)
     drop_programs()
-  return {name: {**summary(outs[name], sum(seconds[name])), "method": method} for name, method in methods.items()}
+  return {name: {**summary(outs[name], sum(seconds[name])), "method": method, "baseline_program": shared[name],
+                 "spread": spread[name]} for name, method in methods.items()}
 
 
 def drop_programs() -> None:
@@ -209,8 +216,12 @@ def report(batch: int, rows: dict, target: float = 1.3) -> None:
       plain_steps, probes = (sum(s.get(key, 0) for s in r["stats"]) for key in ("plain_steps", "probes"))
       chosen = (" ".join(f"{k}:{v}" for k, v in sorted(sizes.items()) if v)
                 + f" (plain decoding's step: {plain_steps}; probes: {probes})")
+    if name != "plain" and r["baseline_program"]:
+      chosen += " plain's own executable: its ratio is the machine's noise"
     print(f"{name:>14} {r['tok_s']:9.2f} {r['tok_s'] / plain:8.3f} {r['accept']:7.2f} "
           f"{mismatches(rows['plain'], r):8d} {pruned:7.1%}  {chosen}")
+  print(f"runs of one program differed by up to {max(r['spread'] for r in rows.values()):.1%} "
+        f"(plain's: {rows['plain']['spread']:.1%}); a ratio closer to 1 than that is within the machine's noise")
   for name in (n for n, r in rows.items() if isinstance(r["method"], Propd) and "calibration" in r):
     cal = rows[name]["calibration"]
     times = lambda c: " ".join(f"T({s})={t * 1e3:.1f}ms" for s, t in zip(c["sizes"], c["seconds"]))
