@@ -118,8 +118,9 @@ def timed(model, groups, runs: int, methods: dict[str, Method], **kw) -> dict[st
     preps = {name: prepare_run(model, ids, method, **kw) for name, method in methods.items()}
     for name, prep in preps.items():
       outs[name].extend(api.run_prepared(prep)[0])
-      shared[name] &= api.COMPILED.get(prep, loop.prefill_and_run) is api.COMPILED.get(preps[baseline],
-                                                                                        loop.prefill_and_run)
+    executable = {name: api.COMPILED.get(prep, loop.prefill_and_run) for name, prep in preps.items()}
+    for name in methods:
+      shared[name] &= executable[name] is executable[baseline]
     times = {name: [] for name in methods}
     for _ in range(runs):
       for name, prep in preps.items():
